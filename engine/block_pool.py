@@ -1,0 +1,106 @@
+"""The pool of KV-cache blocks: reference counts, an LRU free queue and the prefix-cache index.
+
+A block that is freed keeps its contents. If it was full (and so has a hash), it stays findable by
+that hash until it is handed out again; blocks are handed out from the front of the free queue, so
+the least recently freed cached blocks are evicted first.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import struct
+from collections import OrderedDict
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+
+BlockHash = bytes
+
+
+def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
+    """Hash of a full block, chained from its predecessor so equal hashes mean equal prefixes."""
+    h = hashlib.blake2b(digest_size=16)
+    h.update(parent or b"")
+    h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
+    return h.digest()
+
+
+@dataclass(eq=False)
+class Block:
+    block_id: int
+    ref_count: int = 0
+    block_hash: BlockHash | None = None
+
+
+class NoFreeBlocks(RuntimeError):
+    pass
+
+
+class BlockPool:
+    def __init__(self, num_blocks: int, enable_caching: bool = True):
+        if num_blocks < 1:
+            raise ValueError(f"num_kv_blocks must be at least 1, got {num_blocks}")
+        self.num_blocks = num_blocks
+        self.enable_caching = enable_caching
+        self.blocks = [Block(i) for i in range(num_blocks)]
+        # Ordered oldest-freed first; values unused (an ordered set).
+        self._free: OrderedDict[int, None] = OrderedDict((i, None) for i in range(num_blocks))
+        self._cached: dict[BlockHash, Block] = {}
+        self.prefix_queries = 0  # tokens looked up in the prefix cache
+        self.prefix_hits = 0  # of which found
+
+    @property
+    def num_free_blocks(self) -> int:
+        return len(self._free)
+
+    @property
+    def usage(self) -> float:
+        return 1.0 - self.num_free_blocks / self.num_blocks
+
+    def allocate(self, n: int) -> list[Block]:
+        if n > len(self._free):
+            raise NoFreeBlocks(f"asked for {n} blocks, {len(self._free)} free")
+        out = []
+        for _ in range(n):
+            block_id, _ = self._free.popitem(last=False)
+            block = self.blocks[block_id]
+            if block.block_hash is not None:
+                # Evicting: its old contents are about to be overwritten.
+                if self._cached.get(block.block_hash) is block:
+                    del self._cached[block.block_hash]
+                block.block_hash = None
+            block.ref_count = 1
+            out.append(block)
+        return out
+
+    def lookup(self, block_hash: BlockHash) -> Block | None:
+        return self._cached.get(block_hash) if self.enable_caching else None
+
+    def touch(self, blocks: Iterable[Block]) -> None:
+        """Take a reference on cached blocks found by lookup (pulling free ones off the queue)."""
+        for block in blocks:
+            if block.ref_count == 0:
+                del self._free[block.block_id]
+            block.ref_count += 1
+
+    def free(self, blocks: Iterable[Block]) -> None:
+        """Drop one reference from each block; the caller passes the tail first so that the end of
+        a sequence, the least likely part to be shared, is evicted first."""
+        for block in blocks:
+            block.ref_count -= 1
+            if block.ref_count < 0:
+                raise RuntimeError(f"block {block.block_id} freed more often than taken")
+            if block.ref_count == 0:
+                self._free[block.block_id] = None
+
+    def cache(self, block: Block, block_hash: BlockHash) -> None:
+        """Register a block that just became full under its chained hash."""
+        if not self.enable_caching or block.block_hash is not None:
+            return
+        block.block_hash = block_hash
+        # An identical block computed concurrently keeps the index entry; this one stays private.
+        self._cached.setdefault(block_hash, block)
+
+    def reset_prefix_cache(self) -> None:
+        for block in self._cached.values():
+            block.block_hash = None
+        self._cached.clear()

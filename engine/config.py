@@ -1,0 +1,116 @@
+"""Engine arguments (what a user sets) and the model's shape (what config.json says)."""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+
+
+@dataclass
+class EngineArgs:
+    model: str
+    served_model_name: str | None = None  # defaults to the model directory's base name
+    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on GPU
+    device: str = "auto"  # auto: cuda when available
+    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
+    max_num_seqs: int = 128
+    max_num_batched_tokens: int = 2048
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
+    kv_cache_memory_gib: float | None = None  # default: 2 GiB on CPU, 90% of free memory on GPU
+    enable_prefix_caching: bool = True
+    scheduling_policy: str = "priority"  # or "fcfs"
+    tensor_parallel_size: int = 1
+    seed: int = 0  # for requests that sample without a seed of their own
+
+    def __post_init__(self) -> None:
+        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        for name in positive:
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.dtype != "auto" and self.dtype not in DTYPES:
+            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        if self.tensor_parallel_size != 1:
+            raise ValueError("tensor_parallel_size > 1 is not supported yet")
+
+
+@dataclass
+class ModelConfig:
+    """The parts of a Hugging Face config.json the engine runs on."""
+
+    path: Path
+    architecture: str
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    intermediate_size: int
+    vocab_size: int
+    rms_norm_eps: float
+    max_position_embeddings: int
+    tie_word_embeddings: bool
+    attention_bias: bool
+    sliding_windows: list[int | None]  # per layer
+    torch_dtype: torch.dtype
+    raw: dict[str, Any] = field(repr=False)
+
+    @classmethod
+    def from_dir(cls, path: str | Path) -> ModelConfig:
+        path = Path(path)
+        config_file = path / "config.json"
+        if not config_file.is_file():
+            raise ValueError(f"{path} is not a model directory: no config.json")
+        try:
+            raw = json.loads(config_file.read_text())
+        except json.JSONDecodeError as e:
+            raise ValueError(f"{config_file} is not valid JSON: {e}") from e
+        try:
+            return cls._from_raw(path, raw)
+        except (KeyError, TypeError) as e:
+            raise ValueError(f"{config_file} lacks a required field: {e}") from e
+
+    @classmethod
+    def _from_raw(cls, path: Path, raw: dict[str, Any]) -> ModelConfig:
+        architectures = raw.get("architectures") or []
+        if not architectures:
+            raise ValueError(f"{path / 'config.json'} names no architectures")
+        num_heads = raw["num_attention_heads"]
+        num_layers = raw["num_hidden_layers"]
+        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        return cls(
+            path=path,
+            architecture=architectures[0],
+            hidden_size=raw["hidden_size"],
+            num_layers=num_layers,
+            num_heads=num_heads,
+            num_kv_heads=raw.get("num_key_value_heads") or num_heads,
+            head_dim=raw.get("head_dim") or raw["hidden_size"] // num_heads,
+            intermediate_size=raw["intermediate_size"],
+            vocab_size=raw["vocab_size"],
+            rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
+            max_position_embeddings=raw.get("max_position_embeddings", 2048),
+            tie_word_embeddings=raw.get("tie_word_embeddings", False),
+            attention_bias=raw.get("attention_bias", False),
+            sliding_windows=_sliding_windows(raw, num_layers),
+            torch_dtype=DTYPES.get(dtype_name, torch.float32),
+            raw=raw,
+        )
+
+
+def _sliding_windows(raw: dict[str, Any], num_layers: int) -> list[int | None]:
+    window = raw.get("sliding_window")
+    layer_types = raw.get("layer_types")
+    if layer_types:  # transformers 5 states it per layer
+        return [window if t == "sliding_attention" else None for t in layer_types]
+    if not window or raw.get("use_sliding_window") is False:
+        return [None] * num_layers
+    if "max_window_layers" in raw:  # Qwen2: layers from max_window_layers on slide
+        return [window if i >= raw["max_window_layers"] else None for i in range(num_layers)]
+    return [window] * num_layers

@@ -1,0 +1,70 @@
+"""`LLM`: offline generation over a list of prompts."""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedbatch.engine.config import EngineArgs
+from pagedbatch.engine.llm_engine import LLMEngine
+from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.sampling_params import SamplingParams
+
+Prompt = str | list[int]
+
+
+class LLM:
+    def __init__(self, model: str, **engine_args: Any):
+        self.engine = LLMEngine(EngineArgs(model=str(model), **engine_args))
+
+    @property
+    def tokenizer(self):
+        return self.engine.tokenizer
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """One finished output per prompt, in the prompts' order."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]  # a single prompt, as text or token ids
+        if sampling_params is None or isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params or SamplingParams()] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError("give one SamplingParams, or one per prompt")
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("give one priority per prompt")
+        ids = []
+        try:
+            for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
+                prio = priority[i] if priority is not None else 0
+                ids.append(self.engine.add_request(None, prompt, params, priority=prio))
+        except ValueError:
+            for request_id in ids:  # leave the engine as it was
+                self.engine.abort_request(request_id)
+            self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
+        pending = set(ids)
+        done: dict[str, RequestOutput] = {}
+        with tqdm(total=len(ids), disable=not use_tqdm, unit="req") as bar:
+            while pending:
+                for output in self.engine.step():
+                    if output.finished and output.request_id in pending:
+                        pending.discard(output.request_id)
+                        done[output.request_id] = output
+                        bar.update(1)
+        return [done[i] for i in ids]
+
+    def abort(self, request_id: str) -> bool:
+        return self.engine.abort_request(request_id)
+
+    def get_stats(self) -> dict:
+        return self.engine.get_stats()

@@ -1,0 +1,312 @@
+"""The engine loop: admit requests, schedule a step, run it, sample, detokenize, stop, report."""
+
+from __future__ import annotations
+
+import itertools
+import logging
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+
+import torch
+
+from pagedbatch.engine.config import EngineArgs, ModelConfig
+from pagedbatch.engine.detokenizer import IncrementalDetokenizer
+from pagedbatch.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedbatch.engine.model_runner import ModelRunner
+from pagedbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedbatch.engine.request import Request, RequestStatus, TokenLogprob
+from pagedbatch.engine.sampler import Sampler
+from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.scheduler import Scheduler
+from pagedbatch.engine.stats import EngineStats
+from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class _Group:
+    """A user's request: `n` engine requests (one per completion) sharing a prompt."""
+
+    request_id: str
+    children: list[Request]
+    detokenizers: list[IncrementalDetokenizer]
+    dirty: bool = True  # moved since its last reported output
+
+
+class LLMEngine:
+    def __init__(self, args: EngineArgs):
+        model_dir = Path(args.model)
+        self.args = args
+        self.model_config = ModelConfig.from_dir(model_dir)
+        self.model_name = args.served_model_name or model_dir.resolve().name
+        self.tokenizer = load_tokenizer(model_dir)
+        self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+        limit = self.model_config.max_position_embeddings
+        if args.max_model_len is not None and args.max_model_len > limit:
+            raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
+        self.max_model_len = args.max_model_len or limit
+        self.runner = ModelRunner(self.model_config, args)
+        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.scheduler = Scheduler(
+            self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy
+        )
+        self.sampler = Sampler()
+        self.stats = EngineStats()
+        self._groups: dict[str, _Group] = {}
+        self._child_group: dict[str, _Group] = {}
+        self._ids = itertools.count()
+        torch.manual_seed(args.seed)
+
+    # Admission -------------------------------------------------------------------------------
+
+    def add_request(
+        self,
+        request_id: str | None,
+        prompt: str | list[int],
+        params: SamplingParams | None = None,
+        priority: int = 0,
+        timeout: float | None = None,
+    ) -> str:
+        """Queue a request; raises ValueError naming the problem if it cannot run."""
+        params = params or SamplingParams()
+        request_id = request_id or f"req-{next(self._ids)}"
+        if request_id in self._groups:
+            raise ValueError(f"request id {request_id!r} is already in use")
+        prompt_ids = self._encode(prompt)
+        max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
+        if timeout is not None and timeout <= 0:
+            raise ValueError(f"timeout must be positive, got {timeout}")
+        now = time.monotonic()
+        children, detoks = [], []
+        for i in range(params.n):
+            child_params = params
+            if params.n > 1 and params.seed is not None:
+                child_params = replace(params, seed=params.seed + i)
+            child = Request(
+                request_id=f"{request_id}#{i}",
+                prompt_token_ids=prompt_ids,
+                sampling_params=child_params,
+                eos_token_ids=self.eos_token_ids,
+                priority=priority,
+                arrival_time=now,
+                deadline=now + timeout if timeout is not None else None,
+                max_tokens=max_tokens,
+            )
+            children.append(child)
+            detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params))
+        group = _Group(request_id, children, detoks)
+        self._groups[request_id] = group
+        for child in children:
+            self._child_group[child.request_id] = group
+            self.scheduler.add(child)
+        return request_id
+
+    def _encode(self, prompt: str | list[int]) -> list[int]:
+        if isinstance(prompt, str):
+            ids = self.tokenizer.encode(prompt, add_special_tokens=True)
+        else:
+            ids = list(prompt)
+            vocab = self.model_config.vocab_size
+            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+                raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
+        if not ids:
+            raise ValueError("prompt is empty")
+        return ids
+
+    def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
+        room = self.max_model_len - prompt_len
+        if room < 1:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens, "
+                f"but the prompt has {prompt_len} tokens"
+            )
+        if params.max_tokens is not None and params.max_tokens > room:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
+                f"has {prompt_len} and max_tokens asks for {params.max_tokens} more"
+            )
+        max_tokens = params.max_tokens or room
+        blocks = cdiv(prompt_len + max_tokens, self.kv.block_size)
+        if blocks > self.kv.pool.num_blocks:
+            raise ValueError(
+                f"prompt plus max_tokens ({prompt_len + max_tokens} tokens) exceeds the KV cache "
+                f"({self.kv.pool.num_blocks * self.kv.block_size} tokens)"
+            )
+        return max_tokens
+
+    def abort_request(self, request_id: str) -> bool:
+        """Abort a request (all its completions). Returns False if it is unknown or done."""
+        group = self._groups.get(request_id)
+        if group is None:
+            return False
+        for child in group.children:
+            if not child.finished:
+                self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+        group.dirty = True
+        return True
+
+    def has_unfinished_requests(self) -> bool:
+        return bool(self._groups)
+
+    # The step ----------------------------------------------------------------------------------
+
+    def step(self) -> list[RequestOutput]:
+        """Run one engine step; returns the outputs of the requests that moved."""
+        self._expire_deadlines()
+        out = self.scheduler.schedule()
+        started = time.perf_counter()
+        if out.scheduled:
+            block_tables = [self.kv.block_ids(s.request.request_id) for s in out.scheduled]
+            logits = self.runner.execute(out.scheduled, block_tables)
+            sampling = [s.request for s in out.scheduled if s.samples]
+            for request, (token, logprob) in zip(
+                sampling, self._sample(logits, sampling), strict=True
+            ):
+                if token is not None:
+                    self._append_token(request, token, logprob)
+            for s in out.scheduled:
+                self._child_group[s.request.request_id].dirty = True
+        self.stats.record_step(
+            num_tokens=out.num_tokens,
+            num_seqs=len(out.scheduled),
+            seconds=time.perf_counter() - started,
+        )
+        return self._collect_outputs()
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> list[tuple[int | None, TokenLogprob | None]]:
+        try:
+            return self.sampler(logits, requests)
+        except Exception:
+            # A failing logits processor must fail its own request, not the whole batch.
+            results: list[tuple[int | None, TokenLogprob | None]] = []
+            for i, request in enumerate(requests):
+                try:
+                    results.extend(self.sampler(logits[i : i + 1], [request]))
+                except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                    logger.exception("sampling failed for %s", request.request_id)
+                    request.error = f"sampling failed: {e}"
+                    self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+                    results.append((None, None))
+            return results
+
+    def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
+        now = time.monotonic()
+        if request.first_token_time is None:
+            request.first_token_time = now
+        request.last_token_time = now
+        request.output_token_ids.append(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        self.stats.generation_tokens += 1
+        group = self._child_group[request.request_id]
+        detok = group.detokenizers[group.children.index(request)]
+        stop_string = detok.update([token])
+        status = self._stop_status(request, token, stop_string)
+        if status is not None:
+            self.scheduler.finish(request, status)
+
+    def _stop_status(self, request: Request, token: int, stop_string: str | None) -> RequestStatus | None:
+        params = request.sampling_params
+        if request.num_output_tokens >= params.min_tokens:
+            if stop_string is not None:
+                request.stop_reason = stop_string
+                return RequestStatus.FINISHED_STOPPED
+            if token in params.stop_token_ids:
+                request.stop_reason = token
+                return RequestStatus.FINISHED_STOPPED
+            if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+        if request.num_output_tokens >= request.max_tokens:
+            return RequestStatus.FINISHED_LENGTH
+        return None
+
+    def _expire_deadlines(self) -> None:
+        now = time.monotonic()
+        for group in list(self._groups.values()):
+            for child in group.children:
+                if not child.finished and child.deadline is not None and now >= child.deadline:
+                    child.error = "request timed out"
+                    self.scheduler.finish(child, RequestStatus.FINISHED_ABORTED)
+                    group.dirty = True
+
+    # Reporting ---------------------------------------------------------------------------------
+
+    def _collect_outputs(self) -> list[RequestOutput]:
+        outputs = []
+        for group in list(self._groups.values()):
+            if not group.dirty:
+                continue
+            group.dirty = False
+            output = self._group_output(group)
+            outputs.append(output)
+            if output.finished:
+                self._retire(group)
+        return outputs
+
+    def _group_output(self, group: _Group) -> RequestOutput:
+        completions = []
+        for i, (child, detok) in enumerate(zip(group.children, group.detokenizers, strict=True)):
+            params = child.sampling_params
+            completions.append(
+                CompletionOutput(
+                    index=i,
+                    text=detok.stable_text(child.finished),
+                    token_ids=list(child.output_token_ids),
+                    finish_reason=child.finish_reason,
+                    stop_reason=child.stop_reason,
+                    logprobs=list(child.output_logprobs) if params.logprobs is not None else None,
+                )
+            )
+        first = group.children[0]
+        finished = all(c.finished for c in group.children)
+        errors = [c.error for c in group.children if c.error]
+        return RequestOutput(
+            request_id=group.request_id,
+            prompt_token_ids=first.prompt_token_ids,
+            outputs=completions,
+            finished=finished,
+            num_cached_tokens=first.num_cached_tokens,
+            error=errors[0] if errors else None,
+            metrics=_metrics(first),
+        )
+
+    def _retire(self, group: _Group) -> None:
+        del self._groups[group.request_id]
+        for child in group.children:
+            del self._child_group[child.request_id]
+            self.stats.record_finished(child)
+
+    def get_stats(self) -> dict:
+        pool = self.kv.pool
+        return {
+            "running": len(self.scheduler.running),
+            "waiting": len(self.scheduler.waiting),
+            "free_kv_blocks": pool.num_free_blocks,
+            "total_kv_blocks": pool.num_blocks,
+            "kv_usage": pool.usage,
+            "prefix_cache_queries": pool.prefix_queries,
+            "prefix_cache_hits": pool.prefix_hits,
+            "preemptions": self.scheduler.num_preemptions,
+            **self.stats.as_dict(),
+        }
+
+
+def _metrics(request: Request) -> RequestMetrics:
+    def since_arrival(t: float | None) -> float | None:
+        return None if t is None else t - request.arrival_time
+
+    n = request.num_output_tokens
+    mean_itl = None
+    if n > 1 and request.first_token_time is not None and request.last_token_time is not None:
+        mean_itl = (request.last_token_time - request.first_token_time) / (n - 1)
+    return RequestMetrics(
+        arrival_time=request.arrival_time,
+        queue_time=since_arrival(request.first_scheduled_time),
+        ttft=since_arrival(request.first_token_time),
+        e2e=since_arrival(request.finished_time),
+        mean_itl=mean_itl,
+    )

@@ -1,0 +1,194 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a flattened token batch and a paged KV cache.
+
+The three differ only in what config.json switches on: Qwen2's q/k/v biases, Mistral's and Qwen2's
+sliding windows. Q/K/V and gate/up projections are fused into one matmul each; the loader splits
+the checkpoint's separate tensors into them.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedbatch.engine.config import ModelConfig
+from pagedbatch.engine.models.rope import RotaryEmbedding
+from pagedbatch.kernels import ops
+from pagedbatch.kernels.attention import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, residual stream); with `residual`, adds it to x first."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        self.num_heads = cfg.num_heads
+        self.num_kv_heads = cfg.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = cfg.num_heads * cfg.head_dim
+        self.kv_size = cfg.num_kv_heads * cfg.head_dim
+        self.qkv_proj = nn.Linear(
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+        )
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.rotary = rotary
+        self.sliding_window = sliding_window
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotary(positions, q, k, meta.rope_seq_lens)
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = ops.paged_attention(
+            q, key_cache, value_cache, meta, self.scale, self.sliding_window
+        )
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
+        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, sliding_window)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard index)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        rotary = RotaryEmbedding.from_config(cfg.raw, cfg.head_dim)
+        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(
+            DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)
+        )
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        if cfg.tie_word_embeddings:
+            self.lm_head.weight = self.embed_tokens.weight
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Hidden states of every token in the flattened batch."""
+        x = self.embed_tokens(input_ids)
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.lm_head(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            name = ckpt_name.removeprefix("model.")
+            shard = None
+            for part, (fused, index) in self._FUSED.items():
+                if f".{part}." in name:
+                    name, shard = name.replace(part, fused), index
+                    break
+            if name not in params:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
+            param = params[name]
+            target = param.data if shard is None else self._shard(param.data, name, shard)
+            if target.shape != tensor.shape:
+                raise ValueError(
+                    f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
+                    f"the model expects {tuple(target.shape)}"
+                )
+            target.copy_(tensor)
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        expected = self._expected_loads(params)
+        if missing := sorted(expected - loaded):
+            raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+
+    def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
+        if "qkv_proj" in name:
+            q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+            sizes = [q, kv, kv]
+        else:
+            sizes = [self.cfg.intermediate_size] * 2
+        return data.split(sizes, dim=0)[index]
+
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
+        expected = set()
+        for name in params:
+            if "qkv_proj" in name:
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif "gate_up_proj" in name:
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        return expected

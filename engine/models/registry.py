@@ -1,0 +1,38 @@
+"""Which model class runs a checkpoint, chosen by config.json `architectures`.
+
+Plugins add architectures through the entry-point group `pagedbatch.models`: the entry point's
+name is the architecture (as config.json spells it), its value the model class, for example
+`MyForCausalLM = "my_plugin.model:MyForCausalLM"`.
+"""
+
+from __future__ import annotations
+
+from importlib.metadata import entry_points
+
+import torch
+
+from pagedbatch.engine.models.llama import LlamaForCausalLM
+
+ENTRY_POINT_GROUP = "pagedbatch.models"
+
+_BUILTIN: dict[str, type[torch.nn.Module]] = {
+    "LlamaForCausalLM": LlamaForCausalLM,
+    "MistralForCausalLM": LlamaForCausalLM,
+    "Qwen2ForCausalLM": LlamaForCausalLM,
+}
+
+
+def supported_architectures() -> list[str]:
+    return sorted(set(_BUILTIN) | {ep.name for ep in entry_points(group=ENTRY_POINT_GROUP)})
+
+
+def resolve_model_class(architecture: str) -> type[torch.nn.Module]:
+    if architecture in _BUILTIN:
+        return _BUILTIN[architecture]
+    for ep in entry_points(group=ENTRY_POINT_GROUP):
+        if ep.name == architecture:
+            return ep.load()
+    raise ValueError(
+        f"unsupported model architecture {architecture!r}; supported: "
+        + ", ".join(supported_architectures())
+    )

@@ -1,0 +1,64 @@
+"""What the engine hands back to its callers."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pagedbatch.engine.request import TokenLogprob
+
+
+@dataclass
+class CompletionOutput:
+    """One of a request's `n` completions, cumulative so far.
+
+    `text` only grows: while a stop string could still be forming, its first characters are held
+    back, so a streaming caller can send `text[len(sent):]` at every step.
+    """
+
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    finish_reason: str | None = None  # "stop", "length", "abort" or "error"
+    stop_reason: int | str | None = None  # the stop token id or stop string that ended it
+    logprobs: list[TokenLogprob] | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+@dataclass
+class RequestMetrics:
+    arrival_time: float
+    queue_time: float | None = None  # arrival to first schedule, seconds
+    ttft: float | None = None  # arrival to first token
+    e2e: float | None = None  # arrival to finish
+    mean_itl: float | None = None  # mean inter-token latency
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    finished: bool = False
+    num_cached_tokens: int = 0
+    error: str | None = None
+    metrics: RequestMetrics | None = None
+
+    # The first completion's fields, for the common n=1 case.
+    @property
+    def text(self) -> str:
+        return self.outputs[0].text
+
+    @property
+    def token_ids(self) -> list[int]:
+        return self.outputs[0].token_ids
+
+    @property
+    def finish_reason(self) -> str | None:
+        return self.outputs[0].finish_reason
+
+    @property
+    def logprobs(self) -> list[TokenLogprob] | None:
+        return self.outputs[0].logprobs

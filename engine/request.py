@@ -1,0 +1,124 @@
+"""A request inside the engine and the state machine it moves through."""
+
+from __future__ import annotations
+
+import enum
+import time
+from dataclasses import dataclass, field
+
+from pagedbatch.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    PREEMPTED = "preempted"
+    FINISHED_STOPPED = "finished_stopped"
+    FINISHED_LENGTH = "finished_length"
+    FINISHED_ABORTED = "finished_aborted"
+    FINISHED_ERROR = "finished_error"
+
+    @property
+    def finished(self) -> bool:
+        return self in _FINISHED
+
+
+_FINISHED = {
+    RequestStatus.FINISHED_STOPPED,
+    RequestStatus.FINISHED_LENGTH,
+    RequestStatus.FINISHED_ABORTED,
+    RequestStatus.FINISHED_ERROR,
+}
+
+_ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
+    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
+                            RequestStatus.FINISHED_ERROR},
+    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
+                              RequestStatus.FINISHED_ERROR},
+    RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+}
+
+# What the OpenAI API calls each way of finishing.
+FINISH_REASONS = {
+    RequestStatus.FINISHED_STOPPED: "stop",
+    RequestStatus.FINISHED_LENGTH: "length",
+    RequestStatus.FINISHED_ABORTED: "abort",
+    RequestStatus.FINISHED_ERROR: "error",
+}
+
+
+class IllegalTransition(RuntimeError):
+    pass
+
+
+@dataclass
+class TokenLogprob:
+    """The sampled token's log-probability and the top alternatives (raw model distribution)."""
+
+    token_id: int
+    logprob: float
+    rank: int  # 1 = the most likely token
+    top: list[tuple[int, float]]  # (token id, logprob), most likely first
+
+
+@dataclass
+class Request:
+    request_id: str
+    prompt_token_ids: list[int]
+    sampling_params: SamplingParams
+    eos_token_ids: frozenset[int] = frozenset()
+    priority: int = 0  # lower runs first
+    arrival_time: float = field(default_factory=time.monotonic)
+    deadline: float | None = None  # monotonic time after which the request is aborted
+    max_tokens: int = 0  # resolved by the engine from sampling_params and the context length
+
+    status: RequestStatus = RequestStatus.WAITING
+    output_token_ids: list[int] = field(default_factory=list)
+    output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
+    num_preemptions: int = 0
+    stop_reason: int | str | None = None  # the stop token or string that ended it
+    error: str | None = None
+
+    # Timing, monotonic seconds.
+    first_scheduled_time: float | None = None
+    first_token_time: float | None = None
+    last_token_time: float | None = None
+    finished_time: float | None = None
+
+    @property
+    def all_token_ids(self) -> list[int]:
+        return self.prompt_token_ids + self.output_token_ids
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_token_ids) + len(self.output_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def finished(self) -> bool:
+        return self.status.finished
+
+    @property
+    def finish_reason(self) -> str | None:
+        return FINISH_REASONS.get(self.status)
+
+    @property
+    def sort_key(self) -> tuple[int, float]:
+        """Scheduling order: lower priority number first, then earlier arrival."""
+        return (self.priority, self.arrival_time)
+
+    def transition(self, new: RequestStatus) -> None:
+        if new not in _ALLOWED.get(self.status, set()):
+            raise IllegalTransition(
+                f"request {self.request_id}: {self.status.value} -> {new.value} is not allowed"
+            )
+        self.status = new

@@ -1,0 +1,161 @@
+"""Token-level continuous batching: which requests run this step, and how many tokens each.
+
+Every step has one token budget. Running requests are served first (one decode token each, or the
+next chunk of their prefill), best priority first; waiting requests then fill what is left, their
+prefills cut into chunks that fit. When the KV pool runs dry, the worst running request (lowest
+priority, latest arrival) is preempted: its blocks are freed and it is recomputed later, mostly
+from the prefix cache.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from pagedbatch.engine.kv_cache_manager import KVCacheManager, cdiv
+from pagedbatch.engine.request import Request, RequestStatus
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # position of the first new token
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+    @property
+    def samples(self) -> bool:
+        """True when this step computes the request's last known token, so its logits are used."""
+        return self.end == self.request.num_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "priority",
+    ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        self.waiting: list[Request] = []  # sorted, best first
+        self.running: list[Request] = []  # sorted, best first
+        self.num_preemptions = 0
+
+    def _key(self, request: Request) -> tuple[int, float]:
+        return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
+
+    def add(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._key)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request in any live state, releasing its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.transition(status)
+        request.finished_time = time.monotonic()
+        self.kv.forget(request)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(request)
+
+    def _blocks_needed(self, request: Request) -> int:
+        first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
+        return cdiv(first_chunk, self.kv.block_size)
+
+    def _make_room_for_better_waiting(self, out: SchedulerOutput) -> None:
+        """A waiting request that outranks running ones takes their seats or blocks."""
+        free_blocks = self.kv.pool.num_free_blocks
+        free_seats = self.max_num_seqs - len(self.running)
+        for waiting in list(self.waiting):
+            need = self._blocks_needed(waiting)
+            while (free_seats < 1 or free_blocks < need) and self.running:
+                victim = self.running[-1]
+                if self._key(victim) <= self._key(waiting):
+                    return
+                free_blocks += len(self.kv.block_ids(victim.request_id))
+                free_seats += 1
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if free_seats < 1 or free_blocks < need:
+                return
+            free_seats -= 1
+            free_blocks -= need
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.policy == "priority":
+            self._make_room_for_better_waiting(out)
+        budget = self.max_num_batched_tokens
+
+        # Running requests, best first; victims are taken from the end, so never one already placed.
+        i = 0
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+                request.num_computed_tokens += num_new
+                budget -= num_new
+                i += 1
+
+        # Waiting requests fill the rest, unless the pool was just found short.
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if out.preempted and self.policy == "fcfs":
+                break
+            request = self.waiting[0]
+            if request in out.preempted:
+                break  # preempted for lack of room this very step
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if not self.kv.allocate(request, num_new, cached):
+                break
+            self.waiting.pop(0)
+            request.transition(RequestStatus.RUNNING)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            bisect.insort(self.running, request, key=self._key)
+        return out
