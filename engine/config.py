@@ -56,7 +56,8 @@ class ModelConfig:
     rms_norm_eps: float
     max_position_embeddings: int
     tie_word_embeddings: bool
-    attention_bias: bool
+    qkv_bias: bool
+    o_proj_bias: bool
     sliding_windows: list[int | None]  # per layer
     torch_dtype: torch.dtype
     raw: dict[str, Any] = field(repr=False)
@@ -84,6 +85,7 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
         return cls(
             path=path,
             architecture=architectures[0],
@@ -97,7 +99,9 @@ class ModelConfig:
             rms_norm_eps=raw.get("rms_norm_eps", 1e-6),
             max_position_embeddings=raw.get("max_position_embeddings", 2048),
             tie_word_embeddings=raw.get("tie_word_embeddings", False),
-            attention_bias=raw.get("attention_bias", False),
+            # Qwen2 always has q/k/v biases and never an output bias; its config.json says neither.
+            qkv_bias=is_qwen2 or raw.get("attention_bias", False),
+            o_proj_bias=not is_qwen2 and raw.get("attention_bias", False),
             sliding_windows=_sliding_windows(raw, num_layers),
             torch_dtype=DTYPES.get(dtype_name, torch.float32),
             raw=raw,

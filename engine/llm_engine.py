@@ -48,7 +48,9 @@ class LLMEngine:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
         self.max_model_len = args.max_model_len or limit
         self.runner = ModelRunner(self.model_config, args)
-        self.kv = KVCacheManager(self.runner.num_blocks, args.block_size, args.enable_prefix_caching)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
         self.scheduler = Scheduler(
             self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy
         )
@@ -95,7 +97,7 @@ class LLMEngine:
                 max_tokens=max_tokens,
             )
             children.append(child)
-            detoks.append(IncrementalDetokenizer(self.tokenizer, prompt_ids, child_params))
+            detoks.append(IncrementalDetokenizer(self.tokenizer, child_params))
         group = _Group(request_id, children, detoks)
         self._groups[request_id] = group
         for child in children:
@@ -178,14 +180,20 @@ class LLMEngine:
     def _sample(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> list[tuple[int | None, TokenLogprob | None]]:
+        # The sampler edits logits in place; user code (logits processors) may fail half-way.
+        pristine = (
+            logits.clone() if any(r.sampling_params.logits_processors for r in requests) else None
+        )
         try:
             return self.sampler(logits, requests)
         except Exception:
+            if pristine is None:
+                raise
             # A failing logits processor must fail its own request, not the whole batch.
             results: list[tuple[int | None, TokenLogprob | None]] = []
             for i, request in enumerate(requests):
                 try:
-                    results.extend(self.sampler(logits[i : i + 1], [request]))
+                    results.extend(self.sampler(pristine[i : i + 1].clone(), [request]))
                 except Exception as e:  # noqa: BLE001 - reported to the request's caller
                     logger.exception("sampling failed for %s", request.request_id)
                     request.error = f"sampling failed: {e}"
@@ -209,7 +217,9 @@ class LLMEngine:
         if status is not None:
             self.scheduler.finish(request, status)
 
-    def _stop_status(self, request: Request, token: int, stop_string: str | None) -> RequestStatus | None:
+    def _stop_status(
+        self, request: Request, token: int, stop_string: str | None
+    ) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
             if stop_string is not None:
@@ -251,10 +261,12 @@ class LLMEngine:
         completions = []
         for i, (child, detok) in enumerate(zip(group.children, group.detokenizers, strict=True)):
             params = child.sampling_params
+            if child.finished and not detok.finished:
+                detok.update([], final=True)  # release any held-back text
             completions.append(
                 CompletionOutput(
                     index=i,
-                    text=detok.stable_text(child.finished),
+                    text=detok.stable_text,
                     token_ids=list(child.output_token_ids),
                     finish_reason=child.finish_reason,
                     stop_reason=child.stop_reason,

@@ -7,8 +7,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import torch
-from safetensors import safe_open
-from safetensors import SafetensorError
+from safetensors import SafetensorError, safe_open
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:

@@ -39,16 +39,13 @@ class ModelRunner:
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - started
         self.num_blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
-        self.kv_caches = [
-            (self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)
-        ]
+        self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)]
 
     def _load_model(self) -> torch.nn.Module:
         model_cls = resolve_model_class(self.cfg.architecture)
-        # Built on the meta device: no time spent on random init the checkpoint overwrites.
-        with torch.device("meta"):
+        with torch.device(self.device):
             model = model_cls(self.cfg)
-        model = model.to_empty(device=self.device).to(self.dtype)
+        model = model.to(self.dtype)
         model.load_weights(iterate_weights(self.cfg.path))
         return model.eval()
 
@@ -76,31 +73,24 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step; returns float32 logits for the requests that sample, in order."""
         input_ids: list[int] = []
-        positions: list[int] = []
-        slots: list[int] = []
+        query_start_loc = [0]
         sample_rows: list[int] = []
-        bs = self.block_size
-        for s, blocks in zip(scheduled, block_tables, strict=True):
+        for s in scheduled:
             input_ids.extend(s.request.all_token_ids[s.start : s.end])
-            for pos in range(s.start, s.end):
-                positions.append(pos)
-                slots.append(blocks[pos // bs] * bs + pos % bs)
+            query_start_loc.append(len(input_ids))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
+        width = max(len(b) for b in block_tables)
+        padded = [b + [0] * (width - len(b)) for b in block_tables]
         device = self.device
         meta = prepare_attention(
-            query_lens=[s.num_new_tokens for s in scheduled],
-            seq_lens=[s.end for s in scheduled],
-            block_tables=block_tables,
-            slot_mapping=slots,
-            block_size=bs,
-            device=device,
+            query_start_loc=torch.tensor(query_start_loc, device=device),
+            seq_lens=torch.tensor([s.end for s in scheduled], device=device),
+            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            block_size=self.block_size,
         )
         hidden = self.model(
-            torch.tensor(input_ids, device=device),
-            torch.tensor(positions, device=device),
-            self.kv_caches,
-            meta,
+            torch.tensor(input_ids, device=device), meta.positions, self.kv_caches, meta
         )
-        rows = torch.tensor(sample_rows, device=device)
+        rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows]).float()

@@ -31,10 +31,16 @@ _FINISHED = {
 }
 
 _ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
-    RequestStatus.WAITING: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
-                            RequestStatus.FINISHED_ERROR},
-    RequestStatus.PREEMPTED: {RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED,
-                              RequestStatus.FINISHED_ERROR},
+    RequestStatus.WAITING: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    },
+    RequestStatus.PREEMPTED: {
+        RequestStatus.RUNNING,
+        RequestStatus.FINISHED_ABORTED,
+        RequestStatus.FINISHED_ERROR,
+    },
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
 }
 

@@ -22,15 +22,15 @@ class ScheduledRequest:
     request: Request
     num_new_tokens: int
     start: int  # position of the first new token
+    # True when this step reaches the request's last known token, so its logits are sampled.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.request.num_tokens
 
     @property
     def end(self) -> int:
         return self.start + self.num_new_tokens
-
-    @property
-    def samples(self) -> bool:
-        """True when this step computes the request's last known token, so its logits are used."""
-        return self.end == self.request.num_tokens
 
 
 @dataclass
@@ -131,7 +131,9 @@ class Scheduler:
                 if victim is request:
                     break
             else:
-                out.scheduled.append(ScheduledRequest(request, num_new, request.num_computed_tokens))
+                out.scheduled.append(
+                    ScheduledRequest(request, num_new, request.num_computed_tokens)
+                )
                 request.num_computed_tokens += num_new
                 budget -= num_new
                 i += 1

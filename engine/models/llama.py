@@ -44,9 +44,9 @@ class Attention(nn.Module):
         self.q_size = cfg.num_heads * cfg.head_dim
         self.kv_size = cfg.num_kv_heads * cfg.head_dim
         self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.attention_bias
+            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=False)
+        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.scale = cfg.head_dim**-0.5
@@ -66,9 +66,7 @@ class Attention(nn.Module):
         q, k = self.rotary(positions, q, k, meta.rope_seq_lens)
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = ops.paged_attention(
-            q, key_cache, value_cache, meta, self.scale, self.sliding_window
-        )
+        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
 
@@ -176,7 +174,10 @@ class LlamaForCausalLM(nn.Module):
 
     def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
         if "qkv_proj" in name:
-            q, kv = self.cfg.num_heads * self.cfg.head_dim, self.cfg.num_kv_heads * self.cfg.head_dim
+            q, kv = (
+                self.cfg.num_heads * self.cfg.head_dim,
+                self.cfg.num_kv_heads * self.cfg.head_dim,
+            )
             sizes = [q, kv, kv]
         else:
             sizes = [self.cfg.intermediate_size] * 2

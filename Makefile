@@ -1,0 +1,24 @@
+# Set-up is part of every target: a fresh clone needs only `make test` or `make serve`.
+VENV ?= .venv
+BIN := $(VENV)/bin
+STAMP := $(VENV)/.installed
+
+$(STAMP): pyproject.toml
+	python3 -m venv $(VENV)
+	# torch first and pinned: a looser resolve would pull a multi-GB CUDA build on CPU machines.
+	$(BIN)/pip install --quiet torch==2.13.0
+	$(BIN)/pip install --quiet -e '.[dev]'
+	touch $@
+
+.PHONY: install test lint serve
+install: $(STAMP)
+
+lint: $(STAMP)
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+test: lint
+	$(BIN)/pytest
+
+serve: $(STAMP)
+	$(BIN)/pagedbatch serve

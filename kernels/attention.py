@@ -1,0 +1,326 @@
+"""Paged attention over a flattened token batch: the torch path (the CPU path, and the reference the
+Triton kernels are tested against).
+
+The KV cache of a layer is a pair of tensors `[num_blocks, block_size, num_kv_heads, head_dim]`; a
+token's slot is `block_id * block_size + offset`. A step's tokens are all sequences' query tokens
+concatenated without padding; sequence i owns `query[query_start_loc[i]:query_start_loc[i + 1]]`,
+the last positions of its context of `seq_lens[i]` tokens, whose K/V are in the cache before
+attention runs.
+
+Per step, the engine calls `prepare_attention` once and hands the result to every layer:
+
+    meta = prepare_attention(query_start_loc, seq_lens, block_tables, block_size)
+    # each layer:
+    reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+    out = paged_attention(q, key_cache, value_cache, meta, scale, sliding_window)
+
+CPU strategy: torch cannot compute on scattered blocks in place, so each call gathers the keys and
+values it needs into a dense buffer (one `index_select` each) and hands them to
+`scaled_dot_product_attention`, whose CPU kernel accumulates in float32 for fp16/bf16. Decode
+sequences (one query token) are batched: sorted by context length, cut into chunks whose gathered
+K/V stay cache-sized, each chunk padded to its longest context and masked. Prefill chunks run one
+sequence at a time. Gather indices and masks depend only on the step, the layer's sliding window
+and the cache's row size, so they are built on first use and shared by every layer of the step.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass, field
+
+import torch
+import torch.nn.functional as F
+
+# Keys plus values gathered per decode call. Measured on the 2-core CPU: one gather of the whole
+# batch runs about a third slower than chunks of 8-16 MB, whose copy is still cached when
+# attention reads it; much smaller chunks pay more in per-call overhead than they save.
+_GATHER_BYTES = 8 * 2**20
+# A decode chunk is cut short where its remaining sequences are at most half as long as its
+# longest and together would be padded by at least this many rows: a shorter cut costs more in
+# extra calls than the padding does.
+_MIN_SPLIT_SAVING = 1024
+
+
+@dataclass
+class _DecodeChunk:
+    """Sequences with one query token each, attended in one batched call."""
+
+    token_idx: torch.Tensor  # [n] their tokens' rows in the flattened batch
+    slots: torch.Tensor  # [n * kv_len] cache slots of the keys each one attends, padded
+    mask: torch.Tensor  # [n, 1, 1, kv_len] additive: 0 for keys attended, -inf for padding
+    kv_len: int
+
+
+@dataclass
+class _PrefillSeq:
+    """One sequence with several query tokens, attended alone."""
+
+    start: int  # its tokens are rows start:end of the flattened batch
+    end: int
+    slots: torch.Tensor  # [num_keys] cache slots of the keys its queries may attend, in order
+    mask: torch.Tensor | None  # [q_len, num_keys] additive; None: plain causal, q_len == num_keys
+
+
+@dataclass
+class _Plan:
+    decode: list[_DecodeChunk]
+    prefill: list[_PrefillSeq]
+
+
+@dataclass
+class AttentionMetadata:
+    """One step's batch layout, shared by every layer. Build it with `prepare_attention`."""
+
+    query_start_loc: torch.Tensor  # [num_seqs + 1] int64
+    seq_lens: torch.Tensor  # [num_seqs] int64, context length including this step's tokens
+    block_tables: torch.Tensor  # [num_seqs, max_blocks] int32
+    block_size: int
+    positions: torch.Tensor  # [num_tokens] int64, each token's position in its sequence
+    slot_mapping: torch.Tensor  # [num_tokens] int64, the cache slot each token's K/V goes to
+    rope_seq_lens: torch.Tensor  # [num_tokens] int64, its sequence's seq_len (dynamic NTK RoPE)
+    max_query_len: int
+    max_seq_len: int
+    _query_lens: list[int] = field(repr=False)
+    _seq_lens: list[int] = field(repr=False)
+    # keyed by (sliding window, query dtype, gathered rows per decode call)
+    _plans: dict[tuple[int | None, torch.dtype, int], _Plan] = field(
+        default_factory=dict, repr=False
+    )
+
+
+def prepare_attention(
+    query_start_loc: torch.Tensor,
+    seq_lens: torch.Tensor,
+    block_tables: torch.Tensor,
+    block_size: int,
+) -> AttentionMetadata:
+    """Describes one step: sequence i has tokens query_start_loc[i]:query_start_loc[i + 1] of the
+    flattened batch, the last of its seq_lens[i] positions, stored in the blocks of
+    block_tables[i] (padded with anything past its last block). All on the model's device."""
+    query_start_loc = query_start_loc.to(torch.int64)
+    seq_lens = seq_lens.to(torch.int64)
+    device = seq_lens.device
+    query_lens = query_start_loc[1:] - query_start_loc[:-1]
+    num_tokens = int(query_start_loc[-1])
+    seq_of_token = torch.repeat_interleave(
+        torch.arange(seq_lens.numel(), device=device), query_lens, output_size=num_tokens
+    )
+    first_position = seq_lens - query_lens
+    positions = (
+        torch.arange(num_tokens, device=device)
+        - query_start_loc[seq_of_token]
+        + first_position[seq_of_token]
+    )
+    query_lens_list = query_lens.tolist()
+    seq_lens_list = seq_lens.tolist()
+    return AttentionMetadata(
+        query_start_loc=query_start_loc,
+        seq_lens=seq_lens,
+        block_tables=block_tables,
+        block_size=block_size,
+        positions=positions,
+        slot_mapping=_slots(block_tables, block_size, seq_of_token, positions),
+        rope_seq_lens=seq_lens[seq_of_token],
+        max_query_len=max(query_lens_list, default=0),
+        max_seq_len=max(seq_lens_list, default=0),
+        _query_lens=query_lens_list,
+        _seq_lens=seq_lens_list,
+    )
+
+
+def reshape_and_cache(
+    key: torch.Tensor,
+    value: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    slot_mapping: torch.Tensor,
+) -> None:
+    """Writes key/value `[num_tokens, num_kv_heads, head_dim]` into their slots of the cache."""
+    num_kv_heads, head_dim = key_cache.shape[2:]
+    key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
+    value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
+
+
+def paged_attention(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    scale: float,
+    sliding_window: int | None = None,
+) -> torch.Tensor:
+    """Causal attention of query `[num_tokens, num_heads, head_dim]` over each sequence's cached
+    context; returns the same shape. A query at position p attends keys k <= p, and with a sliding
+    window w only those with p - k < w (as transformers' Mistral and Qwen2 do). Query head h reads
+    KV head h // (num_heads // num_kv_heads)."""
+    num_tokens, num_heads, head_dim = query.shape
+    num_kv_heads = key_cache.shape[2]
+    keys = key_cache.view(-1, num_kv_heads, head_dim)
+    values = value_cache.view(-1, num_kv_heads, head_dim)
+    buffer = _workspace(key_cache)
+    max_rows = buffer.shape[1]
+    plan = _plan(meta, sliding_window, query.dtype, max_rows)
+
+    def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        n = slots.numel()
+        if n > max_rows:  # one long prefill: a buffer of its own, not kept
+            return keys.index_select(0, slots), values.index_select(0, slots)
+        k = torch.index_select(keys, 0, slots, out=buffer[0, :n])
+        v = torch.index_select(values, 0, slots, out=buffer[1, :n])
+        return k, v
+
+    out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    for chunk in plan.decode:
+        n = chunk.token_idx.numel()
+        # The query heads sharing a KV head play the part of SDPA's query sequence.
+        q = query.index_select(0, chunk.token_idx).view(n, num_kv_heads, -1, head_dim)
+        k, v = gather(chunk.slots)
+        k = k.view(n, chunk.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        v = v.view(n, chunk.kv_len, num_kv_heads, head_dim).transpose(1, 2)
+        o = F.scaled_dot_product_attention(q, k, v, attn_mask=chunk.mask, scale=scale)
+        out.index_copy_(0, chunk.token_idx, o.reshape(n, num_heads, head_dim))
+    for seq in plan.prefill:
+        q = query[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
+        k, v = gather(seq.slots)
+        o = F.scaled_dot_product_attention(
+            q,
+            k.transpose(0, 1).unsqueeze(0),
+            v.transpose(0, 1).unsqueeze(0),
+            attn_mask=seq.mask,
+            is_causal=seq.mask is None,
+            scale=scale,
+            enable_gqa=True,
+        )
+        out[seq.start : seq.end] = o[0].transpose(0, 1)
+    return out
+
+
+_local = threading.local()
+
+
+def _workspace(cache: torch.Tensor) -> torch.Tensor:
+    """A `[2, rows, num_kv_heads, head_dim]` buffer for gathered keys and values, kept per thread
+    and cache layout: a fresh one per call would cost page faults on every layer."""
+    buffers: dict[tuple, torch.Tensor] = _local.__dict__.setdefault("buffers", {})
+    row_shape = tuple(cache.shape[2:])
+    key = (cache.dtype, cache.device, row_shape)
+    if key not in buffers:
+        row_bytes = cache[0, 0].numel() * cache.element_size()
+        rows = max(1, _GATHER_BYTES // (2 * row_bytes))
+        buffers[key] = torch.empty((2, rows, *row_shape), dtype=cache.dtype, device=cache.device)
+    return buffers[key]
+
+
+def _plan(
+    meta: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype, max_rows: int
+) -> _Plan:
+    if sliding_window is not None and sliding_window >= meta.max_seq_len:
+        sliding_window = None  # a window wider than every context changes nothing
+    key = (sliding_window, dtype, max_rows)
+    if key not in meta._plans:
+        meta._plans[key] = _build_plan(meta, sliding_window, dtype, max_rows)
+    return meta._plans[key]
+
+
+def _build_plan(
+    meta: AttentionMetadata, window: int | None, dtype: torch.dtype, max_rows: int
+) -> _Plan:
+    starts = meta.query_start_loc.tolist()
+    decode: list[int] = []
+    prefill: list[_PrefillSeq] = []
+    for i, (q_len, seq_len) in enumerate(zip(meta._query_lens, meta._seq_lens, strict=True)):
+        if q_len == 1:
+            decode.append(i)
+        elif q_len > 1:
+            prefill.append(_prefill_seq(meta, i, starts[i], q_len, seq_len, window, dtype))
+    return _Plan(_decode_chunks(meta, decode, starts, window, dtype, max_rows), prefill)
+
+
+def _first_key(position: int, window: int | None) -> int:
+    """The earliest key a query at `position` attends."""
+    return 0 if window is None else max(0, position - window + 1)
+
+
+def _slots(
+    block_tables: torch.Tensor, block_size: int, seq: int | torch.Tensor, positions: torch.Tensor
+) -> torch.Tensor:
+    """Cache slots of `positions` (any shape) of sequence(s) `seq` (broadcast against them)."""
+    blocks = block_tables[seq, positions // block_size].to(torch.int64)
+    return blocks * block_size + positions % block_size
+
+
+def _prefill_seq(
+    meta: AttentionMetadata,
+    seq: int,
+    start: int,
+    q_len: int,
+    seq_len: int,
+    window: int | None,
+    dtype: torch.dtype,
+) -> _PrefillSeq:
+    device = meta.seq_lens.device
+    first_query = seq_len - q_len
+    first_key = _first_key(first_query, window)
+    key_pos = torch.arange(first_key, seq_len, device=device)
+    mask = None
+    # SDPA's is_causal aligns the first query with the first key, which is only right when the
+    # chunk is the whole of the context it attends.
+    if first_key != first_query or (window is not None and seq_len - first_key > window):
+        query_pos = torch.arange(first_query, seq_len, device=device)[:, None]
+        attended = (key_pos <= query_pos) & (query_pos - key_pos < (window or seq_len))
+        mask = _additive(attended, dtype)
+    slots = _slots(meta.block_tables, meta.block_size, seq, key_pos)
+    return _PrefillSeq(start, start + q_len, slots, mask)
+
+
+def _decode_chunks(
+    meta: AttentionMetadata,
+    seqs: list[int],
+    starts: list[int],
+    window: int | None,
+    dtype: torch.dtype,
+    max_rows: int,
+) -> list[_DecodeChunk]:
+    if not seqs:
+        return []
+    first_keys = {i: _first_key(meta._seq_lens[i] - 1, window) for i in seqs}
+    kv_len = {i: meta._seq_lens[i] - first_keys[i] for i in seqs}
+    # Longest first, so each chunk pads to its first member's length.
+    order = sorted(seqs, key=kv_len.__getitem__, reverse=True)
+    chunks: list[list[int]] = [[order[0]]]
+    for rank, i in enumerate(order[1:], start=1):
+        longest = kv_len[chunks[-1][0]]
+        full = (len(chunks[-1]) + 1) * longest > max_rows
+        saving = (len(order) - rank) * (longest - kv_len[i])
+        if full or (2 * kv_len[i] <= longest and saving >= _MIN_SPLIT_SAVING):
+            chunks.append([i])
+        else:
+            chunks[-1].append(i)
+
+    device = meta.seq_lens.device
+    result = []
+    for members in chunks:
+        width = kv_len[members[0]]
+        seq = torch.tensor(members, device=device)
+        first = torch.tensor([first_keys[i] for i in members], device=device)[:, None]
+        last = meta.seq_lens[seq][:, None] - 1
+        key_pos = first + torch.arange(width, device=device)
+        attended = key_pos <= last
+        # Padding repeats the sequence's own last key, so it never reads an unwritten slot
+        # whose garbage (say NaN) would survive the mask.
+        positions = torch.minimum(key_pos, last)
+        slots = _slots(meta.block_tables, meta.block_size, seq[:, None], positions)
+        result.append(
+            _DecodeChunk(
+                token_idx=torch.tensor([starts[i] for i in members], device=device),
+                slots=slots.flatten(),
+                mask=_additive(attended, dtype)[:, None, None, :],
+                kv_len=width,
+            )
+        )
+    return result
+
+
+def _additive(attended: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    mask = torch.zeros(attended.shape, dtype=dtype, device=attended.device)
+    return mask.masked_fill_(~attended, float("-inf"))

@@ -1,0 +1,85 @@
+"""The `pagedbatch` command."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from collections.abc import Sequence
+
+ARCHS = ("llama", "qwen2", "mistral")
+SIZES = ("tiny", "small", "medium")
+
+
+def add_engine_args(parser: argparse.ArgumentParser) -> None:
+    """Flags for EngineArgs fields; names as vLLM spells them."""
+    g = parser.add_argument_group("engine")
+    g.add_argument("--model", required=True, help="model directory (Hugging Face layout)")
+    g.add_argument("--served-model-name", default=None)
+    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
+    g.add_argument("--device", default="auto")
+    g.add_argument("--max-model-len", type=int, default=None)
+    g.add_argument("--max-num-seqs", type=int, default=128)
+    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
+    g.add_argument("--block-size", type=int, default=16)
+    g.add_argument("--num-kv-blocks", type=int, default=None)
+    g.add_argument("--kv-cache-memory-gib", type=float, default=None)
+    g.add_argument(
+        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True
+    )
+    g.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"])
+
+
+def engine_kwargs(args: argparse.Namespace) -> dict:
+    names = (
+        "served_model_name", "dtype", "device", "max_model_len", "max_num_seqs",
+        "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
+        "enable_prefix_caching", "scheduling_policy",
+    )  # fmt: skip
+    return {name: getattr(args, name) for name in names}
+
+
+def _make_model(args: argparse.Namespace) -> int:
+    from pagedbatch.make_model import make_model
+
+    path = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    print(path)
+    return 0
+
+
+def _run_batch(args: argparse.Namespace) -> int:
+    from pagedbatch.run_batch import run_batch
+
+    run_batch(args.input, args.output, args.model, **engine_kwargs(args))
+    return 0
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pagedbatch")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    p = sub.add_parser("make-model", help="write a deterministic random checkpoint for tests")
+    p.add_argument("--arch", choices=ARCHS, default="llama")
+    p.add_argument("--size", choices=SIZES, default="tiny")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("dir")
+    p.set_defaults(func=_make_model)
+
+    p = sub.add_parser("run-batch", help="run an OpenAI batch JSONL file offline")
+    p.add_argument("-i", "--input", required=True, help="input JSONL (OpenAI batch lines)")
+    p.add_argument("-o", "--output", required=True, help="output JSONL")
+    add_engine_args(p)
+    p.set_defaults(func=_run_batch)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        return args.func(args)
+    except ValueError as e:
+        print(f"pagedbatch: error: {e}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,187 @@
+"""Deterministic, randomly initialised Hugging Face checkpoints for tests, demos and benchmarks.
+
+A checkpoint initialised the usual way (small Gaussian weights) barely looks at its context: its
+greedy output repeats one token whatever the prompt, so an engine test built on it could not tell
+a correct KV cache from a broken one. These weights are scaled instead so that the model behaves
+like a context-hungry language model:
+
+- q and k projections are large, so attention logits spread over several units: each head
+  attends sharply to a few positions, chosen by content and (through RoPE) relative position,
+  anywhere in the context;
+- v and o projections write attention outputs as large as the token embeddings, so what a head
+  reads changes the residual stream and therefore the prediction;
+- the LM head gives logits with a standard deviation of a few units, so the top two logits of a
+  greedy step are rarely close enough for float32 rounding to swap them;
+- norm weights and Qwen2's biases are random rather than ones and zeros, so an engine that skips
+  them produces different tokens.
+
+Every tensor is drawn from its own generator, seeded from the model seed and the tensor's name:
+the same arguments give the same bytes, and config overrides that keep a tensor's shape (a
+sliding window, RoPE scaling) keep its values, so such variants differ from the base model only
+where the override acts.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from safetensors.torch import save_file
+
+from pagedbatch.demo_tokenizer import (
+    ENDOFTEXT,
+    IM_END,
+    SPECIAL_TOKEN_IDS,
+    VOCAB_SIZE,
+    write_tokenizer,
+)
+
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "mistral": "MistralForCausalLM",
+}
+
+
+@dataclass(frozen=True)
+class ModelSize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    intermediate_size: int
+    max_position_embeddings: int
+
+
+SIZES = {
+    "tiny": ModelSize(128, 4, 4, 2, 384, 2048),  # about 5M parameters, for unit tests
+    "small": ModelSize(768, 12, 12, 4, 2048, 4096),  # about 100M, for CPU benchmarks
+    "medium": ModelSize(1536, 20, 12, 4, 4096, 4096),  # about 0.5B, for GPU benchmarks
+}
+
+# Standard deviations of projection outputs for unit-RMS inputs (see the module docstring).
+QK_SCALE = 1.5
+O_SCALE = 1.5
+MLP_SCALE = 1.0
+LM_HEAD_SCALE = 5.0
+# Larger v biases would add the same vector at every position and narrow the choice of tokens.
+BIAS_SCALE = 0.2
+QWEN2_BIASES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+
+
+def model_config(
+    arch: str = "llama", size: str = "tiny", config_overrides: dict[str, Any] | None = None
+) -> dict[str, Any]:
+    """The config.json of a generated checkpoint, overrides merged in last."""
+    if arch not in ARCHITECTURES:
+        raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
+    if size not in SIZES:
+        raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    shape = SIZES[size]
+    config: dict[str, Any] = {
+        "architectures": [ARCHITECTURES[arch]],
+        "model_type": arch,
+        "vocab_size": VOCAB_SIZE,
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "num_key_value_heads": shape.num_kv_heads,
+        "head_dim": shape.hidden_size // shape.num_heads,
+        "hidden_act": "silu",
+        "max_position_embeddings": shape.max_position_embeddings,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "rope_scaling": None,
+        "tie_word_embeddings": False,
+        "attention_dropout": 0.0,
+        "initializer_range": 0.02,
+        "bos_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+        "eos_token_id": SPECIAL_TOKEN_IDS[IM_END],
+        "torch_dtype": "float32",
+        "dtype": "float32",
+        "use_cache": True,
+    }
+    if arch == "llama":
+        config |= {"attention_bias": False, "mlp_bias": False}
+    elif arch == "qwen2":
+        # Qwen2 always has q/k/v biases; its config says nothing of them.
+        config |= {"use_sliding_window": False, "sliding_window": None}
+        config["max_window_layers"] = shape.num_layers
+    else:
+        config["sliding_window"] = 4096
+    return config | (config_overrides or {})
+
+
+def make_model(
+    out_dir: str | Path,
+    arch: str = "llama",
+    size: str = "tiny",
+    seed: int = 0,
+    config_overrides: dict[str, Any] | None = None,
+) -> Path:
+    """Write a checkpoint that transformers and the engine load offline; return its directory."""
+    config = model_config(arch, size, config_overrides)
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    save_file(init_weights(config, seed), out / "model.safetensors", metadata={"format": "pt"})
+    _write_json(out / "config.json", config)
+    generation_config = {
+        "bos_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+        "eos_token_id": [SPECIAL_TOKEN_IDS[IM_END], SPECIAL_TOKEN_IDS[ENDOFTEXT]],
+        "pad_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+    }
+    _write_json(out / "generation_config.json", generation_config)
+    # transformers normalises Qwen2 input to NFC whatever the file says: the file says so too.
+    write_tokenizer(out, nfc=arch == "qwen2")
+    return out
+
+
+def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """Float32 weights, named as transformers names them, for a config from `model_config`."""
+    hidden = config["hidden_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    inter = config["intermediate_size"]
+    weights: dict[str, torch.Tensor] = {}
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        weights[name] = torch.randn(shape, generator=_generator(seed, name)) * std
+
+    def norm(name: str) -> None:
+        weights[name] = torch.rand(hidden, generator=_generator(seed, name)) + 0.5
+
+    normal("model.embed_tokens.weight", (config["vocab_size"], hidden), 1.0)
+    for i in range(config["num_hidden_layers"]):
+        layer = f"model.layers.{i}."
+        projections = {
+            "self_attn.q_proj": (q_dim, hidden, QK_SCALE),
+            "self_attn.k_proj": (kv_dim, hidden, QK_SCALE),
+            "self_attn.v_proj": (kv_dim, hidden, 1.0),
+            "self_attn.o_proj": (hidden, q_dim, O_SCALE),
+            "mlp.gate_proj": (inter, hidden, 1.0),
+            "mlp.up_proj": (inter, hidden, 1.0),
+            "mlp.down_proj": (hidden, inter, MLP_SCALE),
+        }
+        for name, (rows, cols, scale) in projections.items():
+            normal(f"{layer}{name}.weight", (rows, cols), scale / cols**0.5)
+            if config["model_type"] == "qwen2" and name in QWEN2_BIASES:
+                normal(f"{layer}{name}.bias", (rows,), BIAS_SCALE * scale)
+        norm(f"{layer}input_layernorm.weight")
+        norm(f"{layer}post_attention_layernorm.weight")
+    norm("model.norm.weight")
+    normal("lm_head.weight", (config["vocab_size"], hidden), LM_HEAD_SCALE / hidden**0.5)
+    return weights
+
+
+def _generator(seed: int, name: str) -> torch.Generator:
+    digest = hashlib.sha256(f"{seed}/{name}".encode()).digest()
+    return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+
+
+def _write_json(path: Path, data: dict[str, Any]) -> None:
+    path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

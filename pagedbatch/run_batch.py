@@ -1,0 +1,52 @@
+"""`pagedbatch run-batch`: an OpenAI batch input file through a local model, without a server."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+from tqdm import tqdm
+
+from pagedbatch.api.schemas.batch_lines import BatchOutputLine
+from pagedbatch.engine import EngineArgs, LLMEngine
+from pagedbatch.workers.batch_runner import BatchProgress, BatchRunner
+
+
+def run_batch(
+    input_path: str | Path,
+    output_path: str | Path,
+    model_dir: str | Path,
+    *,
+    show_progress: bool = True,
+    **engine_args: Any,
+) -> BatchProgress:
+    """Writes one output line to `output_path` per input line, as each finishes.
+
+    `engine_args` are EngineArgs fields (max_num_seqs, num_kv_blocks, served_model_name, ...).
+    With `show_progress`, a progress bar on stderr shows lines, tokens/s and the ETA.
+    """
+    args = EngineArgs(model=str(model_dir), **engine_args)
+    runner = BatchRunner(LLMEngine(args), max_in_flight=2 * args.max_num_seqs)
+    # Bytes, not text: a line that is not UTF-8 becomes an error line instead of ending the run.
+    with (
+        open(input_path, "rb") as source,
+        open(output_path, "w", encoding="utf-8", buffering=1) as sink,
+        tqdm(
+            total=_count_lines(input_path), unit="line", desc="run-batch", disable=not show_progress
+        ) as bar,
+    ):
+
+        def write(line: BatchOutputLine) -> None:
+            sink.write(line.model_dump_json() + "\n")
+
+        def on_progress(progress: BatchProgress) -> None:
+            rate = progress.generated_tokens / max(bar.format_dict["elapsed"], 1e-3)
+            bar.set_postfix_str(f"{rate:.1f} tok/s, {progress.lines_failed} failed", refresh=False)
+            bar.update(progress.lines_done - bar.n)
+
+        return runner.run(source, write, on_progress)
+
+
+def _count_lines(path: str | Path) -> int:
+    with open(path, "rb") as f:
+        return sum(1 for line in f if line.strip())

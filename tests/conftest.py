@@ -1,0 +1,49 @@
+"""Fixtures shared by every test package: generated checkpoints, built once per session."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from pagedbatch.make_model import make_model
+
+MakeCheckpoint = Callable[..., Path]
+
+
+@pytest.fixture(scope="session")
+def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
+    """`make_checkpoint(arch, size="tiny", **config_overrides)`: a checkpoint directory.
+
+    Each distinct set of arguments is built once per session; treat the directory as read-only.
+    """
+    built: dict[str, Path] = {}
+
+    def make(arch: str, size: str = "tiny", **config_overrides: Any) -> Path:
+        key = json.dumps([arch, size, config_overrides], sort_keys=True)
+        if key not in built:
+            out_dir = tmp_path_factory.mktemp(f"{arch}-{size}")
+            built[key] = make_model(
+                out_dir, arch=arch, size=size, config_overrides=config_overrides
+            )
+        return built[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
+def tiny_llama(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_mistral(make_checkpoint: MakeCheckpoint) -> Path:
+    return make_checkpoint("mistral")

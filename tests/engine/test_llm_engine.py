@@ -1,0 +1,204 @@
+"""The engine loop: cancellation, timeouts, priorities, bad input, and blocks always returned."""
+
+import asyncio
+import json
+import shutil
+import time
+
+import pytest
+
+from pagedbatch.engine import AsyncLLM, EngineArgs, LLMEngine, SamplingParams
+
+LONG = SamplingParams(temperature=0, max_tokens=200, ignore_eos=True)
+
+
+def make_engine(model_dir, **kwargs) -> LLMEngine:
+    return LLMEngine(
+        EngineArgs(model=str(model_dir), num_kv_blocks=kwargs.pop("blocks", 128), **kwargs)
+    )
+
+
+def run_to_completion(engine: LLMEngine) -> list[str]:
+    """Step until idle; returns request ids in the order they finished."""
+    order = []
+    while engine.has_unfinished_requests():
+        order += [o.request_id for o in engine.step() if o.finished]
+    return order
+
+
+def assert_pool_whole(engine: LLMEngine):
+    stats = engine.get_stats()
+    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
+
+
+def test_abort_frees_blocks_and_reports_abort(tiny_llama):
+    engine = make_engine(tiny_llama)
+    engine.add_request("a", "one two three", LONG)
+    engine.add_request("b", "four five six", LONG)
+    for _ in range(3):
+        engine.step()
+    assert engine.abort_request("a")
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["a"].finished and outputs["a"].finish_reason == "abort"
+    engine.abort_request("b")
+    run_to_completion(engine)
+    assert_pool_whole(engine)
+    assert not engine.abort_request("a")  # already gone
+
+
+def test_aborting_a_waiting_request_works_too(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_seqs=1)
+    engine.add_request("running", "a b c", LONG)
+    engine.add_request("queued", "d e f", LONG)
+    engine.step()
+    engine.abort_request("queued")
+    outputs = {o.request_id: o for o in engine.step()}
+    assert outputs["queued"].finish_reason == "abort"
+    assert outputs["queued"].token_ids == []
+
+
+def test_timeout_aborts_by_the_next_step(tiny_llama):
+    engine = make_engine(tiny_llama)
+    engine.add_request("slow", "x y z", LONG, timeout=0.05)
+    engine.step()
+    time.sleep(0.06)
+    (output,) = engine.step()
+    assert output.finished and output.finish_reason == "abort"
+    assert output.error == "request timed out"
+    assert_pool_whole(engine)
+
+
+def test_later_high_priority_request_finishes_first_under_a_full_engine(tiny_llama):
+    engine = make_engine(tiny_llama, max_num_seqs=2)
+    for i in range(4):
+        engine.add_request(f"batch-{i}", f"batch work {i}", LONG, priority=10)
+    for _ in range(3):
+        engine.step()
+    engine.add_request(
+        "urgent", "realtime", SamplingParams(max_tokens=20, ignore_eos=True), priority=0
+    )
+    order = run_to_completion(engine)
+    assert order[0] == "urgent"
+    assert engine.get_stats()["preemptions"] >= 1
+    assert_pool_whole(engine)
+
+
+def test_prompt_longer_than_the_context_is_refused_clearly(tiny_llama):
+    engine = make_engine(tiny_llama, max_model_len=64)
+    with pytest.raises(ValueError, match="maximum context length is 64"):
+        engine.add_request("long", list(range(10, 80)), SamplingParams())
+    with pytest.raises(ValueError, match="max_tokens"):
+        engine.add_request("long", list(range(10, 50)), SamplingParams(max_tokens=40))
+    # Nothing else disturbed: the engine still serves.
+    engine.add_request("ok", "fine", SamplingParams(max_tokens=4, ignore_eos=True))
+    assert run_to_completion(engine) == ["ok"]
+
+
+def test_bad_token_ids_and_duplicate_ids_are_refused(tiny_llama):
+    engine = make_engine(tiny_llama)
+    with pytest.raises(ValueError, match="token ids"):
+        engine.add_request("x", [1, 10**9], SamplingParams())
+    with pytest.raises(ValueError, match="empty"):
+        engine.add_request("x", [], SamplingParams())
+    engine.add_request("x", "hi", SamplingParams(max_tokens=2))
+    with pytest.raises(ValueError, match="already in use"):
+        engine.add_request("x", "hi", SamplingParams())
+
+
+def test_unknown_architecture_names_itself(tiny_llama, tmp_path):
+    model_dir = tmp_path / "odd"
+    shutil.copytree(tiny_llama, model_dir)
+    config = json.loads((model_dir / "config.json").read_text())
+    config["architectures"] = ["FooForCausalLM"]
+    (model_dir / "config.json").write_text(json.dumps(config))
+    with pytest.raises(ValueError, match="FooForCausalLM"):
+        make_engine(model_dir)
+
+
+def test_broken_checkpoint_is_reported(tiny_llama, tmp_path):
+    model_dir = tmp_path / "broken"
+    shutil.copytree(tiny_llama, model_dir)
+    weights = model_dir / "model.safetensors"
+    weights.write_bytes(weights.read_bytes()[: weights.stat().st_size // 2])
+    with pytest.raises(ValueError, match="model.safetensors"):
+        make_engine(model_dir)
+
+
+def test_missing_config_is_reported(tmp_path):
+    with pytest.raises(ValueError, match="config.json"):
+        make_engine(tmp_path)
+
+
+def test_failing_logits_processor_fails_only_its_request(tiny_llama):
+    def explode(_ids, _row):
+        raise RuntimeError("boom")
+
+    engine = make_engine(tiny_llama)
+    engine.add_request("bad", "a", SamplingParams(max_tokens=5, logits_processors=[explode]))
+    engine.add_request("good", "b", SamplingParams(max_tokens=5, ignore_eos=True))
+    results = {}
+    while engine.has_unfinished_requests():
+        results.update({o.request_id: o for o in engine.step() if o.finished})
+    assert results["bad"].finish_reason == "error" and "boom" in results["bad"].error
+    assert results["good"].finish_reason == "length" and len(results["good"].token_ids) == 5
+    assert_pool_whole(engine)
+
+
+def test_async_stream_grows_and_matches_offline(tiny_llama):
+    async def main():
+        llm = AsyncLLM(tiny_llama, num_kv_blocks=128)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            texts, last = [], None
+            async for out in llm.generate("stream me", params):
+                texts.append(out.text)
+                last = out
+            assert last.finished and len(last.token_ids) == 12
+            assert all(b.startswith(a) for a, b in zip(texts, texts[1:], strict=False))
+            return last
+        finally:
+            llm.shutdown()
+
+    streamed = asyncio.run(main())
+    engine = make_engine(tiny_llama)
+    engine.add_request(
+        "x", "stream me", SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    )
+    final = None
+    while engine.has_unfinished_requests():
+        final = engine.step()[-1]
+    assert final.token_ids == streamed.token_ids and final.text == streamed.text
+
+
+def test_async_client_leaving_early_aborts_and_frees_blocks(tiny_llama):
+    async def main():
+        llm = AsyncLLM(tiny_llama, num_kv_blocks=128)
+        try:
+            stream = llm.generate("walk away", LONG)
+            async for out in stream:
+                if len(out.token_ids) >= 3:
+                    break
+            await stream.aclose()
+            for _ in range(100):
+                stats = await llm.get_stats()
+                if stats["running"] == 0 and stats["free_kv_blocks"] == stats["total_kv_blocks"]:
+                    return stats
+                await asyncio.sleep(0.02)
+            raise AssertionError(f"blocks not returned: {stats}")
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())
+
+
+def test_async_bad_request_raises_before_streaming(tiny_llama):
+    async def main():
+        llm = AsyncLLM(tiny_llama, num_kv_blocks=128, max_model_len=32)
+        try:
+            with pytest.raises(ValueError, match="context length"):
+                async for _ in llm.generate(list(range(10, 60)), SamplingParams()):
+                    pass
+        finally:
+            llm.shutdown()
+
+    asyncio.run(main())

@@ -1,0 +1,76 @@
+import pytest
+
+from pagedbatch.engine.request import IllegalTransition, Request, RequestStatus
+from pagedbatch.engine.sampling_params import SamplingParams
+
+
+def make_request() -> Request:
+    return Request("r", [1, 2, 3], SamplingParams())
+
+
+def test_request_moves_through_its_states():
+    r = make_request()
+    assert r.status is RequestStatus.WAITING
+    r.transition(RequestStatus.RUNNING)
+    r.transition(RequestStatus.PREEMPTED)
+    r.transition(RequestStatus.RUNNING)
+    r.transition(RequestStatus.FINISHED_LENGTH)
+    assert r.finished and r.finish_reason == "length"
+
+
+@pytest.mark.parametrize(
+    "path",
+    [
+        [RequestStatus.PREEMPTED],  # waiting cannot be preempted
+        [RequestStatus.FINISHED_STOPPED],  # nothing was generated while waiting
+        [RequestStatus.RUNNING, RequestStatus.FINISHED_ABORTED, RequestStatus.RUNNING],
+        [RequestStatus.RUNNING, RequestStatus.WAITING],
+    ],
+)
+def test_illegal_transitions_raise(path):
+    r = make_request()
+    with pytest.raises(IllegalTransition):
+        for status in path:
+            r.transition(status)
+
+
+def test_waiting_and_preempted_requests_can_be_aborted():
+    r = make_request()
+    r.transition(RequestStatus.FINISHED_ABORTED)
+    assert r.finish_reason == "abort"
+    r = make_request()
+    r.transition(RequestStatus.RUNNING)
+    r.transition(RequestStatus.PREEMPTED)
+    r.transition(RequestStatus.FINISHED_ABORTED)
+
+
+def test_sort_key_puts_lower_priority_number_then_earlier_arrival_first():
+    a = Request("a", [1], SamplingParams(), priority=1, arrival_time=1.0)
+    b = Request("b", [1], SamplingParams(), priority=0, arrival_time=2.0)
+    c = Request("c", [1], SamplingParams(), priority=0, arrival_time=3.0)
+    assert sorted([a, c, b], key=lambda r: r.sort_key) == [b, c, a]
+
+
+@pytest.mark.parametrize(
+    "kwargs, field",
+    [
+        ({"temperature": -0.1}, "temperature"),
+        ({"temperature": 2.5}, "temperature"),
+        ({"top_p": 0.0}, "top_p"),
+        ({"top_k": -2}, "top_k"),
+        ({"max_tokens": 0}, "max_tokens"),
+        ({"n": 0}, "n"),
+        ({"logprobs": 21}, "logprobs"),
+        ({"stop": [""]}, "stop"),
+        ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
+        ({"repetition_penalty": 0.0}, "repetition_penalty"),
+    ],
+)
+def test_bad_sampling_values_name_the_field(kwargs, field):
+    with pytest.raises(ValueError, match=field):
+        SamplingParams(**kwargs)
+
+
+def test_sampling_params_normalise_stop_and_top_k():
+    p = SamplingParams(stop="END", top_k=-1)
+    assert p.stop == ["END"] and p.top_k == 0

@@ -1,0 +1,154 @@
+"""The scheduler on its own: real requests and block tables, tokens appended by hand."""
+
+import pytest
+
+from pagedbatch.engine.kv_cache_manager import KVCacheManager
+from pagedbatch.engine.request import Request, RequestStatus
+from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.scheduler import Scheduler
+
+BLOCK = 4
+
+
+def make_scheduler(num_blocks=64, max_seqs=8, budget=32, policy="priority", caching=True):
+    kv = KVCacheManager(num_blocks, BLOCK, enable_caching=caching)
+    return Scheduler(kv, max_seqs, budget, policy)
+
+
+def req(rid, prompt_len=6, priority=0, arrival=0.0, first=0):
+    prompt = list(range(first, first + prompt_len))
+    return Request(rid, prompt, SamplingParams(), priority=priority, arrival_time=arrival)
+
+
+def run_step(sched):
+    out = sched.schedule()
+    for s in out.scheduled:
+        if s.samples:
+            s.request.output_token_ids.append(1000 + s.request.num_output_tokens)
+    return out
+
+
+def test_prefill_then_decode_within_budget():
+    sched = make_scheduler(budget=32)
+    a, b = req("a", 10, arrival=0), req("b", 7, arrival=1, first=100)
+    sched.add(a)
+    sched.add(b)
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [
+        ("a", 10),
+        ("b", 7),
+    ]
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 1)]
+    assert out.num_tokens == 2
+
+
+def test_long_prompt_is_chunked_to_the_budget():
+    sched = make_scheduler(budget=8)
+    a = req("a", 20)
+    sched.add(a)
+    chunks = []
+    while a.num_output_tokens == 0:
+        out = run_step(sched)
+        chunks.append(
+            (out.scheduled[0].start, out.scheduled[0].num_new_tokens, out.scheduled[0].samples)
+        )
+    assert chunks == [(0, 8, False), (8, 8, False), (16, 4, True)]
+
+
+def test_running_decodes_come_before_new_prefills():
+    sched = make_scheduler(budget=8)
+    a = req("a", 4, arrival=0)
+    sched.add(a)
+    run_step(sched)
+    sched.add(req("b", 20, arrival=1))
+    out = run_step(sched)
+    assert [(s.request.request_id, s.num_new_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
+
+
+def test_max_num_seqs_bounds_the_batch():
+    sched = make_scheduler(max_seqs=2)
+    for i in range(3):
+        sched.add(req(f"r{i}", 4, arrival=i))
+    out = run_step(sched)
+    assert len(out.scheduled) == 2 and len(sched.waiting) == 1
+
+
+def test_out_of_blocks_preempts_the_latest_lowest_priority_request():
+    # 6 blocks of 4 tokens: three 8-token prompts fill the pool.
+    sched = make_scheduler(num_blocks=6, budget=64)
+    a, b, c = (req(rid, 8, arrival=i, first=100 * i) for i, rid in enumerate("abc"))
+    for r in (a, b, c):
+        sched.add(r)
+    run_step(sched)
+    out = run_step(sched)  # each now needs a third block for its 9th token: none free
+    assert c in out.preempted and c.status is RequestStatus.PREEMPTED
+    assert c.num_computed_tokens == 0 and sched.kv.block_ids("c") == []
+    assert {s.request.request_id for s in out.scheduled} == {"a", "b"}
+
+
+def test_higher_priority_waiting_request_preempts_a_running_one():
+    sched = make_scheduler(max_seqs=1)
+    low = req("low", 4, priority=5, arrival=0)
+    sched.add(low)
+    run_step(sched)
+    high = req("high", 4, priority=0, arrival=1, first=40)
+    sched.add(high)
+    out = run_step(sched)
+    assert low in out.preempted
+    assert [s.request.request_id for s in out.scheduled] == ["high"]
+
+
+def test_fcfs_ignores_priority():
+    sched = make_scheduler(max_seqs=1, policy="fcfs")
+    first = req("first", 4, priority=5, arrival=0)
+    sched.add(first)
+    run_step(sched)
+    sched.add(req("urgent", 4, priority=0, arrival=1))
+    out = run_step(sched)
+    assert [s.request.request_id for s in out.scheduled] == ["first"]
+
+
+def test_shared_prefix_is_served_from_cache():
+    sched = make_scheduler()
+    a = req("a", 10)
+    sched.add(a)
+    run_step(sched)
+    b = req("b", 10, arrival=1)  # same 10 prompt tokens
+    sched.add(b)
+    out = run_step(sched)
+    placed = {s.request.request_id: s for s in out.scheduled}
+    # Two full blocks (8 tokens) hit; the rest is computed.
+    assert b.num_cached_tokens == 8 and placed["b"].start == 8 and placed["b"].num_new_tokens == 2
+    assert sched.kv.block_ids("a")[:2] == sched.kv.block_ids("b")[:2]
+    assert sched.kv.pool.prefix_hits == 8
+
+
+def test_fully_cached_prompt_still_computes_its_last_token():
+    sched = make_scheduler()
+    a = req("a", 8)
+    sched.add(a)
+    run_step(sched)
+    b = req("b", 8, arrival=1)
+    sched.add(b)
+    out = run_step(sched)
+    placed = {s.request.request_id: s for s in out.scheduled}
+    assert placed["b"].num_new_tokens == 4 and placed["b"].samples  # one block reused, not two
+
+
+def test_finishing_every_request_returns_every_block():
+    sched = make_scheduler(num_blocks=10, budget=16)
+    requests = [req(f"r{i}", 5 + i, arrival=i, first=10 * i) for i in range(5)]
+    for r in requests:
+        sched.add(r)
+    for _ in range(12):
+        run_step(sched)
+    for r in list(sched.running) + list(sched.waiting):
+        sched.finish(r, RequestStatus.FINISHED_ABORTED)
+    assert sched.kv.pool.num_free_blocks == 10
+    assert sched.num_unfinished == 0
+
+
+def test_bad_policy_is_refused():
+    with pytest.raises(ValueError, match="policy"):
+        make_scheduler(policy="random")

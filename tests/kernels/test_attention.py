@@ -1,0 +1,218 @@
+"""Paged attention and the KV cache write, against a dense per-sequence reference."""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass
+
+import pytest
+import torch
+from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
+
+from pagedbatch.kernels import attention
+from pagedbatch.kernels.attention import paged_attention, prepare_attention, reshape_and_cache
+
+BLOCK_SIZE = 16
+HEAD_DIM = 32
+PAD_BLOCK = 2**30  # block-table padding: any read of it fails loudly
+
+# (seq_len, query_len) per sequence, in batch order
+SCENARIOS = {
+    "decode": [(1, 1), (16, 1), (17, 1), (33, 1), (40, 1)],
+    "prefill": [(5, 5), (16, 16), (23, 23), (2, 2)],
+    "chunked_prefill": [(40, 8), (48, 16), (20, 3), (33, 17)],
+    "mixed": [(30, 1), (17, 1), (1, 1), (25, 25), (50, 10)],
+    "mixed_unordered": [(25, 25), (30, 1), (50, 10), (2, 1)],
+    "decode_lengths_spread": [(700, 1), (40, 1), (31, 1), (20, 1), (3, 1)],
+}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 3e-2, torch.float16: 3e-3}
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor
+    key_cache: torch.Tensor
+    value_cache: torch.Tensor
+    block_tables: torch.Tensor
+    query_start_loc: torch.Tensor
+    seq_lens: torch.Tensor
+    blocks: list[list[int]]  # each sequence's blocks, unpadded
+
+
+def context_slots(blocks: list[int], seq_len: int) -> torch.Tensor:
+    """Cache slots of positions 0..seq_len-1 of a sequence stored in `blocks`."""
+    return torch.tensor(
+        [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len)]
+    )
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+) -> Batch:
+    """A batch whose whole context is already cached, in shuffled blocks of a cache whose other
+    slots hold NaN."""
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [math.ceil(seq_len / BLOCK_SIZE) for seq_len, _ in seqs]
+    num_blocks = sum(blocks_needed) + 3
+    ids = torch.randperm(num_blocks, generator=gen).tolist()
+    blocks = []
+    for n in blocks_needed:
+        blocks.append(ids[:n])
+        ids = ids[n:]
+    block_tables = torch.full((len(seqs), max(blocks_needed) + 2), PAD_BLOCK, dtype=torch.int32)
+    for i, seq_blocks in enumerate(blocks):
+        block_tables[i, : len(seq_blocks)] = torch.tensor(seq_blocks)
+
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    key_cache = torch.full(shape, float("nan"), dtype=dtype)
+    value_cache = torch.full(shape, float("nan"), dtype=dtype)
+    for seq_blocks, (seq_len, _) in zip(blocks, seqs, strict=True):
+        slots = context_slots(seq_blocks, seq_len)
+        kv = torch.randn(2, seq_len, num_kv_heads, HEAD_DIM, generator=gen)
+        key_cache.view(-1, num_kv_heads, HEAD_DIM)[slots] = kv[0].to(dtype)
+        value_cache.view(-1, num_kv_heads, HEAD_DIM)[slots] = kv[1].to(dtype)
+
+    num_tokens = sum(q_len for _, q_len in seqs)
+    # The model slices q out of a fused QKV projection, so the query is a strided view.
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen)
+    query = qkv.to(dtype)[:, : num_heads * HEAD_DIM].view(num_tokens, num_heads, HEAD_DIM)
+    q_lens = torch.tensor([q_len for _, q_len in seqs])
+    return Batch(
+        query=query,
+        key_cache=key_cache,
+        value_cache=value_cache,
+        block_tables=block_tables,
+        query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]),
+        seq_lens=torch.tensor([seq_len for seq_len, _ in seqs]),
+        blocks=blocks,
+    )
+
+
+def reference_attention(batch: Batch, scale: float, window: int | None) -> torch.Tensor:
+    """Dense float64 attention, one sequence at a time, masked by transformers' own mask rules."""
+    mask_fn = (
+        causal_mask_function if window is None else sliding_window_causal_mask_function(window)
+    )
+    num_heads = batch.query.shape[1]
+    group = num_heads // batch.key_cache.shape[2]
+    out = torch.empty(batch.query.shape, dtype=torch.float64)
+    starts = batch.query_start_loc.tolist()
+    for i, seq_len in enumerate(batch.seq_lens.tolist()):
+        start, end = starts[i], starts[i + 1]
+        slots = context_slots(batch.blocks[i], seq_len)
+        k = batch.key_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        v = batch.value_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
+        q = batch.query[start:end].double()
+        q_pos = torch.arange(seq_len - (end - start), seq_len)[:, None]
+        k_pos = torch.arange(seq_len)[None, :]
+        allowed = mask_fn(0, 0, q_pos, k_pos)
+        scores = torch.einsum("qhd,khd->hqk", q, k) * scale
+        scores = scores.masked_fill(~allowed, float("-inf"))
+        out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
+    return out
+
+
+def run(batch: Batch, scale: float, window: int | None) -> torch.Tensor:
+    meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
+    return paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, scale, window)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
+@pytest.mark.parametrize("heads", [(4, 4), (6, 2)], ids=["mha", "gqa3"])
+@pytest.mark.parametrize("scenario", SCENARIOS)
+def test_matches_dense_reference(scenario, heads, window, dtype):
+    batch = make_batch(SCENARIOS[scenario], *heads, dtype=dtype)
+    scale = HEAD_DIM**-0.5
+    out = run(batch, scale, window)
+    assert out.shape == batch.query.shape and out.dtype == dtype
+    expected = reference_attention(batch, scale, window)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("window", [1, 16, 17, 10_000])
+def test_window_edges(window):
+    batch = make_batch([(40, 1), (33, 33), (48, 16)], 6, 2)
+    out = run(batch, 0.2, window)
+    torch.testing.assert_close(
+        out.double(), reference_attention(batch, 0.2, window), atol=1e-5, rtol=0
+    )
+
+
+@pytest.fixture
+def small_gather_budget(monkeypatch):
+    """Gathers of 128 rows (2 KV heads of HEAD_DIM float32): real batches then span several
+    gather chunks, and a long prefill outgrows the reused buffer."""
+    monkeypatch.setattr(attention, "_GATHER_BYTES", 128 * 2 * 2 * HEAD_DIM * 4)
+    monkeypatch.setattr(attention, "_local", threading.local())
+
+
+@pytest.mark.usefixtures("small_gather_budget")
+@pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        SCENARIOS["decode"] + [(45, 1), (60, 1), (2, 1), (130, 1)],
+        SCENARIOS["mixed"] + [(200, 200), (300, 50)],
+    ],
+    ids=["decode", "mixed_long"],
+)
+def test_batches_larger_than_one_gather(seqs, window):
+    batch = make_batch(seqs, 6, 2)
+    out = run(batch, 0.2, window)
+    expected = reference_attention(batch, 0.2, window)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_one_metadata_serves_layers_with_different_windows():
+    batch = make_batch(SCENARIOS["mixed"], 6, 2)
+    meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
+    for window in [None, 7, None, 7]:
+        out = paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, 0.3, window)
+        expected = reference_attention(batch, 0.3, window)
+        torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_prepare_attention_derives_positions_slots_and_rope_lengths():
+    batch = make_batch([(18, 1), (20, 4)], 4, 4)
+    meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
+    (b0, b1), (c0, c1) = batch.blocks
+    assert meta.positions.tolist() == [17, 16, 17, 18, 19]
+    assert meta.slot_mapping.tolist() == [
+        b1 * BLOCK_SIZE + 1,
+        c1 * BLOCK_SIZE + 0,
+        c1 * BLOCK_SIZE + 1,
+        c1 * BLOCK_SIZE + 2,
+        c1 * BLOCK_SIZE + 3,
+    ]
+    assert meta.rope_seq_lens.tolist() == [18, 20, 20, 20, 20]
+    assert (meta.max_query_len, meta.max_seq_len) == (4, 20)
+
+
+def test_reshape_and_cache_writes_where_the_block_table_says():
+    seqs = [(20, 20), (35, 3), (17, 1)]
+    batch = make_batch(seqs, 4, 2)
+    meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
+    num_tokens = batch.query.shape[0]
+    key = torch.randn(num_tokens, 2, HEAD_DIM)
+    value = torch.randn(num_tokens, 2, HEAD_DIM)
+    untouched_key = batch.key_cache.clone()
+    reshape_and_cache(key, value, batch.key_cache, batch.value_cache, meta.slot_mapping)
+
+    written = torch.zeros(batch.key_cache.shape[:2], dtype=torch.bool)
+    token = 0
+    for seq_blocks, (seq_len, q_len) in zip(batch.blocks, seqs, strict=True):
+        for pos in range(seq_len - q_len, seq_len):
+            block, offset = seq_blocks[pos // BLOCK_SIZE], pos % BLOCK_SIZE
+            assert torch.equal(batch.key_cache[block, offset], key[token])
+            assert torch.equal(batch.value_cache[block, offset], value[token])
+            written[block, offset] = True
+            token += 1
+    torch.testing.assert_close(
+        batch.key_cache[~written], untouched_key[~written], atol=0, rtol=0, equal_nan=True
+    )

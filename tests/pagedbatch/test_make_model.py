@@ -1,0 +1,355 @@
+"""What `make_model` promises: loadable, deterministic checkpoints whose output depends on context.
+
+The engine's correctness oracle is greedy equality with transformers on these checkpoints, so the
+context-sensitivity tests below are what let engine tests catch position, caching and preemption
+bugs: a model that ignored its prompt would hide them.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import subprocess
+import sys
+import unicodedata
+from collections.abc import Callable
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+
+from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
+from pagedbatch.make_model import make_model, model_config
+
+ARCHS = ("llama", "qwen2", "mistral")
+MakeCheckpoint = Callable[..., Path]
+FIRST_SPECIAL_ID = min(SPECIAL_TOKEN_IDS.values())
+
+
+def _param_count_from_config(config: dict) -> int:
+    config = dict(config)
+    hf_config = AutoConfig.for_model(config.pop("model_type"), **config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(hf_config)
+    return sum(p.numel() for p in model.parameters())
+
+
+def _prompt(length: int, seed: int) -> list[int]:
+    generator = torch.Generator().manual_seed(seed)
+    return torch.randint(0, FIRST_SPECIAL_ID, (length,), generator=generator).tolist()
+
+
+def _with_token_changed(prompt: list[int], position: int) -> list[int]:
+    changed = list(prompt)
+    changed[position] = (changed[position] + 1000) % FIRST_SPECIAL_ID
+    return changed
+
+
+def _greedy(model: PreTrainedModel, prompt: list[int], max_tokens: int) -> list[int]:
+    output = model.generate(
+        torch.tensor([prompt]),
+        max_new_tokens=max_tokens,
+        min_new_tokens=max_tokens,  # no early stop on an end-of-sequence token
+        do_sample=False,
+    )
+    return output[0, len(prompt) :].tolist()
+
+
+def _file_hashes(directory: Path) -> dict[str, str]:
+    return {p.name: hashlib.sha256(p.read_bytes()).hexdigest() for p in directory.iterdir()}
+
+
+@pytest.fixture(scope="module", params=ARCHS)
+def tiny_model(request: pytest.FixtureRequest, make_checkpoint: MakeCheckpoint) -> PreTrainedModel:
+    path = make_checkpoint(request.param)
+    return AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+
+
+# The checkpoint on disk
+
+
+def test_checkpoint_holds_config_weights_generation_config_and_tokenizer(tiny_llama: Path) -> None:
+    assert {p.name for p in tiny_llama.iterdir()} == {
+        "config.json",
+        "model.safetensors",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    }
+    weights = load_file(tiny_llama / "model.safetensors")
+    assert {tensor.dtype for tensor in weights.values()} == {torch.float32}
+
+
+@pytest.mark.parametrize(
+    "arch, architecture",
+    [
+        ("llama", "LlamaForCausalLM"),
+        ("qwen2", "Qwen2ForCausalLM"),
+        ("mistral", "MistralForCausalLM"),
+    ],
+)
+def test_config_names_the_architecture_and_a_gqa_shape(arch: str, architecture: str) -> None:
+    config = model_config(arch, "tiny")
+    assert config["architectures"] == [architecture]
+    assert config["model_type"] == arch
+    assert config["torch_dtype"] == config["dtype"] == "float32"
+    assert config["vocab_size"] == 16384
+    assert config["max_position_embeddings"] == 2048
+    assert config["rope_theta"] == 10000.0
+    assert config["rms_norm_eps"] == 1e-6
+    assert config["num_key_value_heads"] < config["num_attention_heads"]
+
+
+def test_small_and_medium_have_a_longer_context() -> None:
+    assert model_config("llama", "small")["max_position_embeddings"] == 4096
+    assert model_config("llama", "medium")["max_position_embeddings"] == 4096
+
+
+def test_mistral_has_a_sliding_window_and_qwen2_has_qkv_biases(
+    tiny_llama: Path, tiny_qwen2: Path, tiny_mistral: Path
+) -> None:
+    assert json.loads((tiny_mistral / "config.json").read_text())["sliding_window"] == 4096
+
+    def biases(path: Path) -> set[str]:
+        names = load_file(path / "model.safetensors")
+        return {name.split(".")[-2] for name in names if name.endswith(".bias")}
+
+    assert biases(tiny_qwen2) == {"q_proj", "k_proj", "v_proj"}
+    assert biases(tiny_llama) == biases(tiny_mistral) == set()
+
+
+def test_config_overrides_are_merged_last(make_checkpoint: MakeCheckpoint) -> None:
+    rope_scaling = {"rope_type": "linear", "factor": 2.0}
+    path = make_checkpoint("llama", rope_scaling=rope_scaling, max_position_embeddings=4096)
+    config = json.loads((path / "config.json").read_text())
+    assert config["rope_scaling"] == rope_scaling
+    assert config["max_position_embeddings"] == 4096
+    assert AutoConfig.from_pretrained(path).rope_parameters["rope_type"] == "linear"
+
+
+def test_overrides_that_keep_the_shapes_keep_the_weights(
+    tiny_mistral: Path, make_checkpoint: MakeCheckpoint
+) -> None:
+    windowed = make_checkpoint("mistral", sliding_window=16)
+    assert (windowed / "model.safetensors").read_bytes() == (
+        tiny_mistral / "model.safetensors"
+    ).read_bytes()
+
+
+def test_same_arguments_give_byte_identical_files(tmp_path: Path) -> None:
+    first = _file_hashes(make_model(tmp_path / "first", arch="qwen2", seed=3))
+    second = _file_hashes(make_model(tmp_path / "second", arch="qwen2", seed=3))
+    other_seed = _file_hashes(make_model(tmp_path / "other", arch="qwen2", seed=4))
+    assert first == second
+    assert other_seed["model.safetensors"] != first["model.safetensors"]
+    assert other_seed["tokenizer.json"] == first["tokenizer.json"]
+
+
+def test_tokenizer_training_does_not_depend_on_the_process_or_thread_count() -> None:
+    build = "import sys, pagedbatch.demo_tokenizer as t; sys.stdout.write(t.tokenizer_json())"
+    env = os.environ | {"RAYON_NUM_THREADS": "1", "PYTHONHASHSEED": "1"}
+    rebuilt = subprocess.run(
+        [sys.executable, "-c", build], env=env, capture_output=True, text=True, check=True
+    ).stdout
+    assert rebuilt == tokenizer_json()
+
+
+@pytest.mark.parametrize(
+    "size, low, high", [("tiny", 2e6, 10e6), ("small", 80e6, 130e6), ("medium", 450e6, 600e6)]
+)
+def test_parameter_counts(size: str, low: float, high: float) -> None:
+    assert low <= _param_count_from_config(model_config("llama", size)) <= high
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_transformers_loads_every_weight(arch: str, make_checkpoint: MakeCheckpoint) -> None:
+    _, info = AutoModelForCausalLM.from_pretrained(
+        make_checkpoint(arch), dtype=torch.float32, output_loading_info=True
+    )
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+
+
+# The tokenizer
+
+
+TRICKY_TEXT = (
+    "Hello,  world!\n\tTabs & 'quotes' \"double\"; emoji 🎉👩‍💻, CJK 你好，世界, "
+    "e\u0301 vs é, NUL \x00, <|not_special|>, trailing space "
+)
+
+
+def test_tokenizer_round_trips_any_text_exactly(tiny_llama: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    ids = tokenizer.encode(TRICKY_TEXT)
+    assert tokenizer.decode(ids) == TRICKY_TEXT
+
+
+def test_every_architecture_tokenizes_alike_but_qwen2_normalises_to_nfc(
+    tiny_llama: Path, tiny_qwen2: Path, tiny_mistral: Path
+) -> None:
+    llama, qwen2, mistral = (
+        AutoTokenizer.from_pretrained(p) for p in (tiny_llama, tiny_qwen2, tiny_mistral)
+    )
+    nfc_text = unicodedata.normalize("NFC", TRICKY_TEXT)
+    assert llama.encode(nfc_text) == qwen2.encode(nfc_text) == mistral.encode(nfc_text)
+    assert qwen2.decode(qwen2.encode(TRICKY_TEXT)) == nfc_text != TRICKY_TEXT
+
+
+def test_special_tokens_take_the_last_ids_and_no_bos_is_added(tiny_llama: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    assert len(tokenizer) == 16384
+    assert SPECIAL_TOKEN_IDS == {ENDOFTEXT: 16381, IM_START: 16382, IM_END: 16383}
+    assert tokenizer.convert_tokens_to_ids([ENDOFTEXT, IM_START, IM_END]) == [16381, 16382, 16383]
+    assert tokenizer.bos_token is None
+    assert (tokenizer.eos_token, tokenizer.pad_token) == (IM_END, ENDOFTEXT)
+    assert sorted(tokenizer.all_special_ids) == [16381, 16382, 16383]
+    assert tokenizer.encode(f"{IM_START}hi{IM_END}") == [16382, *tokenizer.encode("hi"), 16383]
+    assert all(i < FIRST_SPECIAL_ID for i in tokenizer.encode("hi"))
+    assert (
+        tokenizer.decode([16382, *tokenizer.encode("hi"), 16383], skip_special_tokens=True) == "hi"
+    )
+    generation_config = json.loads((tiny_llama / "generation_config.json").read_text())
+    assert generation_config["eos_token_id"] == [16383, 16381]
+
+
+# The chat template
+
+
+WEATHER_TOOL = {
+    "type": "function",
+    "function": {
+        "name": "get_weather",
+        "description": "Weather now",
+        "parameters": {"type": "object", "properties": {"city": {"type": "string"}}},
+    },
+}
+
+
+def test_chat_template_renders_chatml_with_a_generation_prompt(tiny_llama: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    messages = [
+        {"role": "user", "content": "Hi"},
+        {"role": "assistant", "content": "Hello!"},
+        {
+            "role": "user",
+            "content": [{"type": "text", "text": "How "}, {"type": "text", "text": "are you?"}],
+        },
+    ]
+    rendered = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert rendered == (
+        "<|im_start|>user\nHi<|im_end|>\n"
+        "<|im_start|>assistant\nHello!<|im_end|>\n"
+        "<|im_start|>user\nHow are you?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+    without_prompt = tokenizer.apply_chat_template(messages, tokenize=False)
+    assert without_prompt == rendered.removesuffix("<|im_start|>assistant\n")
+
+
+def test_chat_template_renders_tools_tool_calls_and_tool_results(tiny_llama: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    messages = [
+        {"role": "system", "content": [{"type": "text", "text": "Be brief."}]},
+        {"role": "user", "content": "Weather in Paris and Köln?"},
+        {
+            "role": "assistant",
+            "content": None,
+            "tool_calls": [
+                # OpenAI sends arguments as a JSON string; transformers users pass a dict.
+                {
+                    "id": "call_1",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": '{"city": "Paris"}'},
+                },
+                {
+                    "id": "call_2",
+                    "type": "function",
+                    "function": {"name": "get_weather", "arguments": {"city": "Köln"}},
+                },
+            ],
+        },
+        {"role": "tool", "tool_call_id": "call_1", "content": "sunny"},
+        {"role": "tool", "tool_call_id": "call_2", "content": [{"type": "text", "text": "rain"}]},
+    ]
+    rendered = tokenizer.apply_chat_template(
+        messages, tools=[WEATHER_TOOL], add_generation_prompt=True, tokenize=False
+    )
+    assert rendered == (
+        "<|im_start|>system\nBe brief.\n\n# Tools\n\n"
+        "You may call one or more functions to assist with the user query.\n\n"
+        "You are provided with function signatures within <tools></tools> XML tags:\n<tools>\n"
+        f"{json.dumps(WEATHER_TOOL)}\n</tools>\n\n"
+        "For each function call, return a json object with function name and arguments within "
+        "<tool_call></tool_call> XML tags:\n<tool_call>\n"
+        '{"name": <function-name>, "arguments": <args-json-object>}\n</tool_call><|im_end|>\n'
+        "<|im_start|>user\nWeather in Paris and Köln?<|im_end|>\n"
+        "<|im_start|>assistant\n"
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n</tool_call>\n'
+        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "Köln"}}\n</tool_call>'
+        "<|im_end|>\n"
+        "<|im_start|>user\n<tool_response>\nsunny\n</tool_response>\n"
+        "<tool_response>\nrain\n</tool_response><|im_end|>\n"
+        "<|im_start|>assistant\n"
+    )
+
+
+def test_chat_template_lists_tools_without_a_system_message(tiny_llama: Path) -> None:
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    messages = [{"role": "user", "content": "Hi"}]
+    rendered = tokenizer.apply_chat_template(messages, tools=[WEATHER_TOOL], tokenize=False)
+    assert rendered.startswith("<|im_start|>system\n# Tools\n\n")
+    assert rendered.endswith("</tool_call><|im_end|>\n<|im_start|>user\nHi<|im_end|>\n")
+
+
+# Context sensitivity: what makes these checkpoints useful to engine tests
+
+
+@pytest.mark.parametrize("position", [0, 1, 8, 23])
+def test_changing_one_prompt_token_changes_the_continuation(
+    tiny_model: PreTrainedModel, position: int
+) -> None:
+    prompt = _prompt(24, seed=1)
+    changed = _with_token_changed(prompt, position)
+    assert _greedy(tiny_model, changed, 32) != _greedy(tiny_model, prompt, 32)
+
+
+def test_continuation_depends_on_tokens_far_back(tiny_model: PreTrainedModel) -> None:
+    prompt = _prompt(300, seed=2)
+    changed = _with_token_changed(prompt, 1)
+    assert _greedy(tiny_model, changed, 32) != _greedy(tiny_model, prompt, 32)
+    # Not merely a near-tie flipped by a tiny change: the next-token logits move visibly.
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([prompt, changed])).logits[:, -1]
+    assert (logits[0] - logits[1]).abs().max() > 0.1
+
+
+def test_continuation_is_varied_and_does_not_cycle(tiny_model: PreTrainedModel) -> None:
+    continuation = _greedy(tiny_model, _prompt(24, seed=3), 64)
+    assert len(set(continuation)) >= 24
+    tail = continuation[-32:]
+    for period in range(1, 17):
+        assert tail[period:] != tail[:-period], f"the continuation repeats every {period} tokens"
+
+
+def test_logits_spread_wide_enough_that_the_top_two_are_rarely_near_ties(
+    tiny_model: PreTrainedModel,
+) -> None:
+    # Greedy equality with transformers is checked in float32: a near-tie could flip either way.
+    prompts = torch.tensor([_prompt(128, seed=seed) for seed in range(8)])
+    with torch.no_grad():
+        logits = tiny_model(prompts).logits.flatten(0, 1)
+    top2 = logits.topk(2, dim=-1).values
+    gaps = top2[:, 0] - top2[:, 1]
+    assert 3.0 < logits.std(dim=-1).mean() < 8.0
+    assert gaps.median() > 0.5
+    assert (gaps < 0.01).float().mean() < 0.02
+
+
+def test_long_prompts_stay_finite(tiny_model: PreTrainedModel) -> None:
+    with torch.no_grad():
+        logits = tiny_model(torch.tensor([_prompt(500, seed=5)])).logits
+    assert torch.isfinite(logits).all()
+    assert logits.abs().max() < 100

@@ -1,0 +1,83 @@
+"""`run_batch`: a batch input file through a local checkpoint into an output file."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from pagedbatch.engine import LLM, SamplingParams
+from pagedbatch.run_batch import run_batch
+
+QUESTIONS = ["What is red?", "Count to three.", "Say hi.", "Why is the sky blue?"]
+
+
+def write_input(path: Path, model: str) -> None:
+    lines = [
+        {
+            "custom_id": f"q{i}",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {
+                "model": model,
+                "messages": [{"role": "user", "content": question}],
+                "temperature": 0,
+                "max_completion_tokens": 6,
+            },
+        }
+        for i, question in enumerate(QUESTIONS)
+    ]
+    lines.append(
+        {
+            "custom_id": "story",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": "Once upon a time", "max_tokens": 5},
+        }
+    )
+    text = "\n".join(json.dumps(line) for line in lines)
+    path.write_text(text + '\n{"custom_id": "broken",\n\n')
+
+
+def test_run_batch(tiny_llama, tmp_path, capsys):
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    model = Path(tiny_llama).resolve().name  # the served name defaults to the directory's name
+    write_input(source, model)
+
+    progress = run_batch(source, target, tiny_llama, max_num_seqs=2, num_kv_blocks=128)
+
+    results = [json.loads(line) for line in target.read_text().splitlines()]
+    assert len(results) == 6 == progress.lines_done
+    assert progress.lines_failed == 1
+    by_id = {r["custom_id"]: r for r in results}
+    assert set(by_id) == {"q0", "q1", "q2", "q3", "story", None}
+    for result in results:
+        assert set(result) == {"id", "custom_id", "response", "error"}
+    assert by_id[None]["response"] is None
+    assert by_id[None]["error"]["code"] == "invalid_json_line"
+
+    llm = LLM(str(tiny_llama), num_kv_blocks=128)
+    templates = [
+        llm.tokenizer.apply_chat_template(
+            [{"role": "user", "content": q}], tokenize=False, add_generation_prompt=True
+        )
+        for q in QUESTIONS
+    ]
+    prompts = [llm.tokenizer.encode(t, add_special_tokens=False) for t in templates]
+    expected = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=6))
+    generated = 0
+    for i, (prompt, output) in enumerate(zip(prompts, expected, strict=True)):
+        response = by_id[f"q{i}"]["response"]
+        assert response["status_code"] == 200
+        body = response["body"]
+        assert body["choices"][0]["message"]["content"] == output.outputs[0].text
+        assert body["usage"]["prompt_tokens"] == len(prompt)
+        assert body["usage"]["completion_tokens"] == len(output.outputs[0].token_ids)
+        generated += body["usage"]["completion_tokens"]
+    story = by_id["story"]["response"]["body"]
+    assert story["object"] == "text_completion"
+    assert story["usage"]["prompt_tokens"] == len(llm.tokenizer.encode("Once upon a time"))
+    assert progress.generated_tokens == generated + story["usage"]["completion_tokens"]
+
+    bar = capsys.readouterr().err
+    assert "6/6" in bar
+    assert "tok/s" in bar
