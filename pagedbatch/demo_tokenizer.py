@@ -13,6 +13,7 @@ simple.
 from __future__ import annotations
 
 import functools
+import itertools
 import json
 import random
 from collections.abc import Iterator
@@ -178,7 +179,7 @@ def _pseudo_words(rng: random.Random, count: int) -> list[str]:
 def _corpus(rng: random.Random) -> Iterator[str]:
     lexicon = _COMMON_WORDS.split() + _CODE_WORDS.split() + _pseudo_words(rng, 30_000)
     # Zipf-distributed ranks, like natural text: frequent words become single tokens.
-    cum_weights = list(_accumulate(1.0 / (rank + 10) for rank in range(len(lexicon))))
+    cum_weights = list(itertools.accumulate(1.0 / (rank + 10) for rank in range(len(lexicon))))
 
     def words(k: int) -> list[str]:
         return rng.choices(lexicon, cum_weights=cum_weights, k=k)
@@ -206,13 +207,6 @@ def _corpus(rng: random.Random) -> Iterator[str]:
                 f"{rng.randint(1900, 2100)}-{rng.randint(1, 12):02d}-{rng.randint(1, 28):02d} "
                 f"{rng.randint(0, 23):02d}:{rng.randint(0, 59):02d} ${rng.randint(0, 10**6):,}"
             )
-
-
-def _accumulate(values: Iterator[float]) -> Iterator[float]:
-    total = 0.0
-    for value in values:
-        total += value
-        yield total
 
 
 @functools.lru_cache(maxsize=1)

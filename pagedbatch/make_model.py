@@ -5,13 +5,15 @@ greedy output repeats one token whatever the prompt, so an engine test built on 
 a correct KV cache from a broken one. These weights are scaled instead so that the model behaves
 like a context-hungry language model:
 
-- q and k projections are large, so attention logits spread over several units: each head
-  attends sharply to a few positions, chosen by content and (through RoPE) relative position,
-  anywhere in the context;
-- v and o projections write attention outputs as large as the token embeddings, so what a head
+- q and k projections are scaled so that attention scores have a standard deviation of about
+  two: each head attends to a handful of positions, chosen by content and (through RoPE) relative
+  position, anywhere in the context. Sharper attention would amplify float32 rounding, and so
+  make near-ties between the top two logits, where two float32 implementations may disagree,
+  more frequent;
+- v and o projections write attention outputs larger than the token embeddings, so what a head
   reads changes the residual stream and therefore the prediction;
-- the LM head gives logits with a standard deviation of a few units, so the top two logits of a
-  greedy step are rarely close enough for float32 rounding to swap them;
+- the LM head gives logits with a standard deviation of about five, a spread like a trained
+  model's: sampling at temperature 1 is neither uniform nor greedy;
 - norm weights and Qwen2's biases are random rather than ones and zeros, so an engine that skips
   them produces different tokens.
 
@@ -99,7 +101,6 @@ def model_config(
         "rope_scaling": None,
         "tie_word_embeddings": False,
         "attention_dropout": 0.0,
-        "initializer_range": 0.02,
         "bos_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
         "eos_token_id": SPECIAL_TOKEN_IDS[IM_END],
         "torch_dtype": "float32",
@@ -109,10 +110,12 @@ def model_config(
     if arch == "llama":
         config |= {"attention_bias": False, "mlp_bias": False}
     elif arch == "qwen2":
-        # Qwen2 always has q/k/v biases; its config says nothing of them.
+        # Qwen2 always has q/k/v biases; its config says nothing of them. With the window switched
+        # on by overrides, layers from max_window_layers on slide: half the layers, a mix to test.
         config |= {"use_sliding_window": False, "sliding_window": None}
-        config["max_window_layers"] = shape.num_layers
+        config["max_window_layers"] = shape.num_layers // 2
     else:
+        # Mistral 7B v0.1's window: longer than tiny's context, so it acts only when overridden.
         config["sliding_window"] = 4096
     return config | (config_overrides or {})
 

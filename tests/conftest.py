@@ -8,10 +8,17 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+import torch
 
 from pagedbatch.make_model import make_model
 
 MakeCheckpoint = Callable[..., Path]
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    # Test models are tiny, so a second thread gains nothing; on a busy two-core machine, OpenMP
+    # threads spinning against other processes made the tests several times slower.
+    torch.set_num_threads(1)
 
 
 @pytest.fixture(scope="session")
