@@ -38,6 +38,68 @@ def engine_kwargs(args: argparse.Namespace) -> dict:
     return {name: getattr(args, name) for name in names}
 
 
+def add_settings_args(parser: argparse.ArgumentParser) -> None:
+    """A flag for every service setting (`--database-url` for PAGEDBATCH_DATABASE_URL, ...);
+    a flag given wins over the environment."""
+    from pagedbatch.settings import Settings
+
+    g = parser.add_argument_group("service settings (also PAGEDBATCH_* environment variables)")
+    for name, field in Settings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        g.add_argument(
+            flag, dest=f"setting_{name}", default=None, metavar=name.upper(), help=field.description
+        )
+
+
+def settings_from_args(args: argparse.Namespace):
+    from pagedbatch.settings import Settings
+
+    given = {
+        name.removeprefix("setting_"): value
+        for name, value in vars(args).items()
+        if name.startswith("setting_") and value is not None
+    }
+    return Settings(**given)
+
+
+def _serve(args: argparse.Namespace) -> int:
+    import uvicorn
+
+    from pagedbatch import service
+
+    settings = settings_from_args(args)
+    if settings.distributed:
+        app = service.api_only(settings)
+        uvicorn.run(app, host=settings.host, port=settings.port)
+        return 0
+    embedded = service.embedded(settings)
+    try:
+        uvicorn.run(embedded.app, host=settings.host, port=settings.port)
+    finally:
+        embedded.shutdown()
+    return 0
+
+
+def _worker(args: argparse.Namespace) -> int:
+    from pagedbatch import service
+
+    settings = settings_from_args(args)
+    if not settings.distributed:
+        raise ValueError("a worker needs a broker: set PAGEDBATCH_BROKER_URL or --broker-url")
+    service.run_worker(settings, concurrency=args.concurrency, beat=args.beat)
+    return 0
+
+
+def _db_upgrade(args: argparse.Namespace) -> int:
+    from pagedbatch.store.migrate import upgrade
+
+    settings = settings_from_args(args)
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    upgrade(settings.resolved_database_url)
+    print(f"database at {settings.resolved_database_url} is up to date")
+    return 0
+
+
 def _make_model(args: argparse.Namespace) -> int:
     from pagedbatch.make_model import make_model
 
@@ -69,6 +131,22 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("-o", "--output", required=True, help="output JSONL")
     add_engine_args(p)
     p.set_defaults(func=_run_batch)
+
+    p = sub.add_parser("serve", help="start the service (embedded unless a broker is set)")
+    add_settings_args(p)
+    p.set_defaults(func=_serve)
+
+    p = sub.add_parser("worker", help="start a GPU worker of the distributed deployment")
+    p.add_argument("--concurrency", type=int, default=4, help="shards run at once")
+    p.add_argument("--beat", action="store_true", help="also run the periodic tasks")
+    add_settings_args(p)
+    p.set_defaults(func=_worker)
+
+    p = sub.add_parser("db", help="the job store's database")
+    db = p.add_subparsers(dest="db_command", required=True)
+    p = db.add_parser("upgrade", help="migrate the database to the current schema")
+    add_settings_args(p)
+    p.set_defaults(func=_db_upgrade)
     return parser
 
 

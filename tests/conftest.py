@@ -1,4 +1,5 @@
-"""Fixtures shared by every test package: generated checkpoints, built once per session."""
+"""Fixtures shared by every test package: generated checkpoints, built once per session, and the
+real services (PostgreSQL, the S3 server) from services.py."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 import pytest
 import torch
+from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 
 from pagedbatch.make_model import make_model
 

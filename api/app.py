@@ -1,0 +1,166 @@
+"""The FastAPI application: routers, OpenAI-shaped errors and request ids.
+
+Every failure a client can see is `{"error": {"message", "type", "param", "code"}}`, and none that
+retrying cannot fix is a 409 or 5xx, which the `openai` SDK retries.
+"""
+
+from __future__ import annotations
+
+import logging
+import re
+import secrets
+from collections.abc import Sequence
+from typing import Any
+
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse
+from starlette.exceptions import HTTPException
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from pagedbatch.api.auth import KeyRing
+from pagedbatch.api.deps import Services
+from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.routes import api_router
+from pagedbatch.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+REQUEST_ID_HEADER = "x-request-id"
+# A client's own id is echoed only if it is short and printable: it ends up in logs and headers.
+_CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
+
+
+def create_app(settings: Settings, services: Services) -> FastAPI:
+    """The app for `services`; `settings` configure the app itself (its API keys). Routes read
+    their limits from `services.settings`, normally the same object."""
+    app = FastAPI(title="pagedbatch", version="0.1.0")
+    app.state.keys = KeyRing(settings.api_keys)
+    app.state.services = services
+    app.include_router(api_router)
+    app.add_api_route("/health", health, methods=["GET"], tags=["health"])
+    app.add_exception_handler(OpenAIError, _openai_error)
+    app.add_exception_handler(RequestValidationError, _validation_error)
+    app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(Exception, _unexpected_error)
+    app.add_middleware(RequestIdMiddleware)
+    return app
+
+
+def health() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+class RequestIdMiddleware:
+    """Gives each request an id (the client's `x-request-id`, or a new `req_...`), which the SDK
+    reports as `request_id`, and sends it back on the response."""
+
+    def __init__(self, app: ASGIApp) -> None:
+        self.app = app
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        request_id = _request_id(Request(scope).headers.get(REQUEST_ID_HEADER))
+        # The state dict is shared with the server-error handler, which runs outside this
+        # middleware and so must set the header on its 500 itself.
+        scope.setdefault("state", {})["request_id"] = request_id
+
+        async def send_with_id(message: Message) -> None:
+            if message["type"] == "http.response.start":
+                headers = [
+                    (name, value)
+                    for name, value in message.get("headers", [])
+                    if name.lower() != REQUEST_ID_HEADER.encode()
+                ]
+                headers.append((REQUEST_ID_HEADER.encode(), request_id.encode()))
+                message = {**message, "headers": headers}
+            await send(message)
+
+        await self.app(scope, receive, send_with_id)
+
+
+def _request_id(sent: str | None) -> str:
+    if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent):
+        return sent
+    return f"req_{secrets.token_hex(16)}"
+
+
+def _error_response(error: OpenAIError, headers: dict[str, str] | None = None) -> JSONResponse:
+    return JSONResponse(error.body(), status_code=error.status_code, headers=headers)
+
+
+async def _openai_error(_request: Request, exc: Exception) -> JSONResponse:
+    assert isinstance(exc, OpenAIError)
+    return _error_response(exc)
+
+
+async def _validation_error(_request: Request, exc: Exception) -> JSONResponse:
+    """FastAPI's 422 for a bad query, header or path parameter becomes OpenAI's 400."""
+    assert isinstance(exc, RequestValidationError)
+    return _error_response(_first_problem(exc.errors()))
+
+
+def _first_problem(errors: Sequence[Any]) -> OpenAIError:
+    error = errors[0]
+    # loc starts with where the value came from ("query", "header", "body", ...).
+    param = _param(error["loc"][1:])
+    if error["type"] == "missing":
+        return OpenAIError(
+            f"Missing required parameter: '{param}'.",
+            param=param,
+            code="missing_required_parameter",
+        )
+    if param is None:
+        return OpenAIError(error["msg"], code="invalid_value")
+    return OpenAIError(
+        f"Invalid value for '{param}': {error['msg']}.", param=param, code="invalid_value"
+    )
+
+
+def _param(loc: Sequence[int | str]) -> str | None:
+    param: str | None = None
+    for step in loc:
+        if isinstance(step, int):
+            param = f"{param or ''}[{step}]"
+        else:
+            param = step if param is None else f"{param}.{step}"
+    return param
+
+
+async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+    """Starlette's own errors: unknown routes (404), wrong methods (405) and the like."""
+    assert isinstance(exc, HTTPException)
+    if exc.status_code == 404:
+        error = OpenAIError(
+            f"Invalid URL ({request.method} {request.url.path})",
+            status_code=404,
+            code="unknown_url",
+        )
+    elif exc.status_code == 405:
+        error = OpenAIError(
+            f"Method {request.method} is not allowed for {request.url.path}",
+            status_code=405,
+            code="method_not_allowed",
+        )
+    else:
+        error = OpenAIError(
+            str(exc.detail),
+            status_code=exc.status_code,
+            type="server_error" if exc.status_code >= 500 else "invalid_request_error",
+        )
+    return _error_response(error, headers=exc.headers)
+
+
+async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
+    request_id = getattr(request.state, "request_id", None) or _request_id(None)
+    # Starlette re-raises after this handler, so the server logs the traceback; this line ties
+    # it to the id the client saw.
+    logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
+    error = OpenAIError(
+        "The server had an error while processing your request.",
+        status_code=500,
+        type="server_error",
+    )
+    return _error_response(error, headers={REQUEST_ID_HEADER: request_id})

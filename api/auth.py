@@ -1,0 +1,58 @@
+"""Bearer-key auth and tenancy.
+
+With `settings.api_keys` set, every `/v1` call must present one of them, and its rows belong to
+an owner id derived from the key; without keys there is one tenant, `DEFAULT_OWNER`. Keys are
+never stored: the owner id is a truncated hash, stable across restarts and key-list reorders.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import hmac
+from collections.abc import Sequence
+from typing import Annotated
+
+from fastapi import Depends, Request
+
+from pagedbatch.api.errors import OpenAIError
+from pagedbatch.store.models import DEFAULT_OWNER
+
+
+def key_owner(key: str) -> str:
+    """The owner id of rows created with `key`."""
+    return "key_" + hashlib.sha256(key.encode()).hexdigest()[:16]
+
+
+class KeyRing:
+    """The configured keys, and which owner a request's `Authorization` header names."""
+
+    def __init__(self, keys: Sequence[str]) -> None:
+        self._owners = [(key.encode(), key_owner(key)) for key in keys]
+
+    def owner(self, authorization: str | None) -> str:
+        if not self._owners:
+            return DEFAULT_OWNER
+        scheme, _, token = (authorization or "").partition(" ")
+        if scheme.lower() != "bearer" or not token.strip():
+            raise _unauthorized(
+                "You didn't provide an API key. Provide it in an Authorization header using "
+                "Bearer auth (i.e. Authorization: Bearer YOUR_KEY)."
+            )
+        presented = token.strip().encode()
+        # Compared with every key in constant time: timing must not tell how close a guess was.
+        owners = [owner for key, owner in self._owners if hmac.compare_digest(presented, key)]
+        if not owners:
+            raise _unauthorized("Incorrect API key provided.")
+        return owners[0]
+
+
+def _unauthorized(message: str) -> OpenAIError:
+    return OpenAIError(message, status_code=401, code="invalid_api_key")
+
+
+def get_owner(request: Request) -> str:
+    keys: KeyRing = request.app.state.keys
+    return keys.owner(request.headers.get("authorization"))
+
+
+OwnerDep = Annotated[str, Depends(get_owner)]

@@ -1,0 +1,47 @@
+"""What routes receive through FastAPI's dependency injection."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass, field
+from typing import Annotated
+
+import anyio
+from fastapi import Depends, Request
+from sqlalchemy.orm import Session, sessionmaker
+
+from pagedbatch.settings import Settings
+from pagedbatch.store.blobs import BlobStore
+from pagedbatch.store.models import now
+from pagedbatch.workers.queue import TaskQueue
+
+
+@dataclass
+class Services:
+    """The process's shared resources, built once by whoever starts the app."""
+
+    settings: Settings
+    session_factory: sessionmaker[Session]
+    blobs: BlobStore
+    queue: TaskQueue | None = None  # where batch work goes; None in a Files-only app
+    served_models: list[str] = field(default_factory=list)
+    started_at: int = field(default_factory=now)  # reported as each served model's `created`
+    # An upload holds a thread for as long as its client takes to send it, so uploads get threads
+    # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.
+    # Uploads beyond this many wait their turn.
+    upload_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(32))
+
+
+def get_services(request: Request) -> Services:
+    return request.app.state.services
+
+
+ServicesDep = Annotated[Services, Depends(get_services)]
+
+
+def get_session(services: ServicesDep) -> Iterator[Session]:
+    with services.session_factory() as session:
+        yield session
+
+
+SessionDep = Annotated[Session, Depends(get_session)]

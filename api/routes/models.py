@@ -1,0 +1,40 @@
+"""`/v1/models`: the model(s) this deployment serves."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel
+
+from pagedbatch.api.deps import ServicesDep
+from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.schemas.lists import ListPage
+
+router = APIRouter(prefix="/models", tags=["models"])
+
+
+class Model(BaseModel):
+    id: str
+    object: Literal["model"] = "model"
+    created: int
+    owned_by: str = "pagedbatch"
+
+
+@router.get("")
+def list_models(services: ServicesDep) -> ListPage[Model]:
+    models = [Model(id=name, created=services.started_at) for name in services.served_models]
+    return ListPage[Model].from_rows(models, len(models), lambda model: model)
+
+
+# `:path` because served names are often Hugging Face ids such as `org/name`.
+@router.get("/{model:path}")
+def retrieve_model(model: str, services: ServicesDep) -> Model:
+    if model not in services.served_models:
+        raise OpenAIError(
+            f"The model '{model}' does not exist",
+            status_code=404,
+            param="model",
+            code="model_not_found",
+        )
+    return Model(id=model, created=services.started_at)

@@ -1,0 +1,132 @@
+"""Assembling the service from settings: the embedded server, the API alone, or a worker.
+
+Embedded (no broker configured): API, task queue and engine in one process, the queue a thread
+pool running the same task functions the Celery workers run. Distributed: the API enqueues on
+Celery and serves no engine; each `pagedbatch worker` runs one engine and the tasks.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+from fastapi import FastAPI
+from sqlalchemy.orm import Session, sessionmaker
+
+from pagedbatch.api.app import create_app
+from pagedbatch.api.deps import Services
+from pagedbatch.engine import AsyncLLM
+from pagedbatch.settings import Settings
+from pagedbatch.store.blobs import BlobStore, make_blob_store
+from pagedbatch.store.db import make_engine, make_session_factory
+from pagedbatch.store.migrate import upgrade
+from pagedbatch.workers.celery_app import CeleryQueue, make_celery
+from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.queue import InProcessQueue
+from pagedbatch.workers.recovery import resume_work
+from pagedbatch.workers.tasks import PERIODIC, run_task
+
+logger = logging.getLogger(__name__)
+
+DEMO_MODEL = "demo-tiny"
+
+
+def model_dir(settings: Settings) -> Path:
+    """The configured model, or the built-in demo model (made on first use)."""
+    if settings.model:
+        return Path(settings.model)
+    path = settings.data_dir / "models" / DEMO_MODEL
+    if not (path / "config.json").is_file():
+        from pagedbatch.make_model import make_model
+
+        logger.info("making the built-in demo model in %s", path)
+        make_model(path, arch="llama", size="tiny")
+    return path
+
+
+def served_model_name(settings: Settings) -> str:
+    return settings.served_model_name or model_dir(settings).resolve().name
+
+
+def start_engine(settings: Settings) -> AsyncLLM:
+    return AsyncLLM(str(model_dir(settings)), served_model_name=served_model_name(settings))
+
+
+def open_store(settings: Settings) -> tuple[sessionmaker[Session], BlobStore]:
+    """The job store, migrated to the current schema, and blob storage."""
+    settings.data_dir.mkdir(parents=True, exist_ok=True)
+    url = settings.resolved_database_url
+    upgrade(url)
+    return make_session_factory(make_engine(url)), make_blob_store(settings)
+
+
+@dataclass
+class Embedded:
+    app: FastAPI
+    context: WorkerContext
+    queue: InProcessQueue
+
+    def shutdown(self) -> None:
+        self.queue.shutdown()
+        if self.context.engine is not None:
+            self.context.engine.shutdown()
+
+
+def embedded(settings: Settings) -> Embedded:
+    session_factory, blobs = open_store(settings)
+    engine = start_engine(settings)
+    ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine)
+    queue = InProcessQueue(lambda name, args: run_task(ctx, name, args))
+    ctx.queue = queue
+    for task in PERIODIC:
+        queue.every(settings.reaper_interval_seconds, task)
+    resume_work(ctx)
+    services = Services(
+        settings=settings,
+        session_factory=session_factory,
+        blobs=blobs,
+        queue=queue,
+        served_models=[engine.engine.model_name],
+    )
+    return Embedded(create_app(settings, services), ctx, queue)
+
+
+def api_only(settings: Settings) -> FastAPI:
+    """The distributed API process: work goes to Celery; no engine here."""
+    session_factory, blobs = open_store(settings)
+    queue = CeleryQueue(make_celery(settings, run=_not_here))
+    services = Services(
+        settings=settings,
+        session_factory=session_factory,
+        blobs=blobs,
+        queue=queue,
+        served_models=[served_model_name(settings)],
+    )
+    return create_app(settings, services)
+
+
+def _not_here(name: str, args: tuple) -> None:
+    raise RuntimeError(f"task {name} was sent to the API process, which runs no tasks")
+
+
+def run_worker(settings: Settings, concurrency: int, beat: bool) -> None:
+    """A Celery worker with one engine, shared by the `concurrency` tasks it runs at once."""
+    session_factory, blobs = open_store(settings)
+    ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=start_engine(settings))
+    app = make_celery(settings, run=lambda name, args: run_task(ctx, name, args))
+    ctx.queue = CeleryQueue(app)
+    resume_work(ctx)
+    argv = [
+        "worker",
+        "--pool=threads",
+        f"--concurrency={concurrency}",
+        "--loglevel=INFO",
+        f"--hostname=pagedbatch-{os.getpid()}@%h",
+        "--without-gossip",
+        "--without-mingle",
+    ]
+    if beat:
+        argv.append("--beat")
+    app.worker_main(argv)

@@ -1,0 +1,165 @@
+"""The job store's tables. Times are Unix seconds (ints), as OpenAI's objects carry them.
+
+`owner` is the tenant: the id of the API key that created the row, or "default" without auth.
+"""
+
+from __future__ import annotations
+
+import enum
+import secrets
+import time
+from typing import Any
+
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, String, UniqueConstraint
+from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
+
+DEFAULT_OWNER = "default"
+
+
+def new_id(prefix: str) -> str:
+    return f"{prefix}{secrets.token_hex(12)}"
+
+
+def now() -> int:
+    return int(time.time())
+
+
+class Base(DeclarativeBase):
+    type_annotation_map = {dict[str, Any]: JSON, list[Any]: JSON}
+
+
+class BatchStatus(enum.StrEnum):
+    VALIDATING = "validating"
+    FAILED = "failed"
+    IN_PROGRESS = "in_progress"
+    FINALIZING = "finalizing"
+    COMPLETED = "completed"
+    EXPIRED = "expired"
+    CANCELLING = "cancelling"
+    CANCELLED = "cancelled"
+
+
+TERMINAL = {BatchStatus.FAILED, BatchStatus.COMPLETED, BatchStatus.EXPIRED, BatchStatus.CANCELLED}
+
+
+class ShardStatus(enum.StrEnum):
+    PENDING = "pending"
+    RUNNING = "running"
+    DONE = "done"
+
+
+class RequestStatus(enum.StrEnum):
+    PENDING = "pending"
+    SUCCEEDED = "succeeded"  # a line in the output file
+    FAILED = "failed"  # a line in the error file: the endpoint refused it
+    EXPIRED = "expired"  # error file, batch_expired
+    CANCELLED = "cancelled"  # error file, batch_cancelled
+
+
+class ApiKey(Base):
+    __tablename__ = "api_keys"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key_hash: Mapped[str] = mapped_column(String(64), unique=True)  # sha256 hex; keys never stored
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class File(Base):
+    __tablename__ = "files"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    filename: Mapped[str] = mapped_column(String(512))
+    purpose: Mapped[str] = mapped_column(String(32))
+    bytes: Mapped[int] = mapped_column(BigInteger)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now, index=True)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger, index=True)
+    status: Mapped[str] = mapped_column(String(16), default="processed")
+    storage_key: Mapped[str] = mapped_column(String(256))
+
+
+class Batch(Base):
+    __tablename__ = "batches"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    endpoint: Mapped[str] = mapped_column(String(64))
+    input_file_id: Mapped[str] = mapped_column(String(64))
+    completion_window: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
+    model: Mapped[str | None] = mapped_column(String(256))
+    errors: Mapped[list[Any] | None]  # BatchError dicts when validation failed
+    output_file_id: Mapped[str | None] = mapped_column(String(64))
+    error_file_id: Mapped[str | None] = mapped_column(String(64))
+    metadata_: Mapped[dict[str, Any] | None] = mapped_column("metadata")
+    output_expires_after_seconds: Mapped[int | None] = mapped_column(BigInteger)
+
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now, index=True)
+    in_progress_at: Mapped[int | None] = mapped_column(BigInteger)
+    expires_at: Mapped[int | None] = mapped_column(BigInteger)
+    finalizing_at: Mapped[int | None] = mapped_column(BigInteger)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger)
+    failed_at: Mapped[int | None] = mapped_column(BigInteger)
+    expired_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelling_at: Mapped[int | None] = mapped_column(BigInteger)
+    cancelled_at: Mapped[int | None] = mapped_column(BigInteger)
+    # Held by the process writing the result files; a stale claim is taken over.
+    finalize_claimed_at: Mapped[int | None] = mapped_column(BigInteger)
+
+    request_total: Mapped[int] = mapped_column(default=0)
+    request_completed: Mapped[int] = mapped_column(default=0)
+    request_failed: Mapped[int] = mapped_column(default=0)
+    input_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    cached_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+    output_tokens: Mapped[int] = mapped_column(BigInteger, default=0)
+
+
+class Shard(Base):
+    """A slice of a batch's requests: the unit a worker leases and runs."""
+
+    __tablename__ = "shards"
+    __table_args__ = (UniqueConstraint("batch_id", "index"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), index=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)  # copied for fair claiming
+    index: Mapped[int]
+    status: Mapped[str] = mapped_column(String(16), default=ShardStatus.PENDING, index=True)
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(default=0)
+
+
+class BatchRequest(Base):
+    """One input line, and once it ran, its output line."""
+
+    __tablename__ = "batch_requests"
+    __table_args__ = (
+        UniqueConstraint("batch_id", "custom_id"),
+        Index("ix_batch_requests_shard", "batch_id", "shard_index", "status"),
+    )
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"))
+    line: Mapped[int]  # 1-based line of the input file
+    custom_id: Mapped[str] = mapped_column(String(512))
+    shard_index: Mapped[int]
+    body: Mapped[dict[str, Any]]
+    status: Mapped[str] = mapped_column(String(16), default=RequestStatus.PENDING)
+    result: Mapped[dict[str, Any] | None]  # the whole output or error line
+    prompt_tokens: Mapped[int] = mapped_column(default=0)
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    completion_tokens: Mapped[int] = mapped_column(default=0)
+    finished_at: Mapped[int | None] = mapped_column(BigInteger)
+
+
+class IdempotencyKey(Base):
+    """The resource a POST created under an `Idempotency-Key`, returned again on a retry."""
+
+    __tablename__ = "idempotency_keys"
+
+    owner: Mapped[str] = mapped_column(String(64), primary_key=True)
+    route: Mapped[str] = mapped_column(String(64), primary_key=True)
+    key: Mapped[str] = mapped_column(String(256), primary_key=True)
+    resource_id: Mapped[str] = mapped_column(String(64))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)

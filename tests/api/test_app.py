@@ -1,0 +1,108 @@
+"""What every endpoint shares: OpenAI-shaped errors, request ids, health and models."""
+
+from __future__ import annotations
+
+import openai
+import pytest
+
+ERROR_FIELDS = {"message", "type", "param", "code"}
+
+
+def test_health(server):
+    with server.http() as http:
+        response = http.get("/health")
+    assert response.status_code == 200
+    assert response.json() == {"status": "ok"}
+
+
+def test_each_response_carries_a_new_request_id(server):
+    with server.http() as http:
+        ids = {http.get("/health").headers["x-request-id"] for _ in range(3)}
+    assert len(ids) == 3
+    assert all(request_id.startswith("req_") for request_id in ids)
+
+
+def test_a_client_request_id_is_echoed(server):
+    with server.http() as http:
+        response = http.get("/v1/files", headers={"x-request-id": "trace-42"})
+    assert response.headers["x-request-id"] == "trace-42"
+
+
+def test_errors_report_the_request_id_to_the_sdk(server):
+    with pytest.raises(openai.NotFoundError) as caught:
+        server.client().files.retrieve("file-missing")
+    assert caught.value.request_id.startswith("req_")
+
+
+@pytest.mark.parametrize(
+    ("method", "path", "status", "code"),
+    [
+        ("GET", "/v1/nothing-here", 404, "unknown_url"),
+        ("GET", "/nothing-here", 404, "unknown_url"),
+        ("PUT", "/v1/files", 405, "method_not_allowed"),
+    ],
+)
+def test_routing_errors_are_openai_shaped(server, method, path, status, code):
+    with server.http() as http:
+        response = http.request(method, path)
+    assert response.status_code == status
+    error = response.json()["error"]
+    assert set(error) == ERROR_FIELDS
+    assert (error["type"], error["code"]) == ("invalid_request_error", code)
+    assert response.headers["x-request-id"]
+
+
+def test_a_bad_parameter_is_a_400_naming_it_not_a_422(server):
+    with server.http() as http:
+        response = http.get("/v1/files", params={"limit": "many"})
+    assert response.status_code == 400
+    error = response.json()["error"]
+    assert set(error) == ERROR_FIELDS
+    assert (error["param"], error["code"]) == ("limit", "invalid_value")
+
+
+def test_an_over_long_idempotency_key_is_refused(server):
+    with pytest.raises(openai.BadRequestError) as caught:
+        server.client().files.create(
+            file=("a.jsonl", b"{}\n"), purpose="batch", extra_headers={"Idempotency-Key": "k" * 300}
+        )
+    assert caught.value.param == "idempotency-key"
+
+
+def test_an_unexpected_failure_is_a_500_server_error(serve):
+    def fail() -> None:
+        raise RuntimeError("secret internals")
+
+    server = serve(customize=lambda app: app.add_api_route("/v1/fail", fail))
+    with server.http() as http:
+        response = http.get("/v1/fail")
+    assert response.status_code == 500
+    assert response.headers["x-request-id"].startswith("req_")
+    error = response.json()["error"]
+    assert set(error) == ERROR_FIELDS
+    assert error["type"] == "server_error"
+    assert "secret" not in error["message"]
+
+
+def test_models_lists_the_served_models(serve):
+    client = serve(served_models=["tiny-llama", "org/tiny-qwen"]).client()
+    models = list(client.models.list())
+    assert [m.id for m in models] == ["tiny-llama", "org/tiny-qwen"]
+    assert all(m.object == "model" and m.owned_by == "pagedbatch" for m in models)
+    assert client.models.retrieve("org/tiny-qwen").id == "org/tiny-qwen"
+
+
+def test_an_unknown_model_is_a_404(serve):
+    client = serve(served_models=["tiny-llama"]).client()
+    with pytest.raises(openai.NotFoundError) as caught:
+        client.models.retrieve("gpt-4o")
+    assert (caught.value.param, caught.value.code) == ("model", "model_not_found")
+
+
+def test_the_openapi_document_renders(server):
+    with server.http() as http:
+        document = http.get("/openapi.json").json()
+    assert {"/v1/files", "/v1/files/{file_id}/content", "/v1/models", "/health"} <= set(
+        document["paths"]
+    )
+    assert "multipart/form-data" in document["paths"]["/v1/files"]["post"]["requestBody"]["content"]

@@ -1,0 +1,33 @@
+"""What a task needs to run: settings, the job store, blob storage, the queue, and (on workers)
+the engine. One context per process; the embedded server and each worker build their own."""
+
+from __future__ import annotations
+
+import os
+import socket
+from dataclasses import dataclass, field
+
+from sqlalchemy.orm import Session, sessionmaker
+
+from pagedbatch.engine import AsyncLLM
+from pagedbatch.settings import Settings
+from pagedbatch.store.blobs import BlobStore
+from pagedbatch.workers.queue import TaskQueue
+
+
+def default_worker_id() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+@dataclass
+class WorkerContext:
+    settings: Settings
+    session_factory: sessionmaker[Session]
+    blobs: BlobStore
+    queue: TaskQueue
+    engine: AsyncLLM | None = None  # only processes that run shards have one
+    worker_id: str = field(default_factory=default_worker_id)
+
+    @property
+    def served_model(self) -> str | None:
+        return self.engine.engine.model_name if self.engine else None

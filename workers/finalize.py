@@ -1,0 +1,210 @@
+"""Ending a batch: writing its output and error files and entering its final state.
+
+Every input line ends in exactly one of the two files. A finished request is written as it was
+recorded; one that never ran gets `batch_cancelled` or `batch_expired`. Files are streamed from
+the database to storage, never held whole. Finalization is idempotent: file ids and storage keys
+derive from the batch id, so a retry after a crash rewrites the same files.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import time
+from collections.abc import Iterator
+
+from sqlalchemy import or_, select, update
+from sqlalchemy.orm import Session
+
+from pagedbatch.api.serving.common import new_id
+from pagedbatch.store.batches import stopping, transition
+from pagedbatch.store.db import transaction
+from pagedbatch.store.models import (
+    TERMINAL,
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    File,
+    RequestStatus,
+    Shard,
+    ShardStatus,
+    now,
+)
+from pagedbatch.workers.context import WorkerContext
+
+logger = logging.getLogger(__name__)
+
+STALE_FINALIZATION_SECONDS = 300  # a finalization that has not ended by then is taken over
+READ_CHUNK = 1000
+
+NEVER_RAN = {
+    RequestStatus.CANCELLED: {
+        "code": "batch_cancelled",
+        "message": "This request was not executed because the batch was cancelled.",
+    },
+    RequestStatus.EXPIRED: {
+        "code": "batch_expired",
+        "message": "This request could not be executed before the completion window expired.",
+    },
+}
+
+
+def finalize_batch(ctx: WorkerContext, batch_id: str) -> None:
+    with ctx.session_factory() as session:
+        batch = session.get(Batch, batch_id)
+        if batch is None or batch.status in TERMINAL:
+            return
+        if _shards_still_running(session, batch_id):
+            return  # the last one to stop enqueues finalization again
+        if batch.status == BatchStatus.VALIDATING:
+            return  # validation ends in failure, in_progress or (cancelled) a new finalization
+    if not _claim(ctx, batch_id):
+        return
+    with transaction(ctx.session_factory) as session:
+        batch = session.get(Batch, batch_id)
+        leftover = _leftover_status(session, batch)
+        if leftover is not None:
+            _close_pending(session, batch_id, leftover)
+        if batch.status == BatchStatus.IN_PROGRESS and leftover is None:
+            transition(session, batch_id, BatchStatus.FINALIZING)
+    output_id, error_id = _write_files(ctx, batch_id)
+    with transaction(ctx.session_factory) as session:
+        files = {"output_file_id": output_id, "error_file_id": error_id}
+        batch = session.get(Batch, batch_id)
+        if batch.status == BatchStatus.CANCELLING:
+            target = BatchStatus.CANCELLED
+        elif leftover == RequestStatus.EXPIRED:
+            target = BatchStatus.EXPIRED
+        else:
+            target = BatchStatus.COMPLETED
+        if not transition(session, batch_id, target, **files):
+            # Cancelled while the files were written: they hold every result, so keep them.
+            transition(session, batch_id, BatchStatus.CANCELLED, **files)
+    logger.info("batch %s finalized", batch_id)
+
+
+def _shards_still_running(session: Session, batch_id: str) -> bool:
+    live = session.scalar(
+        select(Shard.id)
+        .where(
+            Shard.batch_id == batch_id,
+            Shard.status == ShardStatus.RUNNING,
+            Shard.lease_expires_at > time.time(),
+        )
+        .limit(1)
+    )
+    return live is not None
+
+
+def _claim(ctx: WorkerContext, batch_id: str) -> bool:
+    """One finalization at a time; a stale one (its process died) is taken over."""
+    with transaction(ctx.session_factory) as session:
+        claimed = session.execute(
+            update(Batch)
+            .where(
+                Batch.id == batch_id,
+                Batch.status.not_in([s.value for s in TERMINAL]),
+                or_(
+                    Batch.finalize_claimed_at.is_(None),
+                    Batch.finalize_claimed_at < now() - STALE_FINALIZATION_SECONDS,
+                ),
+            )
+            .values(finalize_claimed_at=now())
+        )
+        return claimed.rowcount == 1
+
+
+def _leftover_status(session: Session, batch: Batch) -> RequestStatus | None:
+    """What the requests that never ran become; None when every request has finished."""
+    if batch.status == BatchStatus.CANCELLING:
+        return RequestStatus.CANCELLED
+    pending = session.scalar(
+        select(BatchRequest.id)
+        .where(BatchRequest.batch_id == batch.id, BatchRequest.status == RequestStatus.PENDING)
+        .limit(1)
+    )
+    if pending is None:
+        return None
+    if stopping(batch):
+        return RequestStatus.EXPIRED
+    # Shards only leave requests pending when told to stop; anything else is a bug to see.
+    raise RuntimeError(f"batch {batch.id} has pending requests and no running shard")
+
+
+def _close_pending(session: Session, batch_id: str, status: RequestStatus) -> None:
+    closed = session.execute(
+        update(BatchRequest)
+        .where(BatchRequest.batch_id == batch_id, BatchRequest.status == RequestStatus.PENDING)
+        .values(status=status.value, finished_at=now())
+    )
+    session.execute(
+        update(Batch)
+        .where(Batch.id == batch_id)
+        .values(request_failed=Batch.request_failed + closed.rowcount)
+    )
+
+
+def _file_id(batch_id: str, kind: str) -> str:
+    return "file-" + hashlib.sha256(f"{batch_id}/{kind}".encode()).hexdigest()[:24]
+
+
+def _write_files(ctx: WorkerContext, batch_id: str) -> tuple[str | None, str | None]:
+    """Write the output and error files; returns their ids (None where a file has no line)."""
+    ids = []
+    for kind, statuses in (
+        ("output", [RequestStatus.SUCCEEDED]),
+        ("error", [RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.EXPIRED]),
+    ):
+        key = f"batches/{batch_id}/{kind}.jsonl"
+        counter = {"lines": 0}
+        size = ctx.blobs.put(key, _lines(ctx, batch_id, statuses, counter))
+        if counter["lines"] == 0:
+            ctx.blobs.delete(key)
+            ids.append(None)
+            continue
+        file_id = _file_id(batch_id, kind)
+        with transaction(ctx.session_factory) as session:
+            batch = session.get(Batch, batch_id)
+            created = now()
+            expires = batch.output_expires_after_seconds
+            session.merge(
+                File(
+                    id=file_id,
+                    owner=batch.owner,
+                    filename=f"{batch_id}_{kind}.jsonl",
+                    purpose="batch_output",
+                    bytes=size,
+                    created_at=created,
+                    expires_at=created + expires if expires else None,
+                    status="processed",
+                    storage_key=key,
+                )
+            )
+        ids.append(file_id)
+    return ids[0], ids[1]
+
+
+def _lines(
+    ctx: WorkerContext, batch_id: str, statuses: list[RequestStatus], counter: dict[str, int]
+) -> Iterator[bytes]:
+    with ctx.session_factory() as session:
+        rows = session.execute(
+            select(BatchRequest.custom_id, BatchRequest.status, BatchRequest.result)
+            .where(
+                BatchRequest.batch_id == batch_id,
+                BatchRequest.status.in_([s.value for s in statuses]),
+            )
+            .order_by(BatchRequest.line)
+            .execution_options(yield_per=READ_CHUNK)
+        )
+        for custom_id, status, result in rows:
+            if result is None:  # never ran
+                result = {
+                    "id": new_id("batch_req_"),
+                    "custom_id": custom_id,
+                    "response": None,
+                    "error": NEVER_RAN[RequestStatus(status)],
+                }
+            counter["lines"] += 1
+            yield json.dumps(result, separators=(",", ":")).encode() + b"\n"
