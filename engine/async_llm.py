@@ -8,6 +8,7 @@ per-request asyncio queues fed with `call_soon_threadsafe`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
 import logging
 import queue
@@ -36,7 +37,9 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
 
     def put(self, item: RequestOutput | BaseException) -> None:
-        self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+        # A caller whose event loop has ended (a finished `asyncio.run`) has stopped listening.
+        with contextlib.suppress(RuntimeError):
+            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
 
 
 class AsyncLLM:
@@ -99,6 +102,7 @@ class AsyncLLM:
 
     def abort(self, request_id: str) -> None:
         def abort() -> None:
+            self._streams.pop(request_id, None)
             self.engine.abort_request(request_id)
 
         self._commands.put(abort)

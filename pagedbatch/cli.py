@@ -86,7 +86,7 @@ def _worker(args: argparse.Namespace) -> int:
     settings = settings_from_args(args)
     if not settings.distributed:
         raise ValueError("a worker needs a broker: set PAGEDBATCH_BROKER_URL or --broker-url")
-    service.run_worker(settings, concurrency=args.concurrency, beat=args.beat)
+    service.run_worker(settings, beat=args.beat)
     return 0
 
 
@@ -137,7 +137,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("worker", help="start a GPU worker of the distributed deployment")
-    p.add_argument("--concurrency", type=int, default=4, help="shards run at once")
     p.add_argument("--beat", action="store_true", help="also run the periodic tasks")
     add_settings_args(p)
     p.set_defaults(func=_worker)

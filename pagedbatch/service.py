@@ -78,7 +78,10 @@ def embedded(settings: Settings) -> Embedded:
     session_factory, blobs = open_store(settings)
     engine = start_engine(settings)
     ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine)
-    queue = InProcessQueue(lambda name, args: run_task(ctx, name, args))
+    queue = InProcessQueue(
+        lambda name, args: run_task(ctx, name, args),
+        lanes={"run_shard": settings.worker_concurrency},
+    )
     ctx.queue = queue
     for task in PERIODIC:
         queue.every(settings.reaper_interval_seconds, task)
@@ -111,8 +114,9 @@ def _not_here(name: str, args: tuple) -> None:
     raise RuntimeError(f"task {name} was sent to the API process, which runs no tasks")
 
 
-def run_worker(settings: Settings, concurrency: int, beat: bool) -> None:
-    """A Celery worker with one engine, shared by the `concurrency` tasks it runs at once."""
+def run_worker(settings: Settings, beat: bool) -> None:
+    """A Celery worker with one engine, shared by the `worker_concurrency` shards it runs at
+    once, so continuous batching spans shards and batches."""
     session_factory, blobs = open_store(settings)
     ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=start_engine(settings))
     app = make_celery(settings, run=lambda name, args: run_task(ctx, name, args))
@@ -121,7 +125,8 @@ def run_worker(settings: Settings, concurrency: int, beat: bool) -> None:
     argv = [
         "worker",
         "--pool=threads",
-        f"--concurrency={concurrency}",
+        # Threads beyond the shard slots keep validation and finalization moving.
+        f"--concurrency={settings.worker_concurrency + 2}",
         "--loglevel=INFO",
         f"--hostname=pagedbatch-{os.getpid()}@%h",
         "--without-gossip",

@@ -41,6 +41,7 @@ class Settings(BaseSettings):
     # Batch work.
     completion_window_seconds: int = DAY  # how long a batch may run before it expires
     shard_size: int = 256  # requests per shard
+    worker_concurrency: int = 2  # shards one engine runs at once (embedded; workers' default)
     lease_seconds: float = 60.0  # a shard's lease; its worker renews it at a third of this
     reaper_interval_seconds: float = 15.0
     max_upload_bytes: int = 512 * 2**20

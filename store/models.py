@@ -17,7 +17,9 @@ DEFAULT_OWNER = "default"
 
 
 def new_id(prefix: str) -> str:
-    return f"{prefix}{secrets.token_hex(12)}"
+    """A unique id that sorts by creation time (microseconds, then random), so lists ordered by
+    (created_at, id) keep creation order within a second."""
+    return f"{prefix}{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
 
 
 def now() -> int:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import socket
+import threading
 from dataclasses import dataclass, field
 
 from sqlalchemy.orm import Session, sessionmaker
@@ -27,6 +28,11 @@ class WorkerContext:
     queue: TaskQueue
     engine: AsyncLLM | None = None  # only processes that run shards have one
     worker_id: str = field(default_factory=default_worker_id)
+    shard_slots: threading.BoundedSemaphore = field(init=False)
+
+    def __post_init__(self) -> None:
+        # However many task threads the queue has, this engine runs this many shards at once.
+        self.shard_slots = threading.BoundedSemaphore(self.settings.worker_concurrency)
 
     @property
     def served_model(self) -> str | None:

@@ -20,17 +20,30 @@ class TaskQueue(Protocol):
 
 
 class InProcessQueue:
-    """Runs tasks on a thread pool in this process, and periodic tasks on timers."""
+    """Runs tasks on thread pools in this process, and periodic tasks on timers.
 
-    def __init__(self, run: Callable[[str, tuple[Any, ...]], None], max_workers: int = 8):
+    Tasks named in `lanes` get a pool of their own of the given size: shard runs hold a thread
+    for as long as a shard takes, and must not starve validation or finalization.
+    """
+
+    def __init__(
+        self,
+        run: Callable[[str, tuple[Any, ...]], None],
+        lanes: dict[str, int] | None = None,
+        max_workers: int = 4,
+    ):
         self._run = run
         self._pool = ThreadPoolExecutor(max_workers=max_workers, thread_name_prefix="task")
+        self._lanes = {
+            task: ThreadPoolExecutor(max_workers=size, thread_name_prefix=task)
+            for task, size in (lanes or {}).items()
+        }
         self._stop = threading.Event()
         self._timers: list[threading.Thread] = []
 
     def enqueue(self, task: str, *args: Any) -> None:
         if not self._stop.is_set():
-            self._pool.submit(self._safe_run, task, args)
+            self._lanes.get(task, self._pool).submit(self._safe_run, task, args)
 
     def _safe_run(self, task: str, args: tuple[Any, ...]) -> None:
         try:
@@ -49,6 +62,7 @@ class InProcessQueue:
 
     def shutdown(self) -> None:
         self._stop.set()
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        for pool in (self._pool, *self._lanes.values()):
+            pool.shutdown(wait=True, cancel_futures=True)
         for timer in self._timers:
             timer.join()

@@ -99,11 +99,12 @@ def claim_shard(ctx: WorkerContext) -> ClaimedShard | None:
 def run_shard(ctx: WorkerContext) -> None:
     if ctx.engine is None:
         raise RuntimeError("run_shard needs a worker with an engine")
-    shard = claim_shard(ctx)
-    if shard is None:
-        return
-    logger.info("running shard %s of %s", shard.index, shard.batch_id)
-    asyncio.run(_ShardRun(ctx, ctx.engine, shard).run())
+    with ctx.shard_slots:
+        shard = claim_shard(ctx)
+        if shard is None:
+            return
+        logger.info("running shard %s of %s", shard.index, shard.batch_id)
+        asyncio.run(_ShardRun(ctx, ctx.engine, shard).run())
 
 
 class _LeaseLost(Exception):
@@ -118,7 +119,8 @@ class _ShardRun:
         self.stop = asyncio.Event()
         self.lease_lost = False
         # Bound what one shard puts in the engine queue, so other shards' lines get in too.
-        self.in_flight = asyncio.Semaphore(max(4, engine.engine.args.max_num_seqs // 2))
+        share = engine.engine.args.max_num_seqs // ctx.settings.worker_concurrency
+        self.in_flight = asyncio.Semaphore(max(4, share))
 
     async def run(self) -> None:
         with self.ctx.session_factory() as session:
@@ -147,6 +149,8 @@ class _ShardRun:
                 .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
                 .values(status=ShardStatus.DONE, lease_owner=None, lease_expires_at=None)
             )
+        # Counted after the commit: two shards ending at once must not both miss the other.
+        with self.ctx.session_factory() as session:
             remaining = unfinished_shards(session, self.shard.batch_id)
         if remaining == 0 or self.stop.is_set():
             self.ctx.queue.enqueue("finalize_batch", self.shard.batch_id)

@@ -28,6 +28,7 @@ from services import S3Server, postgres_schema
 
 from pagedbatch.api.app import create_app
 from pagedbatch.api.deps import Services
+from pagedbatch.service import Embedded, embedded
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
@@ -237,3 +238,32 @@ def _wait_for_health(url: str, process: subprocess.Popen[bytes], log: Path) -> N
         except httpx.TransportError:
             time.sleep(0.05)
     raise RuntimeError(f"the server did not answer in {START_SECONDS} s:\n{log.read_text()}")
+
+
+@dataclass
+class BatchServer(Server):
+    embedded: Embedded
+
+
+@pytest.fixture
+def serve_batches(storage: Storage, tiny_llama: Path) -> Iterator[Callable[..., BatchServer]]:
+    """`serve_batches(**settings)`: the whole embedded service (API, task queue and an engine on
+    the tiny checkpoint, served as "tiny") on `storage`. Small shards and short leases, so that
+    tests see several shards and quick recovery."""
+    with ExitStack() as stack:
+
+        def start(**settings: Any) -> BatchServer:
+            defaults = {
+                "model": str(tiny_llama),
+                "served_model_name": "tiny",
+                "shard_size": 4,
+                "lease_seconds": 3.0,
+                "reaper_interval_seconds": 0.5,
+            }
+            config = Settings(**{**storage.settings, **defaults, **settings})
+            service = embedded(config)
+            stack.callback(service.shutdown)
+            url = stack.enter_context(running(service.app))
+            return BatchServer(url, config, storage.blob_keys, service)
+
+        yield start
