@@ -4,12 +4,19 @@ real services (PostgreSQL, the S3 server) from services.py."""
 from __future__ import annotations
 
 import json
+import os
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
+
+# Without a GPU the Triton kernels' tests run in Triton's interpreter. Triton reads this as it
+# defines any kernel, its own library's included, and transformers imports Triton early: so it is
+# set here, before any test module is imported.
+if not torch.cuda.is_available():
+    os.environ.setdefault("TRITON_INTERPRET", "1")
 from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 
 from pagedbatch.make_model import make_model

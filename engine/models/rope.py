@@ -24,7 +24,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from pagedbatch.kernels.rotary import apply_rotary_embedding
+from pagedbatch.kernels import ops
 
 DEFAULT_THETA = 10_000.0
 
@@ -109,7 +109,7 @@ class RotaryEmbedding(nn.Module):
                 fresh = self._dynamic_cos_sin(positions[long], seq_lens[long])
                 cos_sin[long] = fresh.to(cos_sin.dtype)
                 positions = torch.arange(positions.numel(), device=positions.device)
-        return apply_rotary_embedding(positions, query, key, cos_sin)
+        return ops.apply_rotary_embedding(positions, query, key, cos_sin)
 
     def _dynamic_cos_sin(self, positions: torch.Tensor, seq_lens: torch.Tensor) -> torch.Tensor:
         # transformers' _compute_dynamic_ntk_parameters with a tensor seq_len, one per token.
