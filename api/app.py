@@ -16,6 +16,7 @@ from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse
 from starlette.exceptions import HTTPException
+from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedbatch.api.auth import KeyRing
@@ -27,6 +28,7 @@ from pagedbatch.settings import Settings
 logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
+_HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
 # A client's own id is echoed only if it is short and printable: it ends up in logs and headers.
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
@@ -132,6 +134,7 @@ def _param(loc: Sequence[int | str]) -> str | None:
 async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own errors: unknown routes (404), wrong methods (405) and the like."""
     assert isinstance(exc, HTTPException)
+    headers = exc.headers
     if exc.status_code == 404:
         error = OpenAIError(
             f"Invalid URL ({request.method} {request.url.path})",
@@ -144,13 +147,29 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
             status_code=405,
             code="method_not_allowed",
         )
+        headers = {"allow": ", ".join(_allowed_methods(request))}
     else:
         error = OpenAIError(
             str(exc.detail),
             status_code=exc.status_code,
             type="server_error" if exc.status_code >= 500 else "invalid_request_error",
         )
-    return _error_response(error, headers=exc.headers)
+    return _error_response(error, headers=headers)
+
+
+def _allowed_methods(request: Request) -> list[str]:
+    """Every method some route serves at the request's path. Starlette's 405 names only the
+    methods of the first route there, and FastAPI makes a route per method (GET and POST
+    /v1/files). Each method is tried through the routes' own matching, which also sees into
+    included routers."""
+    routes = request.app.router.routes
+    return [
+        method
+        for method in _HTTP_METHODS
+        if any(
+            route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes
+        )
+    ]
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

@@ -10,9 +10,10 @@ import anyio
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
+from pagedbatch.engine import AsyncLLM
+from pagedbatch.ids import now
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
-from pagedbatch.store.models import now
 from pagedbatch.workers.queue import TaskQueue
 
 
@@ -25,6 +26,7 @@ class Services:
     blobs: BlobStore
     queue: TaskQueue | None = None  # where batch work goes; None in a Files-only app
     served_models: list[str] = field(default_factory=list)
+    engine: AsyncLLM | None = None  # serves the realtime endpoints; None in the distributed API
     started_at: int = field(default_factory=now)  # reported as each served model's `created`
     # An upload holds a thread for as long as its client takes to send it, so uploads get threads
     # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.

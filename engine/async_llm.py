@@ -87,9 +87,10 @@ class AsyncLLM:
             loop.call_soon_threadsafe(_settle, admitted, None)
 
         self._commands.put(add)
-        await admitted
         finished = False
         try:
+            # Inside the try: a caller cancelled while waiting for admission must still abort.
+            await admitted
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):

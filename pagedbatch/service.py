@@ -92,6 +92,7 @@ def embedded(settings: Settings) -> Embedded:
         blobs=blobs,
         queue=queue,
         served_models=[engine.engine.model_name],
+        engine=engine,
     )
     return Embedded(create_app(settings, services), ctx, queue)
 
@@ -133,5 +134,5 @@ def run_worker(settings: Settings, beat: bool) -> None:
         "--without-mingle",
     ]
     if beat:
-        argv.append("--beat")
+        argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
     app.worker_main(argv)

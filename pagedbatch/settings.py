@@ -38,6 +38,10 @@ class Settings(BaseSettings):
     model: str | None = None
     served_model_name: str | None = None
 
+    # Realtime work: requests admitted into the engine at once (waiting or running), per API
+    # process; beyond it clients get a 429 with Retry-After rather than an ever longer wait.
+    max_realtime_queue: int = 256
+
     # Batch work.
     completion_window_seconds: int = DAY  # how long a batch may run before it expires
     shard_size: int = 256  # requests per shard

@@ -9,6 +9,7 @@ from __future__ import annotations
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
+from pagedbatch.ids import now
 from pagedbatch.store.models import (
     Batch,
     BatchRequest,
@@ -16,7 +17,6 @@ from pagedbatch.store.models import (
     RequestStatus,
     Shard,
     ShardStatus,
-    now,
 )
 
 S = BatchStatus

@@ -6,24 +6,14 @@
 from __future__ import annotations
 
 import enum
-import secrets
-import time
 from typing import Any
 
 from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
+from pagedbatch.ids import now
+
 DEFAULT_OWNER = "default"
-
-
-def new_id(prefix: str) -> str:
-    """A unique id that sorts by creation time (microseconds, then random), so lists ordered by
-    (created_at, id) keep creation order within a second."""
-    return f"{prefix}{time.time_ns() // 1000:014x}{secrets.token_hex(5)}"
-
-
-def now() -> int:
-    return int(time.time())
 
 
 class Base(DeclarativeBase):

@@ -22,14 +22,11 @@ from pagedbatch.api.schemas.batch_lines import (
 from pagedbatch.api.schemas.chat import ChatCompletionRequest
 from pagedbatch.api.schemas.completions import CompletionRequest
 from pagedbatch.api.serving.chat import prepare_chat
-from pagedbatch.api.serving.common import Prepared, ServedModel, new_id, parse_request
+from pagedbatch.api.serving.common import BATCH_PRIORITY, Prepared, ServedModel, parse_request
 from pagedbatch.api.serving.completions import prepare_completion
 from pagedbatch.engine import LLMEngine
 from pagedbatch.engine.outputs import RequestOutput
-
-# Engine priority of batch lines: lower runs first, so realtime requests (priority 0) go ahead
-# and batch lines are the ones preempted when KV blocks run out.
-BATCH_PRIORITY = 10
+from pagedbatch.ids import new_id
 
 
 def _prepare_chat(body: Any, served: ServedModel) -> Prepared:

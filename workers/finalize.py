@@ -17,7 +17,7 @@ from collections.abc import Iterator
 from sqlalchemy import or_, select, update
 from sqlalchemy.orm import Session
 
-from pagedbatch.api.serving.common import new_id
+from pagedbatch.ids import new_id, now
 from pagedbatch.store.batches import stopping, transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import (
@@ -29,7 +29,6 @@ from pagedbatch.store.models import (
     RequestStatus,
     Shard,
     ShardStatus,
-    now,
 )
 from pagedbatch.workers.context import WorkerContext
 

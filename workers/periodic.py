@@ -11,8 +11,9 @@ import time
 
 from sqlalchemy import select, update
 
+from pagedbatch.ids import now
 from pagedbatch.store.db import transaction
-from pagedbatch.store.models import Batch, BatchStatus, File, Shard, ShardStatus, now
+from pagedbatch.store.models import Batch, BatchStatus, File, Shard, ShardStatus
 from pagedbatch.workers.context import WorkerContext
 
 logger = logging.getLogger(__name__)

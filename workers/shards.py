@@ -19,7 +19,7 @@ from typing import Any
 from sqlalchemy import func, select, update
 
 from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.serving.common import Prepared
+from pagedbatch.api.serving.common import BATCH_PRIORITY, Prepared
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.store.batches import record_result, stopping, unfinished_shards
@@ -33,7 +33,6 @@ from pagedbatch.store.models import (
     ShardStatus,
 )
 from pagedbatch.workers.batch_runner import (
-    BATCH_PRIORITY,
     ENDPOINTS,
     openai_error_line,
     response_line,
@@ -182,33 +181,16 @@ class _ShardRun:
                 return  # left pending: finalization marks it cancelled or expired
             try:
                 prepared = ENDPOINTS[self.shard.endpoint](request.body, self.engine.engine)
-            except OpenAIError as e:
-                self._record(
-                    request,
-                    RequestStatus.FAILED,
-                    openai_error_line(request.custom_id, e).model_dump(mode="json"),
-                )
-                return
-            try:
-                outputs = await self._generate(prepared)
-            except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small
-                error = OpenAIError(str(e))
-                self._record(
-                    request,
-                    RequestStatus.FAILED,
-                    openai_error_line(request.custom_id, error).model_dump(mode="json"),
-                )
-                return
-            if outputs is None:
-                return  # stopped mid-way
-            try:
+                try:
+                    outputs = await self._generate(prepared)
+                except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small
+                    raise OpenAIError(str(e)) from None
+                if outputs is None:
+                    return  # stopped mid-way
                 body = prepared.response(outputs).model_dump(mode="json")
-            except OpenAIError as e:
-                self._record(
-                    request,
-                    RequestStatus.FAILED,
-                    openai_error_line(request.custom_id, e).model_dump(mode="json"),
-                )
+            except OpenAIError as e:  # what the endpoint would have answered: an error line
+                line = openai_error_line(request.custom_id, e).model_dump(mode="json")
+                self._record(request, RequestStatus.FAILED, line)
                 return
             usage = body.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0

@@ -2,12 +2,33 @@
 
 from __future__ import annotations
 
-from fastapi import APIRouter, Depends
+from fastapi import APIRouter, Depends, Request
 
 from pagedbatch.api.auth import get_owner
-from pagedbatch.api.routes import batches, files, models
+from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.routes import batches, chat, completions, files, models
+from pagedbatch.api.routes.openapi import error_responses
 
-api_router = APIRouter(prefix="/v1", dependencies=[Depends(get_owner)])
+
+def reject_nul(request: Request) -> None:
+    """A NUL character in a path or query parameter is a 400. PostgreSQL text cannot hold one, so
+    a lookup of such an id failed there as a 500, while SQLite found nothing."""
+    for name, value in [*request.path_params.items(), *request.query_params.multi_items()]:
+        if "\x00" in value:
+            raise OpenAIError(
+                f"Invalid value for '{name}': it contains a NUL character.",
+                param=name,
+                code="invalid_value",
+            )
+
+
+api_router = APIRouter(
+    prefix="/v1",
+    dependencies=[Depends(get_owner), Depends(reject_nul)],
+    responses=error_responses(400, 401, "4XX"),
+)
 api_router.include_router(batches.router)
+api_router.include_router(chat.router)
+api_router.include_router(completions.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)

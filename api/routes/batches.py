@@ -17,11 +17,13 @@ from pagedbatch.api.deps import ServicesDep, SessionDep
 from pagedbatch.api.errors import OpenAIError, from_validation_error
 from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
 from pagedbatch.api.routes.files import get_file
+from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.api.schemas.batches import SUPPORTED_ENDPOINTS, BatchCreate, BatchObject
 from pagedbatch.api.schemas.lists import ListPage
+from pagedbatch.ids import new_id, now
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
-from pagedbatch.store.models import TERMINAL, Batch, BatchStatus, new_id, now
+from pagedbatch.store.models import TERMINAL, Batch, BatchStatus
 
 router = APIRouter(prefix="/batches", tags=["batches"])
 
@@ -40,7 +42,7 @@ def get_batch(session: Session, owner: str, batch_id: str) -> Batch:
     return row
 
 
-@router.post("")
+@router.post("", responses=error_responses(404), openapi_extra=json_body(BatchCreate))
 def create_batch(
     services: ServicesDep,
     owner: OwnerDep,
@@ -98,12 +100,12 @@ def create_batch(
         return BatchObject.from_row(get_batch(session, owner, batch_id))
 
 
-@router.get("/{batch_id}")
+@router.get("/{batch_id}", responses=error_responses(404))
 def retrieve_batch(batch_id: str, session: SessionDep, owner: OwnerDep) -> BatchObject:
     return BatchObject.from_row(get_batch(session, owner, batch_id))
 
 
-@router.post("/{batch_id}/cancel")
+@router.post("/{batch_id}/cancel", responses=error_responses(404))
 def cancel_batch(batch_id: str, services: ServicesDep, owner: OwnerDep) -> BatchObject:
     with transaction(services.session_factory) as session:
         batch = get_batch(session, owner, batch_id)
@@ -121,7 +123,7 @@ def cancel_batch(batch_id: str, services: ServicesDep, owner: OwnerDep) -> Batch
         return BatchObject.from_row(get_batch(session, owner, batch_id))
 
 
-@router.get("")
+@router.get("", responses=error_responses(404))
 def list_batches(
     session: SessionDep,
     owner: OwnerDep,

@@ -30,10 +30,19 @@ from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.deps import Services, ServicesDep, SessionDep
 from pagedbatch.api.errors import OpenAIError, from_validation_error
 from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once, find_resource
-from pagedbatch.api.schemas.files import FileCreateParams, FileDeleted, FileObject, UploadPurpose
+from pagedbatch.api.routes.openapi import error_responses
+from pagedbatch.api.schemas.files import (
+    MAX_EXPIRY_SECONDS,
+    MIN_EXPIRY_SECONDS,
+    FileCreateParams,
+    FileDeleted,
+    FileObject,
+    UploadPurpose,
+)
 from pagedbatch.api.schemas.lists import ListPage
+from pagedbatch.ids import new_id, now
 from pagedbatch.settings import DAY
-from pagedbatch.store.models import File, new_id, now
+from pagedbatch.store.models import File
 
 router = APIRouter(prefix="/files", tags=["files"])
 
@@ -67,11 +76,20 @@ _UPLOAD_BODY = {
                 "schema": {
                     "type": "object",
                     "required": ["file", "purpose"],
+                    # expires_after comes whole or not at all.
+                    "dependentRequired": {
+                        "expires_after[anchor]": ["expires_after[seconds]"],
+                        "expires_after[seconds]": ["expires_after[anchor]"],
+                    },
                     "properties": {
                         "file": {"type": "string", "format": "binary"},
                         "purpose": {"type": "string", "enum": list(get_args(UploadPurpose))},
                         "expires_after[anchor]": {"type": "string", "enum": ["created_at"]},
-                        "expires_after[seconds]": {"type": "integer"},
+                        "expires_after[seconds]": {
+                            "type": "integer",
+                            "minimum": MIN_EXPIRY_SECONDS,
+                            "maximum": MAX_EXPIRY_SECONDS,
+                        },
                     },
                 }
             }
@@ -322,6 +340,8 @@ class _Upload:
         settings = self.services.settings
         if len(filename) > MAX_FILENAME_LENGTH:
             raise OpenAIError("The file name is too long.", param="file")
+        if "\x00" in filename:  # PostgreSQL text cannot hold it
+            raise OpenAIError("The file name contains a NUL character.", param="file")
         limit = settings.max_upload_bytes
         if purpose == "batch":
             limit = min(limit, settings.max_batch_file_bytes)
@@ -404,12 +424,25 @@ def _beyond(session: Session, owner: str, after: str, order: str) -> ColumnEleme
     return position < tuple_(cursor.created_at, cursor.id)
 
 
-@router.get("/{file_id}")
+@router.get("/{file_id}", responses=error_responses(404))
 def retrieve_file(file_id: str, session: SessionDep, owner: OwnerDep) -> FileObject:
     return FileObject.model_validate(get_file(session, owner, file_id))
 
 
-@router.get("/{file_id}/content")
+# The bytes as stored, whatever the file holds; not JSON, which FastAPI would assume.
+_CONTENT_RESPONSE = {
+    200: {
+        "description": "The file's bytes.",
+        "content": {"application/octet-stream": {"schema": {"type": "string", "format": "binary"}}},
+    }
+}
+
+
+@router.get(
+    "/{file_id}/content",
+    response_class=StreamingResponse,
+    responses={**_CONTENT_RESPONSE, **error_responses(404)},
+)
 def file_content(
     file_id: str, session: SessionDep, owner: OwnerDep, services: ServicesDep
 ) -> StreamingResponse:
@@ -421,7 +454,7 @@ def file_content(
     )
 
 
-@router.delete("/{file_id}")
+@router.delete("/{file_id}", responses=error_responses(404))
 def delete_file(
     file_id: str, session: SessionDep, owner: OwnerDep, services: ServicesDep
 ) -> FileDeleted:

@@ -9,6 +9,7 @@ from pydantic import BaseModel
 
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.api.schemas.lists import ListPage
 
 router = APIRouter(prefix="/models", tags=["models"])
@@ -28,7 +29,7 @@ def list_models(services: ServicesDep) -> ListPage[Model]:
 
 
 # `:path` because served names are often Hugging Face ids such as `org/name`.
-@router.get("/{model:path}")
+@router.get("/{model:path}", responses=error_responses(404))
 def retrieve_model(model: str, services: ServicesDep) -> Model:
     if model not in services.served_models:
         raise OpenAIError(

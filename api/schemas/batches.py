@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Literal
 
-from pydantic import BaseModel, ConfigDict, field_validator
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedbatch.api.schemas.files import ExpiresAfter
 from pagedbatch.store.models import Batch
@@ -16,10 +16,19 @@ class BatchCreate(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     input_file_id: str
-    endpoint: str
+    # Checked by the route, whose message lists the choices; the enum documents them.
+    endpoint: str = Field(json_schema_extra={"enum": list(SUPPORTED_ENDPOINTS)})
     completion_window: Literal["24h"]
     metadata: dict[str, str] | None = None
     output_expires_after: ExpiresAfter | None = None
+
+    @field_validator("input_file_id")
+    @classmethod
+    def _no_nul(cls, value: str) -> str:
+        # PostgreSQL text cannot hold NUL: looking such an id up would fail, not find nothing.
+        if "\x00" in value:
+            raise ValueError("it contains a NUL character")
+        return value
 
     @field_validator("metadata")
     @classmethod

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 from typing import Any
 
 from jinja2 import TemplateError
@@ -35,7 +36,8 @@ from pagedbatch.api.serving.common import (
     sampling_params,
     usage,
 )
-from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.request import TokenLogprob
 
 
 @dataclass
@@ -54,7 +56,7 @@ class PreparedChat:
                 index=choice.index,
                 message=ChatCompletionMessage(content=choice.text),
                 finish_reason=finish_reason(choice, output),
-                logprobs=self._logprobs(choice),
+                logprobs=self.logprobs(choice.logprobs or []),
             )
             for choice in output.outputs
         ]
@@ -66,10 +68,15 @@ class PreparedChat:
             usage=usage(outputs),
         )
 
-    def _logprobs(self, choice: CompletionOutput) -> ChoiceLogprobs | None:
+    @cached_property
+    def pieces(self) -> TokenPieces:
+        return TokenPieces(self.tokenizer)
+
+    def logprobs(self, token_logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs | None:
+        """The logprobs of these tokens of a choice, if the request asked for them."""
         if not self.request.logprobs:
             return None
-        pieces = TokenPieces(self.tokenizer)
+        pieces = self.pieces
 
         def entry(token_id: int, logprob: float) -> dict[str, Any]:
             return {
@@ -84,7 +91,7 @@ class PreparedChat:
                     **entry(lp.token_id, lp.logprob),
                     top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top],
                 )
-                for lp in choice.logprobs or []
+                for lp in token_logprobs
             ]
         )
 

@@ -7,9 +7,7 @@ runner drive the engine themselves and meet only this interface.
 
 from __future__ import annotations
 
-import time
-import uuid
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
@@ -23,8 +21,14 @@ from pagedbatch.api.errors import OpenAIError, from_validation_error
 from pagedbatch.api.schemas.common import PromptTokensDetails, SamplingRequest, Usage
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.engine.sampling_params import LogitsProcessor, SamplingParams
+from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 
 Body = TypeVar("Body", bound=BaseModel)
+
+# Engine priorities, lower first: realtime requests go ahead of batch lines, and batch lines are
+# the ones preempted when realtime traffic needs KV blocks or batch slots.
+REALTIME_PRIORITY = 0
+BATCH_PRIORITY = 10
 
 
 class ServedModel(Protocol):
@@ -62,22 +66,18 @@ def parse_request(schema: type[Body], body: Any) -> Body:
         raise from_validation_error(exc, body) from None
 
 
-def new_id(prefix: str) -> str:
-    return f"{prefix}{uuid.uuid4().hex}"
-
-
-def now() -> int:
-    return int(time.time())
-
-
 def check_model(requested: str, served: ServedModel) -> None:
     if requested != served.model_name:
-        raise OpenAIError(
-            f"The model `{requested}` does not exist or you do not have access to it.",
-            status_code=404,
-            param="model",
-            code="model_not_found",
-        )
+        raise model_not_found(requested)
+
+
+def model_not_found(requested: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{requested}` does not exist or you do not have access to it.",
+        status_code=404,
+        param="model",
+        code="model_not_found",
+    )
 
 
 def not_supported(what: str, param: str) -> OpenAIError:
@@ -141,14 +141,7 @@ def sampling_params(
 
 def logit_bias(bias: dict[int, float], vocab_size: int) -> LogitsProcessor:
     """A logits processor adding OpenAI's `logit_bias` to the logits of the named tokens."""
-    unknown = sorted(t for t in bias if t >= vocab_size)
-    if unknown:
-        raise OpenAIError(
-            f"Invalid value for 'logit_bias': token ids {unknown[:5]} are outside the vocabulary "
-            f"(size {vocab_size}).",
-            param="logit_bias",
-            code="invalid_value",
-        )
+    check_vocabulary(bias, vocab_size, param="logit_bias")
     ids = torch.tensor(list(bias), dtype=torch.long)
     values = torch.tensor(list(bias.values()), dtype=torch.float32)
 
@@ -156,6 +149,17 @@ def logit_bias(bias: dict[int, float], vocab_size: int) -> LogitsProcessor:
         return logits.index_add_(0, ids.to(logits.device), values.to(logits.device))
 
     return apply
+
+
+def check_vocabulary(token_ids: Iterable[int], vocab_size: int, *, param: str) -> None:
+    unknown = sorted({t for t in token_ids if t >= vocab_size})
+    if unknown:
+        raise OpenAIError(
+            f"Invalid value for '{param}': token ids {unknown[:5]} are outside the vocabulary "
+            f"(size {vocab_size}).",
+            param=param,
+            code="invalid_value",
+        )
 
 
 def finish_reason(choice: CompletionOutput, output: RequestOutput) -> Literal["stop", "length"]:

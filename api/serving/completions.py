@@ -9,6 +9,7 @@ from __future__ import annotations
 import codecs
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
@@ -26,6 +27,7 @@ from pagedbatch.api.serving.common import (
     TokenPieces,
     check_context_length,
     check_model,
+    check_vocabulary,
     finish_reason,
     new_id,
     not_supported,
@@ -34,6 +36,7 @@ from pagedbatch.api.serving.common import (
     usage,
 )
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.request import TokenLogprob
 
 
 @dataclass
@@ -49,8 +52,8 @@ class PreparedCompletion:
     def response(self, outputs: Sequence[RequestOutput]) -> Completion:
         n = self.request.n
         choices = []
-        for i, (prompt, output) in enumerate(zip(self.prompts, outputs, strict=True)):
-            echoed = self._prompt_text(prompt) if self.request.echo else ""
+        for i, output in enumerate(outputs):
+            echoed = self.echoed(i)
             choices.extend(
                 CompletionChoice(
                     index=i * n + choice.index,
@@ -68,23 +71,50 @@ class PreparedCompletion:
             usage=usage(outputs),
         )
 
-    def _prompt_text(self, prompt: str | list[int]) -> str:
+    def echoed(self, position: int) -> str:
+        """What each choice of the prompt at `position` starts with: the prompt, if echoed."""
+        if not self.request.echo:
+            return ""
+        prompt = self.prompts[position]
         return prompt if isinstance(prompt, str) else self.tokenizer.decode(prompt)
 
-    def _logprobs(self, choice: CompletionOutput, offset: int) -> CompletionLogprobs | None:
+    @cached_property
+    def pieces(self) -> TokenPieces:
+        return TokenPieces(self.tokenizer)
+
+    def logprobs_writer(self, offset: int) -> LogprobsWriter | None:
+        """A writer of one choice's logprobs, its text starting at `offset`; None if not asked."""
         if self.request.logprobs is None:
             return None
-        pieces = TokenPieces(self.tokenizer)
-        # A character split over tokens is counted at its last byte, so offsets index the text.
-        text_so_far = codecs.getincrementaldecoder("utf-8")(errors="replace")
+        return LogprobsWriter(self.pieces, offset)
+
+    def _logprobs(self, choice: CompletionOutput, offset: int) -> CompletionLogprobs | None:
+        writer = self.logprobs_writer(offset)
+        return None if writer is None else writer.write(choice.logprobs or [])
+
+
+class LogprobsWriter:
+    """One choice's logprobs, written in order, in one piece or as a stream of pieces.
+
+    A character split over tokens is counted at its last byte, so offsets index the text.
+    """
+
+    def __init__(self, pieces: TokenPieces, offset: int) -> None:
+        self._pieces = pieces
+        self._offset = offset
+        self._text_so_far = codecs.getincrementaldecoder("utf-8")(errors="replace")
+
+    def write(self, token_logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs:
+        """The logprobs of the choice's next tokens."""
+        pieces = self._pieces
         logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
-        for lp in choice.logprobs or []:
+        for lp in token_logprobs:
             logprobs.tokens.append(pieces.text(lp.token_id))
             logprobs.token_logprobs.append(lp.logprob)
             logprobs.top_logprobs.append({pieces.text(t): v for t, v in lp.top})
-            logprobs.text_offset.append(offset)
+            logprobs.text_offset.append(self._offset)
             if lp.token_id not in pieces.special:
-                offset += len(text_so_far.decode(pieces.bytes(lp.token_id)))
+                self._offset += len(self._text_so_far.decode(pieces.bytes(lp.token_id)))
         return logprobs
 
 
@@ -98,6 +128,7 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
         tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts
     ]
     for ids in token_ids:
+        check_vocabulary(ids, len(tokenizer), param="prompt")
         check_context_length(len(ids), request.max_tokens, served, param="prompt")
     params = sampling_params(
         request, max_tokens=request.max_tokens, logprobs=request.logprobs, tokenizer=tokenizer

@@ -20,47 +20,19 @@ from pathlib import Path
 from typing import Any
 
 import httpx
-import openai
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from servers import API_KEYS, START_SECONDS, BatchServer, Server, Storage
 from services import S3Server, postgres_schema
 
 from pagedbatch.api.app import create_app
 from pagedbatch.api.deps import Services
-from pagedbatch.service import Embedded, embedded
+from pagedbatch.service import embedded
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
 from pagedbatch.store.migrate import upgrade
-
-API_KEYS = ["k1", "k2"]
-STORAGES = ["embedded", "distributed"]
-START_SECONDS = 30.0
-
-
-@dataclass
-class Storage:
-    kind: str  # "embedded" or "distributed"
-    settings: dict[str, Any]
-    blob_keys: Callable[[], list[str]]  # every key in blob storage, to see what was left behind
-
-
-@dataclass
-class Server:
-    url: str
-    settings: Settings
-    blob_keys: Callable[[], list[str]]
-
-    def client(self, api_key: str = "unused", **options: Any) -> openai.OpenAI:
-        # No retries: a test sees each response the server gave.
-        options.setdefault("max_retries", 0)
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, **options)
-
-    def http(self, api_key: str | None = None) -> httpx.Client:
-        """A plain HTTP client, for what the SDK cannot send or hides."""
-        headers = {"authorization": f"Bearer {api_key}"} if api_key else {}
-        return httpx.Client(base_url=self.url, headers=headers, timeout=60)
 
 
 @pytest.fixture
@@ -238,11 +210,6 @@ def _wait_for_health(url: str, process: subprocess.Popen[bytes], log: Path) -> N
         except httpx.TransportError:
             time.sleep(0.05)
     raise RuntimeError(f"the server did not answer in {START_SECONDS} s:\n{log.read_text()}")
-
-
-@dataclass
-class BatchServer(Server):
-    embedded: Embedded
 
 
 @pytest.fixture

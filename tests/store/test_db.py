@@ -9,6 +9,7 @@ from sqlalchemy import func, select
 from sqlalchemy.exc import IntegrityError
 from sqlalchemy.orm import Session, sessionmaker
 
+from pagedbatch.ids import new_id
 from pagedbatch.store.db import make_engine, make_session_factory, transaction
 from pagedbatch.store.migrate import upgrade
 from pagedbatch.store.models import (
@@ -18,7 +19,6 @@ from pagedbatch.store.models import (
     RequestStatus,
     Shard,
     ShardStatus,
-    new_id,
 )
 
 

@@ -6,10 +6,11 @@ import time
 
 from sqlalchemy import select
 
+from pagedbatch.ids import new_id, now
 from pagedbatch.service import open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.db import transaction
-from pagedbatch.store.models import Batch, BatchStatus, File, Shard, ShardStatus, new_id, now
+from pagedbatch.store.models import Batch, BatchStatus, File, Shard, ShardStatus
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.periodic import delete_expired_files, reap_leases
 from pagedbatch.workers.queue import InProcessQueue

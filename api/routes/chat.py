@@ -1,0 +1,28 @@
+"""`/v1/chat/completions`: a conversation in, the assistant's reply out, whole or streamed."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request, Response
+
+from pagedbatch.api.deps import ServicesDep
+from pagedbatch.api.realtime import answer
+from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
+from pagedbatch.api.schemas.chat import ChatCompletion, ChatCompletionRequest
+from pagedbatch.api.serving.chat import prepare_chat
+from pagedbatch.api.serving.streaming import ChatChunks
+
+router = APIRouter(prefix="/chat", tags=["chat"])
+
+
+@router.post(
+    "/completions",
+    response_model=None,
+    responses={**streamed(ChatCompletion), **error_responses(404)},
+    openapi_extra=json_body(ChatCompletionRequest),
+)
+async def create_chat_completion(
+    request: Request, services: ServicesDep, body: Annotated[Any, Body()] = None
+) -> Response:
+    return await answer(request, services, body, ChatCompletionRequest, prepare_chat, ChatChunks)

@@ -1,0 +1,30 @@
+"""`/v1/completions` (legacy): prompts in, their continuations out, whole or streamed."""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Request, Response
+
+from pagedbatch.api.deps import ServicesDep
+from pagedbatch.api.realtime import answer
+from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
+from pagedbatch.api.schemas.completions import Completion, CompletionRequest
+from pagedbatch.api.serving.completions import prepare_completion
+from pagedbatch.api.serving.streaming import CompletionChunks
+
+router = APIRouter(prefix="/completions", tags=["completions"])
+
+
+@router.post(
+    "",
+    response_model=None,
+    responses={**streamed(Completion), **error_responses(404)},
+    openapi_extra=json_body(CompletionRequest),
+)
+async def create_completion(
+    request: Request, services: ServicesDep, body: Annotated[Any, Body()] = None
+) -> Response:
+    return await answer(
+        request, services, body, CompletionRequest, prepare_completion, CompletionChunks
+    )

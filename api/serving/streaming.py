@@ -1,0 +1,182 @@
+"""Streamed chat and completions: the server-sent events made from the engine's outputs.
+
+Each chunk carries what one choice gained since its last chunk. The engine's text only grows (it
+holds back an incomplete character, and anything that could still become a stop string), so the
+deltas never split a character, never show a stop string, and join into exactly the text that the
+non-streamed response holds. Free of any web framework: the realtime door feeds outputs in and
+sends the bytes out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel
+
+from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.schemas.chat import ChatCompletionChunk, ChoiceDelta, ChunkChoice
+from pagedbatch.api.schemas.common import SamplingRequest, Usage
+from pagedbatch.api.schemas.completions import Completion, CompletionChoice
+from pagedbatch.api.serving.chat import PreparedChat
+from pagedbatch.api.serving.common import finish_reason, usage
+from pagedbatch.api.serving.completions import LogprobsWriter, PreparedCompletion
+from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.request import TokenLogprob
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Delta:
+    """What one choice gained since its last chunk."""
+
+    index: int  # the choice's index in the response
+    text: str
+    logprobs: list[TokenLogprob]  # of the tokens generated since; empty unless asked for
+    finish_reason: Literal["stop", "length"] | None  # set on the choice's last chunk only
+    first: bool
+
+
+class ChunkWriter(Protocol):
+    """An endpoint's chunk objects."""
+
+    def chunk(self, delta: Delta) -> BaseModel: ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+
+@dataclass
+class _Sent:
+    """How much of one choice has been sent."""
+
+    characters: int = 0
+    logprobs: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+class StreamEncoder:
+    """The events of one streamed response: chunks as the outputs move, then usage and [DONE]."""
+
+    def __init__(self, writer: ChunkWriter, request: SamplingRequest) -> None:
+        self._writer = writer
+        self._n = request.n
+        options = request.stream_options
+        self._include_usage = options is not None and options.include_usage
+        self._sent: defaultdict[int, _Sent] = defaultdict(_Sent)
+
+    def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
+        """The events for what `outputs`, the latest of each engine request (None before its
+        first), add to what was sent. OpenAIError if a request was aborted or failed."""
+        return b"".join(self._event(self._writer.chunk(delta)) for delta in self._deltas(outputs))
+
+    def end(self, outputs: Sequence[RequestOutput]) -> bytes:
+        """The events after the final outputs: usage if asked for, then [DONE]."""
+        if not self._include_usage:
+            return DONE
+        return self._event(self._writer.usage_chunk(usage(outputs))) + DONE
+
+    @staticmethod
+    def error(error: OpenAIError) -> bytes:
+        """A failure once the response has begun: the SDK raises it as an APIError."""
+        return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
+    def _event(self, chunk: BaseModel) -> bytes:
+        # With include_usage every chunk says `"usage": null`; without it, none mentions usage.
+        exclude = None if self._include_usage else {"usage"}
+        return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+    def _deltas(self, outputs: Sequence[RequestOutput | None]) -> Iterator[Delta]:
+        for position, output in enumerate(outputs):
+            if output is None:
+                continue
+            for choice in output.outputs:
+                index = position * self._n + choice.index  # as in the non-streamed response
+                sent = self._sent[index]
+                if sent.finished:
+                    continue
+                delta = Delta(
+                    index=index,
+                    text=choice.text[sent.characters :],
+                    logprobs=(choice.logprobs or [])[sent.logprobs :],
+                    finish_reason=finish_reason(choice, output) if choice.finished else None,
+                    first=not sent.started,
+                )
+                if not (delta.text or delta.logprobs or delta.finish_reason):
+                    continue
+                sent.characters += len(delta.text)
+                sent.logprobs += len(delta.logprobs)
+                sent.started = True
+                sent.finished = choice.finished
+                yield delta
+
+
+class ChatChunks:
+    """`chat.completion.chunk` objects; a choice's first delta names the assistant's role."""
+
+    def __init__(self, prepared: PreparedChat) -> None:
+        self._prepared = prepared
+
+    def chunk(self, delta: Delta) -> ChatCompletionChunk:
+        choice = ChunkChoice(
+            index=delta.index,
+            delta=ChoiceDelta(role="assistant" if delta.first else None, content=delta.text),
+            finish_reason=delta.finish_reason,
+            logprobs=self._prepared.logprobs(delta.logprobs),
+        )
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        prepared = self._prepared
+        return ChatCompletionChunk(
+            id=prepared.id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class CompletionChunks:
+    """`text_completion` objects; a choice's first delta starts with its prompt when echoed."""
+
+    def __init__(self, prepared: PreparedCompletion) -> None:
+        self._prepared = prepared
+        # Each choice's logprobs continue where its last chunk's ended (text offsets).
+        self._logprobs: dict[int, LogprobsWriter | None] = {}
+
+    def chunk(self, delta: Delta) -> Completion:
+        prepared = self._prepared
+        text = delta.text
+        if delta.first:
+            echoed = prepared.echoed(delta.index // prepared.request.n)
+            text = echoed + text
+            self._logprobs[delta.index] = prepared.logprobs_writer(len(echoed))
+        writer = self._logprobs[delta.index]
+        choice = CompletionChoice(
+            index=delta.index,
+            text=text,
+            finish_reason=delta.finish_reason,
+            logprobs=None if writer is None else writer.write(delta.logprobs),
+        )
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> Completion:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        prepared = self._prepared
+        return Completion(
+            id=prepared.id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=choices,
+            usage=usage,
+        )
