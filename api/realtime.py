@@ -16,7 +16,6 @@ from typing import Any, TypeVar, cast
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from pydantic import BaseModel
 from starlette.types import Receive, Scope, Send
 
 from pagedbatch.api.deps import Services, get_services
@@ -42,12 +41,6 @@ P = TypeVar("P", bound=Prepared)
 
 RETRY_AFTER_SECONDS = 1  # admitted requests finish in seconds, so their slots free up quickly
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: the client never sees it, logs do
-
-
-def documented(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The OpenAPI entry of a realtime route's 200: `model`, or server-sent events if streamed."""
-    events = {"schema": {"type": "string", "description": "`data: <chunk JSON>` lines"}}
-    return {200: {"model": model, "content": {"text/event-stream": events}}}
 
 
 class Admission:

@@ -75,6 +75,17 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> None:
     except _Cancelled:
         ctx.queue.enqueue("finalize_batch", batch_id)
         return
+    except Exception as e:
+        # Whatever went wrong, a batch must not sit in `validating` for ever.
+        logger.exception("validating batch %s failed", batch_id)
+        error = BatchError(
+            code="validation_error",
+            message=f"The input file could not be "
+            f"validated ({type(e).__name__}); the server logged why.",
+        )
+        with transaction(ctx.session_factory) as session:
+            transition(session, batch_id, BatchStatus.FAILED, errors=[error.model_dump()])
+        return
     for _ in range(num_shards):
         ctx.queue.enqueue("run_shard")
 
@@ -126,6 +137,13 @@ def _load_requests(
             break
         try:
             line = checker.check(raw, number)
+            if "\x00" in line.custom_id:  # no database stores NUL in text
+                raise InvalidBatchLine(
+                    "invalid_value",
+                    "custom_id must not contain NUL.",
+                    line=number,
+                    param="custom_id",
+                )
             model = _check_model(line.body, model, served, number)
         except InvalidBatchLine as e:
             errors.append(e.error)

@@ -194,6 +194,7 @@ def test_completions_batches_run_too(serve_batches):
             "body",
         ),
         ([chat_line("a", stream=True)], "stream_not_supported", 1, "body.stream"),
+        ([chat_line("a\u0000b")], "invalid_value", 1, "custom_id"),
     ],
     ids=[
         "json",
@@ -204,6 +205,7 @@ def test_completions_batches_run_too(serve_batches):
         "unknown-model",
         "no-body",
         "stream",
+        "nul",
     ],
 )
 def test_validation_failures_fail_the_batch_with_line_numbers(
