@@ -207,7 +207,11 @@ def _workspace(cache: torch.Tensor) -> torch.Tensor:
     if key not in buffers:
         row_bytes = cache[0, 0].numel() * cache.element_size()
         rows = max(1, _GATHER_BYTES // (2 * row_bytes))
-        buffers[key] = torch.empty((2, rows, *row_shape), dtype=cache.dtype, device=cache.device)
+        # A normal tensor, not an inference one: it may be written in and out of inference mode.
+        with torch.inference_mode(False):
+            buffers[key] = torch.empty(
+                (2, rows, *row_shape), dtype=cache.dtype, device=cache.device
+            )
     return buffers[key]
 
 
