@@ -5,6 +5,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -20,9 +21,13 @@ from pagedbatch.engine.sampler import Sampler
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.scheduler import Scheduler
 from pagedbatch.engine.stats import EngineStats
+from pagedbatch.engine.structured_output import GrammarRuntime, GrammarViolation
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
+
+# How long an engine with nothing else to run waits for a grammar before stepping again.
+GRAMMAR_WAIT_SECONDS = 0.05
 
 
 @dataclass
@@ -33,6 +38,7 @@ class _Group:
     children: list[Request]
     detokenizers: list[IncrementalDetokenizer]
     dirty: bool = True  # moved since its last reported output
+    grammar: Future | None = None  # structured output: its children wait for it to compile
 
 
 class LLMEngine:
@@ -54,10 +60,14 @@ class LLMEngine:
         self.scheduler = Scheduler(
             self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy
         )
-        self.sampler = Sampler()
+        self.grammars = GrammarRuntime(
+            self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
+        )
+        self.sampler = Sampler(self.grammars.apply_masks)
         self.stats = EngineStats()
         self._groups: dict[str, _Group] = {}
         self._child_group: dict[str, _Group] = {}
+        self._compiling: list[_Group] = []  # admitted to the scheduler once their grammar is ready
         self._ids = itertools.count()
         torch.manual_seed(args.seed)
 
@@ -98,12 +108,43 @@ class LLMEngine:
             )
             children.append(child)
             detoks.append(IncrementalDetokenizer(self.tokenizer, child_params))
-        group = _Group(request_id, children, detoks)
+        grammar = self.grammars.compile(params.structured) if params.structured else None
+        group = _Group(request_id, children, detoks, grammar=grammar)
         self._groups[request_id] = group
         for child in children:
             self._child_group[child.request_id] = group
-            self.scheduler.add(child)
+        if grammar is None or grammar.done():
+            self._schedule(group)
+        else:
+            self._compiling.append(group)
         return request_id
+
+    def _schedule(self, group: _Group) -> None:
+        """Hand a group's children to the scheduler, each with a matcher if it has a grammar."""
+        error = group.grammar.exception() if group.grammar is not None else None
+        for child in group.children:
+            if child.finished:  # aborted or timed out while its grammar compiled
+                continue
+            if error is not None:
+                child.error = f"grammar compilation failed: {error}"
+                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
+                group.dirty = True
+                continue
+            if group.grammar is not None:
+                self.grammars.start(child.request_id, group.grammar.result())
+            self.scheduler.add(child)
+
+    def _schedule_compiled(self) -> None:
+        if not self._compiling:
+            return
+        if not self.scheduler.num_unfinished:
+            # Nothing else to run: wait for a grammar rather than spin.
+            pending = [group.grammar for group in self._compiling]
+            wait(pending, timeout=GRAMMAR_WAIT_SECONDS, return_when=FIRST_COMPLETED)
+        ready = [group for group in self._compiling if group.grammar.done()]
+        self._compiling = [group for group in self._compiling if not group.grammar.done()]
+        for group in ready:
+            self._schedule(group)
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):
@@ -157,6 +198,7 @@ class LLMEngine:
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that moved."""
         self._expire_deadlines()
+        self._schedule_compiled()
         out = self.scheduler.schedule()
         started = time.perf_counter()
         if out.scheduled:
@@ -213,12 +255,18 @@ class LLMEngine:
         group = self._child_group[request.request_id]
         detok = group.detokenizers[group.children.index(request)]
         stop_string = detok.update([token])
-        status = self._stop_status(request, token, stop_string)
+        try:
+            grammar_ended = self.grammars.accept(request.request_id, token)
+        except GrammarViolation as e:
+            request.error = str(e)
+            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+            return
+        status = self._stop_status(request, token, stop_string, grammar_ended)
         if status is not None:
             self.scheduler.finish(request, status)
 
     def _stop_status(
-        self, request: Request, token: int, stop_string: str | None
+        self, request: Request, token: int, stop_string: str | None, grammar_ended: bool
     ) -> RequestStatus | None:
         params = request.sampling_params
         if request.num_output_tokens >= params.min_tokens:
@@ -229,6 +277,8 @@ class LLMEngine:
                 request.stop_reason = token
                 return RequestStatus.FINISHED_STOPPED
             if token in request.eos_token_ids and not params.ignore_eos:
+                return RequestStatus.FINISHED_STOPPED
+            if grammar_ended:  # the output is complete: nothing but a stop token could follow
                 return RequestStatus.FINISHED_STOPPED
         if request.num_output_tokens >= request.max_tokens:
             return RequestStatus.FINISHED_LENGTH
@@ -290,6 +340,7 @@ class LLMEngine:
         del self._groups[group.request_id]
         for child in group.children:
             del self._child_group[child.request_id]
+            self.grammars.release(child.request_id)
             self.stats.record_finished(child)
 
     def get_stats(self) -> dict:

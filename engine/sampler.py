@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -10,6 +10,8 @@ from pagedbatch.engine.request import Request, TokenLogprob
 from pagedbatch.engine.sampling_params import SamplingParams
 
 SampleResult = tuple[int, TokenLogprob | None]
+# Masks, in place, the logits each request's structured output forbids (rows as `requests`).
+TokenMasker = Callable[[torch.Tensor, Sequence[Request]], None]
 
 _MASK64 = (1 << 64) - 1
 
@@ -25,8 +27,12 @@ class Sampler:
     tokens depend neither on the batch around it nor on being preempted and recomputed; unseeded
     rows share torch's default generator.
 
-    The logits are modified in place.
+    Structured-output masks (`token_masker`) go on the logits right after the raw logprobs are
+    read. The logits are modified in place.
     """
+
+    def __init__(self, token_masker: TokenMasker | None = None):
+        self.token_masker = token_masker
 
     # Logits made under inference mode may only be changed in place under it too.
     @torch.inference_mode()
@@ -37,6 +43,8 @@ class Sampler:
             i for i, request in enumerate(requests) if request.sampling_params.logprobs is not None
         ]
         raw_logprobs = torch.log_softmax(logits[logprob_rows], dim=-1) if logprob_rows else None
+        if self.token_masker is not None:
+            self.token_masker(logits, requests)
         _apply_row_processors(logits, requests)
         _apply_penalties(logits, requests)
         tokens = _choose(logits, requests)
@@ -56,7 +64,12 @@ def _plain_greedy(request: Request) -> bool:
 
 def _adjusts_logits(request: Request) -> bool:
     params = request.sampling_params
-    return bool(params.logits_processors) or _has_penalties(params) or bool(_banned_ids(request))
+    return (
+        bool(params.logits_processors)
+        or params.structured is not None
+        or _has_penalties(params)
+        or bool(_banned_ids(request))
+    )
 
 
 def _has_penalties(params: SamplingParams) -> bool:

@@ -4,11 +4,16 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
+if TYPE_CHECKING:
+    from pagedbatch.engine.structured_output import StructuredOutput
+
 # A logits processor sees the tokens generated so far and the request's logits row (1-D, float32)
-# and returns the row to sample from (it may modify it in place). Structured output plugs in here.
+# and returns the row to sample from (it may modify it in place). Structured output masks the
+# logits before these run, batched, from `SamplingParams.structured`.
 LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 
 # Greedy below this temperature: dividing by ~0 overflows and sampling degenerates anyway.
@@ -36,6 +41,7 @@ class SamplingParams:
     logprobs: int | None = None  # top-k logprobs per generated token; 0 = the sampled token only
     skip_special_tokens: bool = True
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
+    structured: StructuredOutput | None = None  # JSON, JSON Schema or tool calls the output obeys
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -78,6 +84,9 @@ class SamplingParams:
             raise bad("stop", "must hold non-empty strings")
         if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
             raise bad("stop_token_ids", "must hold non-negative token ids")
+        if self.structured is not None and self.min_tokens:
+            # The grammar decides where the output ends; a floor could leave nothing to sample.
+            raise bad("min_tokens", "cannot be combined with structured output")
 
     @property
     def greedy(self) -> bool:

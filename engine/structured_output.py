@@ -1,0 +1,697 @@
+"""Structured output: JSON mode, JSON Schema and tool calls, enforced token by token by xgrammar.
+
+Two halves. `StructuredOutput` is plain data a caller puts in `SamplingParams.structured`: it is
+built (and so validated) from OpenAI's `response_format`, `tools` and `tool_choice` before any
+engine work, and carries the grammar as xgrammar EBNF text. `GrammarRuntime` is the engine's:
+it compiles grammars against the tokenizer in a background thread (cached, least recently used
+dropped), keeps one matcher per constrained request, masks the logits of each step in one batched
+call, and says when a grammar has ended so the engine stops the request without waiting for EOS.
+
+Whatever a model samples, a constrained output must end: a random model never closes a string
+or stops padding by chance. So grammars allow no whitespace between JSON tokens, and strings,
+arrays and open-ended objects without their own bound get one from `OutputLimits`. Bounds only
+narrow a schema, so every output still validates against the schema as given.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import re
+from collections import OrderedDict
+from collections.abc import Iterable, Mapping, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+from functools import lru_cache
+from typing import TYPE_CHECKING, Any
+
+import numpy as np
+import torch
+import xgrammar as xgr
+from pydantic import ValidationError
+from xgrammar import structural_tag as st
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from pagedbatch.engine.request import Request
+
+logger = logging.getLogger(__name__)
+
+# A tool call exactly as the chat template (pagedbatch/demo_tokenizer.py, Qwen2.5's layout)
+# renders one from the history, so the model writes them the way it reads them.
+TOOL_CALL_START = "<tool_call>\n"
+TOOL_CALL_END = "}\n</tool_call>"
+_TOOL_CALL_SEPARATOR = "\n"
+_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
+_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
+
+
+@dataclass(frozen=True)
+class OutputLimits:
+    """Bounds for what a schema leaves unbounded (JSON mode leaves everything unbounded).
+
+    A bounded string holds no escapes (no quote, backslash or newline): xgrammar's length-bounded
+    strings have none, and a version with them makes token masks thousands of times slower.
+    `max_string_length=None` leaves strings unbounded, escapes allowed: for a model trusted to
+    close its strings. A bounded number has at most 6 decimals and no exponent (xgrammar's ranges).
+    """
+
+    max_string_length: int | None = 256  # characters
+    max_number: int | None = 10**15  # magnitude, for numbers without a minimum or maximum
+    max_items: int = 32  # array items, and properties of an object with undeclared ones
+    max_depth: int = 4  # nesting of values the schema leaves free ({} or true)
+
+    def __post_init__(self) -> None:
+        for name in ("max_string_length", "max_number", "max_items", "max_depth"):
+            value = getattr(self, name)
+            if value is not None and value < 1:
+                raise ValueError(f"{name} must be at least 1, got {value}")
+
+
+@dataclass(frozen=True)
+class StructuredOutput:
+    """What a request's output must be: the grammar (xgrammar EBNF) and, for tool calls, the
+    functions it may name. Build one with `json_object`, `json_schema`, `tool_calls` or
+    `from_openai`; a hand-written grammar is checked on construction."""
+
+    grammar: str
+    tool_names: tuple[str, ...] = ()  # empty: the output holds no tool calls
+
+    def __post_init__(self) -> None:
+        _check_ebnf(self.grammar)
+
+    @classmethod
+    def json_object(cls, limits: OutputLimits = OutputLimits()) -> StructuredOutput:
+        """Any JSON object (OpenAI's JSON mode)."""
+        return cls(_json_grammar("{}", False, limits, json_object=True))
+
+    @classmethod
+    def json_schema(
+        cls,
+        schema: Mapping[str, Any] | bool,
+        strict: bool = False,
+        limits: OutputLimits = OutputLimits(),
+    ) -> StructuredOutput:
+        """A JSON value valid for `schema`. Raises ValueError naming what is wrong with it.
+
+        Objects that declare properties get only those, as OpenAI's strict mode requires. With
+        `strict`, a validation keyword the grammar cannot enforce is an error; without it, the
+        keyword is dropped (best effort, as OpenAI treats non-strict schemas).
+        """
+        return cls(_json_grammar(_canonical(schema), strict, limits))
+
+    @classmethod
+    def tool_calls(
+        cls,
+        tools: Sequence[Mapping[str, Any]],
+        choice: str = "auto",
+        parallel: bool = True,
+        answer: StructuredOutput | None = None,
+        limits: OutputLimits = OutputLimits(),
+    ) -> StructuredOutput:
+        """Tool calls to OpenAI function `tools` ({"type": "function", "function": {...}}).
+
+        `choice`: "auto" (text, or `answer` when given, or tool calls), "required" (one or more
+        calls, nothing else) or a function's name (exactly one call to it). `parallel` allows
+        up to `limits.max_items` calls in one turn.
+        """
+        functions = _functions(tools)
+        names = tuple(f["name"] for f in functions)
+        if choice not in ("auto", "required") and choice not in names:
+            raise ValueError(f"tool_choice names function {choice!r}, which is not in tools")
+        tags = [
+            st.TagFormat(
+                begin=f'{TOOL_CALL_START}{{"name": {json.dumps(f["name"])}, "arguments": ',
+                content=st.GrammarFormat(grammar=_arguments_grammar(f, limits)),
+                end=TOOL_CALL_END,
+            )
+            for f in functions
+            if choice in ("auto", "required") or f["name"] == choice
+        ]
+        call: st.Format = tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
+        calls = call
+        if parallel:
+            another = st.SequenceFormat(
+                elements=[st.ConstStringFormat(value=_TOOL_CALL_SEPARATOR), call]
+            )
+            more = st.RepeatFormat(min=0, max=limits.max_items - 1, content=another)
+            calls = st.SequenceFormat(elements=[call, more])
+        form: st.Format
+        if choice not in ("auto", "required"):
+            form = call
+        elif choice == "required":
+            form = calls
+        elif answer is not None:
+            form = st.OrFormat(elements=[st.GrammarFormat(grammar=answer.grammar), calls])
+        else:
+            # Free text until the model opens a call; the call itself is then enforced.
+            form = st.TriggeredTagsFormat(
+                triggers=[TOOL_CALL_START.strip()], tags=tags, stop_after_first=not parallel
+            )
+        grammar = str(xgr.Grammar.from_structural_tag(st.StructuralTag(format=form)))
+        return cls(grammar, tool_names=names)
+
+
+def from_openai(
+    response_format: Mapping[str, Any] | None = None,
+    tools: Sequence[Mapping[str, Any]] | None = None,
+    tool_choice: str | Mapping[str, Any] | None = None,
+    parallel_tool_calls: bool = True,
+    limits: OutputLimits = OutputLimits(),
+) -> StructuredOutput | None:
+    """The constraint an OpenAI chat request asks for (fields as plain JSON), or None for none.
+
+    Raises ValueError naming the problem: the API answers it with a 400.
+    """
+    answer = _response_format(response_format or {"type": "text"}, limits)
+    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
+    if isinstance(choice, Mapping):
+        tools, choice = _resolve_choice(choice, tools or [])
+    elif choice not in ("none", "auto", "required"):
+        raise ValueError(f"tool_choice must be none, auto, required or a function, got {choice!r}")
+    if choice == "none" or (choice == "auto" and not tools):
+        return answer
+    if not tools:
+        raise ValueError(f"tool_choice {choice!r} needs at least one tool")
+    return StructuredOutput.tool_calls(tools, choice, parallel_tool_calls, answer, limits)
+
+
+def _response_format(form: Mapping[str, Any], limits: OutputLimits) -> StructuredOutput | None:
+    kind = form.get("type")
+    if kind == "text":
+        return None
+    if kind == "json_object":
+        return StructuredOutput.json_object(limits)
+    if kind != "json_schema":
+        raise ValueError(f"response_format type must be text, json_object or json_schema: {kind!r}")
+    spec = form.get("json_schema")
+    if not isinstance(spec, Mapping):
+        raise ValueError("response_format json_schema needs a json_schema object")
+    if not _FUNCTION_NAME.match(str(spec.get("name", ""))):
+        raise ValueError("response_format json_schema.name must be 1-64 of a-z, A-Z, 0-9, _ and -")
+    schema = spec.get("schema")
+    if schema is None:
+        return StructuredOutput.json_object(limits)
+    return StructuredOutput.json_schema(schema, bool(spec.get("strict")), limits)
+
+
+def _resolve_choice(
+    choice: Mapping[str, Any], tools: Sequence[Mapping[str, Any]]
+) -> tuple[list[Mapping[str, Any]], str]:
+    """A named or allowed-tools choice as (the tools it leaves, a plain choice)."""
+    kind = choice.get("type")
+    if kind == "function":
+        name = (choice.get("function") or {}).get("name")
+        return list(tools), str(name)
+    if kind == "allowed_tools":
+        allowed = choice.get("allowed_tools") or {}
+        names = {(t.get("function") or {}).get("name") for t in allowed.get("tools") or []}
+        declared = {(t.get("function") or {}).get("name") for t in tools}
+        if unknown := sorted(str(n) for n in names - declared):
+            raise ValueError(f"tool_choice allowed_tools names functions not in tools: {unknown}")
+        if allowed.get("mode") not in ("auto", "required"):
+            raise ValueError("tool_choice allowed_tools.mode must be auto or required")
+        kept = [t for t in tools if (t.get("function") or {}).get("name") in names]
+        return kept, allowed["mode"]
+    raise ValueError(f"tool_choice type must be function or allowed_tools, got {kind!r}")
+
+
+def _functions(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
+    functions = []
+    for i, tool in enumerate(tools):
+        if tool.get("type") != "function" or not isinstance(tool.get("function"), Mapping):
+            raise ValueError(f"tools[{i}]: only function tools are supported")
+        function = tool["function"]
+        if not _FUNCTION_NAME.match(str(function.get("name", ""))):
+            raise ValueError(f"tools[{i}]: function name must be 1-64 of a-z, A-Z, 0-9, _ and -")
+        functions.append(function)
+    names = [f["name"] for f in functions]
+    if duplicated := sorted({n for n in names if names.count(n) > 1}):
+        raise ValueError(f"tools declare these functions more than once: {duplicated}")
+    if not functions:
+        raise ValueError("tools must declare at least one function")
+    return functions
+
+
+def _arguments_grammar(function: Mapping[str, Any], limits: OutputLimits) -> str:
+    # OpenAI: leaving out `parameters` declares a function that takes no arguments.
+    schema = function.get("parameters")
+    if schema is None:
+        schema = {"type": "object", "properties": {}}
+    if not isinstance(schema, Mapping) or schema.get("type") != "object":
+        raise ValueError(f"function {function['name']!r}: parameters must be an object schema")
+    try:
+        return _json_grammar(_canonical(schema), bool(function.get("strict")), limits)
+    except ValueError as e:
+        raise ValueError(f"function {function['name']!r}: {e}") from None
+
+
+# Tool calls in the output --------------------------------------------------------------------
+
+
+@dataclass(frozen=True)
+class ToolCall:
+    name: str
+    arguments: str  # the arguments object as JSON text, as OpenAI's tool_calls carry it
+
+
+def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+    """Split an output into its text (None if blank) and its tool calls, in order.
+
+    A block that is not a well-formed call (only possible in unconstrained text) stays text.
+    """
+    calls: list[ToolCall] = []
+    kept: list[str] = []
+    position = 0
+    for block in _TOOL_CALL_BLOCK.finditer(text):
+        try:
+            call = json.loads(block.group(1))
+            calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
+        except (ValueError, KeyError, TypeError):
+            continue
+        kept.append(text[position : block.start()])
+        position = block.end()
+    kept.append(text[position:])
+    content = "".join(kept).strip()
+    return content or None, calls
+
+
+# JSON Schema to grammar ----------------------------------------------------------------------
+
+_TYPES = frozenset({"string", "number", "integer", "boolean", "null", "array", "object"})
+# Keywords the grammar enforces; a schema with none of them accepts any value.
+_ENFORCED = frozenset(
+    {
+        "type", "enum", "const", "anyOf", "oneOf", "allOf", "$ref",
+        "properties", "patternProperties", "additionalProperties", "propertyNames", "required",
+        "minProperties", "maxProperties", "items", "prefixItems", "minItems", "maxItems",
+        "minLength", "maxLength", "pattern", "format",
+        "minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum", "multipleOf",
+    }
+)  # fmt: skip
+# Validation keywords xgrammar does not enforce (or gets wrong: `contains` yields only []).
+_UNENFORCEABLE = frozenset(
+    {
+        "not", "if", "then", "else", "contains", "minContains", "maxContains",
+        "dependentRequired", "dependentSchemas", "dependencies", "unevaluatedItems",
+        "$dynamicRef", "$recursiveRef",
+    }
+)  # fmt: skip
+_COUNTS = ("minLength", "maxLength", "minItems", "maxItems", "minProperties", "maxProperties")
+_RANGE = ("minimum", "maximum", "exclusiveMinimum", "exclusiveMaximum")
+_NUMBERS = (*_RANGE, "multipleOf")
+_ORDERED = (
+    ("minLength", "maxLength"),
+    ("minItems", "maxItems"),
+    ("minProperties", "maxProperties"),
+)
+_STRING_KEYWORDS = ("minLength", "maxLength", "pattern", "format")
+_ARRAY_KEYWORDS = ("items", "prefixItems", "minItems", "maxItems")
+_OBJECT_KEYWORDS = (
+    "properties", "patternProperties", "additionalProperties", "propertyNames", "required",
+    "minProperties", "maxProperties",
+)  # fmt: skip
+
+# xgrammar 0.2.9 spells the characters of a length-bounded string `[^"\\\r\n]`, which lets raw
+# control characters through (strict JSON parsers reject them).
+_BOUNDED_STRING_CHAR = '[^\\"\\\\\\r\\n]'
+_PLAIN_STRING_CHAR = '[^\\0-\\x1f\\"\\\\]'
+_FREE_VALUE = "pagedbatch_free_value_"  # the $defs names of free values, by depth
+_XGRAMMAR_LOG_PREFIX = re.compile(r"^\[[0-9:]+\] \S+:\d+: ")
+
+
+def _canonical(schema: Mapping[str, Any] | bool) -> str:
+    """The schema as JSON text: the cache key, and a check that it is JSON at all."""
+    try:
+        return json.dumps(schema, allow_nan=False)  # key order is the order of the output
+    except (TypeError, ValueError) as e:
+        raise ValueError(f"the JSON schema is not JSON: {e}") from None
+
+
+@lru_cache(maxsize=512)
+def _json_grammar(
+    schema_text: str, strict: bool, limits: OutputLimits, json_object: bool = False
+) -> str:
+    schema = _Bounder(json.loads(schema_text), strict, limits).bounded(json_object)
+    try:
+        grammar = xgr.Grammar.from_json_schema(
+            json.dumps(schema), any_whitespace=False, strict_mode=True
+        )
+    except RuntimeError as e:
+        message = _XGRAMMAR_LOG_PREFIX.sub("", str(e).strip())
+        raise ValueError(f"invalid JSON schema: {message}") from None
+    return str(grammar).replace(_BOUNDED_STRING_CHAR, _PLAIN_STRING_CHAR)
+
+
+@lru_cache(maxsize=512)
+def _check_ebnf(grammar: str) -> None:
+    try:
+        xgr.Grammar.from_ebnf(grammar)
+    except (RuntimeError, ValidationError) as e:
+        message = _XGRAMMAR_LOG_PREFIX.sub("", str(e).strip())
+        raise ValueError(f"invalid grammar: {message}") from None
+
+
+class _Bounder:
+    """Checks a JSON schema and returns a copy with every unbounded part bounded.
+
+    Errors name the schema location as a JSON pointer ("#/properties/tags/items").
+    """
+
+    def __init__(self, document: Any, strict: bool, limits: OutputLimits):
+        self.document = document
+        self.strict = strict
+        self.limits = limits
+        self._free_depths: set[int] = set()  # the free values referred to, by depth
+
+    def bounded(self, json_object: bool = False) -> Any:
+        """The bounded schema: any JSON object with `json_object`, else the document."""
+        if self.document is False:
+            raise ValueError("the JSON schema is false: no output can match it")
+        if json_object:
+            root = self.any_object(self.limits.max_depth)
+        else:
+            root = self.schema(self.document, "#")
+        if not self._free_depths:
+            return root
+        # Free values are defined once each and referred to, which keeps the grammar linear in
+        # the depth (written out, each level would hold two copies of the next).
+        definitions = root.setdefault("$defs", {})
+        for depth in sorted(self._free_depths):
+            definitions[f"{_FREE_VALUE}{depth}"] = self._free_value(depth)
+        return root
+
+    def schema(self, node: Any, path: str) -> Any:
+        if node is True:
+            return self.any_value(self.limits.max_depth)
+        if node is False:
+            return False
+        if not isinstance(node, dict):
+            raise ValueError(f"invalid JSON schema at {path}: a schema is an object or a boolean")
+        self._check(node, path)
+        node = self._drop_unenforceable(dict(node), path)
+        if not _ENFORCED & node.keys():
+            return self.any_value(self.limits.max_depth)
+        for key in ("properties", "patternProperties", "$defs", "definitions"):
+            if key in node:
+                node[key] = {k: self.schema(v, f"{path}/{key}/{k}") for k, v in node[key].items()}
+        for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            if key in node:
+                node[key] = [self.schema(s, f"{path}/{key}/{i}") for i, s in enumerate(node[key])]
+        for key in ("items", "additionalProperties", "propertyNames"):
+            if key in node:
+                node[key] = self.schema(node[key], f"{path}/{key}")
+        types = set() if {"enum", "const"} & node.keys() else _types(node)
+        if "string" in types:
+            self._bound_string(node)
+        if types & {"number", "integer"}:
+            self._bound_number(node)
+        if "array" in types:
+            self._bound_array(node)
+        if "object" in types:
+            self._bound_object(node, path)
+        return node
+
+    def _drop_unenforceable(self, node: dict[str, Any], path: str) -> dict[str, Any]:
+        found = sorted(_UNENFORCEABLE & node.keys())
+        if node.get("uniqueItems") is True:
+            found.append("uniqueItems")
+        if node.get("unevaluatedProperties", False) is not False:
+            found.append("unevaluatedProperties")
+        if len(node.get("allOf", ())) > 1:
+            found.append("allOf")
+        # xgrammar enforces multipleOf only on integers without a range (ours included).
+        ranged = self.limits.max_number is not None or node.keys() & set(_RANGE)
+        if "multipleOf" in node and (_types(node) != {"integer"} or ranged):
+            found.append("multipleOf")
+        if self.strict and "oneOf" in node:
+            found.append("oneOf")  # enforced as anyOf, which is wrong where branches overlap
+        if not found:
+            return node
+        if self.strict:
+            raise ValueError(
+                f"unsupported JSON schema keyword {found[0]!r} at {path}: strict structured output "
+                "cannot enforce it"
+            )
+        logger.info("structured output ignores %s at %s (not strict)", found, path)
+        return {k: v for k, v in node.items() if k not in found}
+
+    def _check(self, node: dict[str, Any], path: str) -> None:
+        def bad(why: str) -> ValueError:
+            return ValueError(f"invalid JSON schema at {path}: {why}")
+
+        types = node.get("type", [])
+        for t in types if isinstance(types, list) else [types]:
+            if t not in _TYPES:
+                raise bad(f"unknown type {t!r}")
+        for key in _COUNTS:
+            value = node.get(key, 0)
+            if not isinstance(value, int) or isinstance(value, bool) or value < 0:
+                raise bad(f"{key} must be a non-negative integer")
+        for key in _NUMBERS:
+            value = node.get(key, 0)
+            if not isinstance(value, int | float) or isinstance(value, bool):
+                raise bad(f"{key} must be a number")
+        if node.get("multipleOf", 1) <= 0:
+            raise bad("multipleOf must be positive")
+        for low, high in _ORDERED:
+            if low in node and high in node and node[low] > node[high]:
+                raise bad(f"{low} {node[low]} exceeds {high} {node[high]}")
+        for key in ("properties", "patternProperties", "$defs", "definitions"):
+            if not isinstance(node.get(key, {}), dict):
+                raise bad(f"{key} must be an object")
+        for key in ("anyOf", "oneOf", "allOf", "prefixItems"):
+            if key in node and (not isinstance(node[key], list) or not node[key]):
+                raise bad(f"{key} must be a non-empty array")
+        if "enum" in node and (not isinstance(node["enum"], list) or not node["enum"]):
+            raise bad("enum must be a non-empty array")
+        required = node.get("required", [])
+        if not isinstance(required, list) or not all(isinstance(r, str) for r in required):
+            raise bad("required must be an array of strings")
+        if "$ref" in node:
+            self._resolve(node["$ref"], path)
+
+    def _resolve(self, ref: Any, path: str) -> None:
+        if not isinstance(ref, str) or not (ref == "#" or ref.startswith("#/")):
+            raise ValueError(f"invalid JSON schema at {path}: only local $refs (#/...) work")
+        target = self.document
+        for part in ref[2:].split("/") if ref != "#" else []:
+            part = part.replace("~1", "/").replace("~0", "~")
+            if not isinstance(target, dict) or part not in target:
+                raise ValueError(f"invalid JSON schema at {path}: $ref {ref!r} points nowhere")
+            target = target[part]
+
+    def _bound_string(self, node: dict[str, Any]) -> None:
+        # A pattern or format carries its own bound (or none the grammar could add to).
+        limit = self.limits.max_string_length
+        if limit is not None and not {"maxLength", "pattern", "format"} & node.keys():
+            node["maxLength"] = max(limit, node.get("minLength", 0))
+
+    def _bound_number(self, node: dict[str, Any]) -> None:
+        limit = self.limits.max_number
+        if limit is None:
+            return
+        low = node.get("minimum", node.get("exclusiveMinimum"))
+        high = node.get("maximum", node.get("exclusiveMaximum"))
+        if low is None:
+            node["minimum"] = -limit if high is None else min(-limit, high - limit)
+        if high is None:
+            node["maximum"] = limit if low is None else max(limit, low + limit)
+
+    def _bound_array(self, node: dict[str, Any]) -> None:
+        if "maxItems" not in node:
+            node["maxItems"] = max(self.limits.max_items, node.get("minItems", 0))
+
+    def _bound_object(self, node: dict[str, Any], path: str) -> None:
+        if "additionalProperties" not in node:
+            # Declared properties are all an object gets; declaring none means any object.
+            declared = "properties" in node or "patternProperties" in node
+            free = self.any_value(self.limits.max_depth - 1)
+            node["additionalProperties"] = False if declared else free
+        open_ended = node["additionalProperties"] is not False
+        if open_ended or "patternProperties" in node:
+            least = node.get("minProperties", 0)
+            node.setdefault("maxProperties", max(self.limits.max_items, least))
+        if open_ended:
+            node.setdefault("propertyNames", self._string())
+            # The grammar writes a required property only if it is declared.
+            declared = node.setdefault("properties", {})
+            for name in node.get("required", []):
+                declared.setdefault(name, node["additionalProperties"])
+        elif "patternProperties" not in node:
+            declared = node.get("properties", {})
+            if undeclared := [r for r in node.get("required", []) if r not in declared]:
+                raise ValueError(
+                    f"invalid JSON schema at {path}: required property {undeclared[0]!r} is not "
+                    "in properties and no other properties are allowed"
+                )
+
+    def _string(self) -> dict[str, Any]:
+        limit = self.limits.max_string_length
+        return {"type": "string"} if limit is None else {"type": "string", "maxLength": limit}
+
+    def any_value(self, depth: int) -> dict[str, Any]:
+        """Any JSON value with at most `depth` levels of arrays and objects."""
+        for level in range(depth + 1):
+            self._free_depths.add(level)
+        return {"$ref": f"#/$defs/{_FREE_VALUE}{depth}"}
+
+    def _free_value(self, depth: int) -> dict[str, Any]:
+        number = {"type": "number"}
+        self._bound_number(number)
+        values: list[dict[str, Any]] = [
+            self._string(),
+            number,
+            {"type": "boolean"},
+            {"type": "null"},
+        ]
+        if depth > 0:
+            inner = {"$ref": f"#/$defs/{_FREE_VALUE}{depth - 1}"}
+            values.append({"type": "array", "items": inner, "maxItems": self.limits.max_items})
+            values.append(self.any_object(depth))
+        return {"anyOf": values}
+
+    def any_object(self, depth: int) -> dict[str, Any]:
+        """Any JSON object with at most `depth` levels of arrays and objects, itself included."""
+        return {
+            "type": "object",
+            "additionalProperties": self.any_value(depth - 1),
+            "propertyNames": self._string(),
+            "maxProperties": self.limits.max_items,
+        }
+
+
+def _types(node: Mapping[str, Any]) -> set[str]:
+    """The JSON types a schema node may take, as its keywords tell (none for enum, $ref...)."""
+    declared = node.get("type")
+    if declared is not None:
+        return set(declared) if isinstance(declared, list) else {declared}
+    inferred = set()
+    if any(k in node for k in _STRING_KEYWORDS):
+        inferred.add("string")
+    if any(k in node for k in _ARRAY_KEYWORDS):
+        inferred.add("array")
+    if any(k in node for k in _OBJECT_KEYWORDS):
+        inferred.add("object")
+    return inferred
+
+
+# The engine's side ---------------------------------------------------------------------------
+
+GRAMMAR_CACHE_SIZE = 256  # compiled grammars kept, least recently used dropped first
+
+
+class GrammarViolation(RuntimeError):
+    """A sampled token the request's grammar does not allow (a logits processor unmasked it)."""
+
+
+class GrammarRuntime:
+    """One engine's grammars and matchers, for constrained requests.
+
+    Only the engine thread calls it. Compilation alone runs on a worker thread (xgrammar releases
+    the GIL while it compiles): `compile` hands back a future, and the engine admits a request
+    once its grammar is ready, stepping the others meanwhile.
+    """
+
+    def __init__(
+        self,
+        tokenizer: PreTrainedTokenizerBase,
+        vocab_size: int,
+        stop_token_ids: Iterable[int],
+        cache_size: int = GRAMMAR_CACHE_SIZE,
+    ):
+        self.vocab_size = vocab_size
+        self._tokenizer = tokenizer
+        self._stop_token_ids = sorted(stop_token_ids)
+        self._cache_size = cache_size
+        self._compiled: OrderedDict[str, Future[xgr.CompiledGrammar]] = OrderedDict()
+        self._executor: ThreadPoolExecutor | None = None  # started by the first grammar
+        self._compiler: xgr.GrammarCompiler | None = None  # the worker's alone
+        self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        self._scratch = xgr.allocate_token_bitmask(1, vocab_size)
+        allowed = np.zeros(self._scratch.shape[1] * 32, dtype=bool)
+        allowed[:vocab_size] = True
+        allowed[self._stop_token_ids] = False
+        self._non_stop = np.packbits(allowed, bitorder="little").view(np.uint32)
+
+    def compile(self, spec: StructuredOutput) -> Future[xgr.CompiledGrammar]:
+        future = self._compiled.get(spec.grammar)
+        if future is not None:
+            self._compiled.move_to_end(spec.grammar)
+            return future
+        if self._executor is None:
+            self._executor = ThreadPoolExecutor(1, thread_name_prefix="pagedbatch-grammar")
+        future = self._executor.submit(self._compile, spec.grammar)
+        self._compiled[spec.grammar] = future
+        if len(self._compiled) > self._cache_size:
+            self._compiled.popitem(last=False)
+        return future
+
+    def _compile(self, grammar: str) -> xgr.CompiledGrammar:
+        if self._compiler is None:
+            info = _tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
+            threads = max(1, min(8, (os.cpu_count() or 2) // 2))
+            self._compiler = xgr.GrammarCompiler(info, max_threads=threads, cache_enabled=False)
+        return self._compiler.compile_grammar(grammar)
+
+    def start(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
+        self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+
+    def release(self, request_id: str) -> None:
+        self._matchers.pop(request_id, None)
+
+    def apply_masks(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
+        """Set to -inf, in place, every logit a row's grammar forbids next (one batched call)."""
+        rows = [i for i, request in enumerate(requests) if request.request_id in self._matchers]
+        if not rows:
+            return
+        bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
+        for i in rows:
+            self._matchers[requests[i].request_id].fill_next_token_bitmask(bitmask, i)
+        bitmask = bitmask.to(logits.device, non_blocking=True)
+        xgr.apply_token_bitmask_inplace(logits, bitmask, vocab_size=self.vocab_size, indices=rows)
+
+    def accept(self, request_id: str, token: int) -> bool:
+        """Advance the request's grammar past its sampled token. True once the grammar has ended:
+        a stop token was accepted, or nothing but one may follow (so the engine need not spend a
+        step sampling it). Unconstrained requests never end here."""
+        matcher = self._matchers.get(request_id)
+        if matcher is None:
+            return False
+        if not matcher.accept_token(token):
+            raise GrammarViolation(f"token {token} does not follow the request's grammar")
+        if matcher.is_terminated():
+            return True
+        if not matcher.is_completed():
+            return False
+        # Complete, yet it may go on (more digits, more text): ended only if it cannot.
+        matcher.fill_next_token_bitmask(self._scratch)
+        return not (self._scratch.numpy().view(np.uint32) & self._non_stop).any()
+
+
+def _tokenizer_info(
+    tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]
+) -> xgr.TokenizerInfo:
+    detected = xgr.TokenizerInfo.from_huggingface(
+        tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
+    )
+    # xgrammar reads an added special token such as <|im_start|> as its text, and would let it
+    # into a JSON string; spelled as nothing, a token counts as special and is never allowed.
+    vocab = [""] * vocab_size
+    for token, i in tokenizer.get_vocab().items():
+        if i < vocab_size:
+            vocab[i] = token
+    special = set(tokenizer.all_special_ids)
+    special.update(i for i, t in tokenizer.added_tokens_decoder.items() if t.special)
+    for i in special:
+        if i < vocab_size:
+            vocab[i] = ""
+    return xgr.TokenizerInfo(
+        vocab,
+        detected.vocab_type,
+        vocab_size=vocab_size,
+        stop_token_ids=stop_token_ids,
+        add_prefix_space=detected.add_prefix_space,
+    )
