@@ -12,14 +12,15 @@ One workload runs twice:
   batches.create, batches.retrieve every --poll-interval seconds, files.content).
 - engine: `pagedbatch.engine.LLM` in a child process with the worker's engine arguments (the
   defaults), fed the same lines prepared by the service's own endpoint code (so prompts and
-  sampling parameters are identical); only `generate` is timed.
+  sampling parameters are identical); only `generate` is timed. It steps in a thread other than
+  the main one, as the worker's AsyncLLM does (`--engine-thread main` to compare).
 
 Lines are `/v1/completions` requests whose prompts are token ids, greedy, with `ignore_eos`, so
 both paths run exactly the same tokens. Figures: output tokens/s of each (service: completion
 tokens from the output file's usage; engine: the outputs' token ids), their ratio (service /
 engine; the target is 0.9 or more), request counts, wall times, the engine's load time, and, to
 show where the service spends its time: the phases of the batch seen by the poller, each
-shard's run from the worker log, per-second completions, the job database's transaction counts,
+shard's run from the worker log, completions per 10 s, the job database's transaction counts,
 and CPU seconds per process group (API, worker, S3, PostgreSQL, Redis, everything else) during
 the timed window. The machine has two cores, so the load average is reported too.
 

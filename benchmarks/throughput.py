@@ -1,6 +1,6 @@
 """Offline throughput: our engine against transformers static batching (and, optionally, vllm).
 
-    python benchmarks/throughput.py            # small llama, 128 requests; several minutes on CPU
+    python benchmarks/throughput.py            # small llama, 128 requests; ~10 min on a quiet CPU
     python benchmarks/throughput.py --quick    # tiny model, 8 requests; seconds
 
 Each engine (and each transformers batch size) runs in a child process of its own, so that peak
