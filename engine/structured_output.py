@@ -44,6 +44,7 @@ logger = logging.getLogger(__name__)
 TOOL_CALL_START = "<tool_call>\n"
 TOOL_CALL_END = "}\n</tool_call>"
 _TOOL_CALL_SEPARATOR = "\n"
+_TOOL_CALL_OPENING = TOOL_CALL_START.strip()
 _TOOL_CALL_BLOCK = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
 _FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
@@ -148,7 +149,7 @@ class StructuredOutput:
         else:
             # Free text until the model opens a call; the call itself is then enforced.
             form = st.TriggeredTagsFormat(
-                triggers=[TOOL_CALL_START.strip()], tags=tags, stop_after_first=not parallel
+                triggers=[_TOOL_CALL_OPENING], tags=tags, stop_after_first=not parallel
             )
         grammar = str(xgr.Grammar.from_structural_tag(st.StructuralTag(format=form)))
         return cls(grammar, tool_names=names)
@@ -257,10 +258,13 @@ class ToolCall:
     arguments: str  # the arguments object as JSON text, as OpenAI's tool_calls carry it
 
 
-def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
+def parse_tool_calls(text: str, complete: bool = True) -> tuple[str | None, list[ToolCall]]:
     """Split an output into its text (None if blank) and its tool calls, in order.
 
     A block that is not a well-formed call (only possible in unconstrained text) stays text.
+    With `complete=False`, `text` is an output still growing: the text returned is the part that
+    can no longer turn into a call, so a stream can send it at once. Each such text is a prefix of
+    the next and of the final one, so streamed pieces join into exactly the final text.
     """
     calls: list[ToolCall] = []
     kept: list[str] = []
@@ -273,9 +277,27 @@ def parse_tool_calls(text: str) -> tuple[str | None, list[ToolCall]]:
             continue
         kept.append(text[position : block.start()])
         position = block.end()
-    kept.append(text[position:])
-    content = "".join(kept).strip()
-    return content or None, calls
+    tail = text[position:]
+    if not complete:
+        tail = _settled(tail)
+    kept.append(tail)
+    content = "".join(kept)
+    if complete:
+        return content.strip() or None, calls
+    # Leading blanks go only if text follows them; trailing ones wait to see what follows.
+    return content.lstrip().rstrip(), calls
+
+
+def _settled(tail: str) -> str:
+    """The part of a growing output's tail that no call can take back: everything before an
+    opened call, or before a trailing piece that may yet open one."""
+    opened = tail.find(_TOOL_CALL_OPENING)
+    if opened >= 0:
+        return tail[:opened]
+    for keep in range(len(_TOOL_CALL_OPENING) - 1, 0, -1):
+        if tail.endswith(_TOOL_CALL_OPENING[:keep]):
+            return tail[:-keep]
+    return tail
 
 
 # JSON Schema to grammar ----------------------------------------------------------------------

@@ -120,7 +120,7 @@ ChatMessage = Annotated[
     Field(discriminator="role"),
 ]
 
-# Tools and response formats: accepted here, refused by the serving layer until they are built.
+# Tools and response formats, enforced by constrained decoding (engine/structured_output.py).
 
 
 class FunctionDefinition(BaseModel):
@@ -284,10 +284,23 @@ class ChatCompletion(BaseModel):
     service_tier: str | None = None
 
 
+class FunctionCallDelta(BaseModel):
+    name: str | None = None
+    arguments: str | None = None
+
+
+class ToolCallDelta(BaseModel):
+    index: int  # the call's position among the choice's calls
+    id: str | None = None
+    type: Literal["function"] | None = None
+    function: FunctionCallDelta | None = None
+
+
 class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
     refusal: str | None = None
+    tool_calls: list[ToolCallDelta] | None = None
 
 
 class ChunkChoice(BaseModel):

@@ -21,6 +21,7 @@ from pagedbatch.api.errors import OpenAIError, from_validation_error
 from pagedbatch.api.schemas.common import PromptTokensDetails, SamplingRequest, Usage
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.engine.sampling_params import LogitsProcessor, SamplingParams
+from pagedbatch.engine.structured_output import StructuredOutput
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -112,6 +113,7 @@ def sampling_params(
     max_tokens: int | None,
     logprobs: int | None,
     tokenizer: PreTrainedTokenizerBase,
+    structured: StructuredOutput | None = None,
 ) -> SamplingParams:
     top_p, top_k = request.top_p, request.top_k
     if top_p == 0.0:  # OpenAI allows it: only the most likely token is left, which is top-k 1
@@ -134,6 +136,7 @@ def sampling_params(
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
             logits_processors=processors,
+            structured=structured,
         )
     except ValueError as exc:  # combinations the schema does not check, e.g. min_tokens > max
         raise OpenAIError(str(exc), code="invalid_value") from None

@@ -18,10 +18,16 @@ from typing import Literal, Protocol
 from pydantic import BaseModel
 
 from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.schemas.chat import ChatCompletionChunk, ChoiceDelta, ChunkChoice
+from pagedbatch.api.schemas.chat import (
+    ChatCompletionChunk,
+    ChoiceDelta,
+    ChunkChoice,
+    FunctionCallDelta,
+    ToolCallDelta,
+)
 from pagedbatch.api.schemas.common import SamplingRequest, Usage
 from pagedbatch.api.schemas.completions import Completion, CompletionChoice
-from pagedbatch.api.serving.chat import PreparedChat
+from pagedbatch.api.serving.chat import PreparedChat, new_tool_call, tool_calls_finish
 from pagedbatch.api.serving.common import finish_reason, usage
 from pagedbatch.api.serving.completions import LogprobsWriter, PreparedCompletion
 from pagedbatch.engine.outputs import RequestOutput
@@ -115,20 +121,66 @@ class StreamEncoder:
                 yield delta
 
 
+@dataclass
+class _ToolCallStream:
+    """What one choice of a request that may call tools has said so far: its text, held until
+    it is sure not to be part of a call, and the calls that have been completed."""
+
+    text: str = ""
+    content: str = ""  # sent as content
+    calls: int = 0  # sent as tool calls
+
+
 class ChatChunks:
-    """`chat.completion.chunk` objects; a choice's first delta names the assistant's role."""
+    """`chat.completion.chunk` objects; a choice's first delta names the assistant's role.
+
+    With tools, a tool call goes out as one delta once the model has closed it, and text that
+    might open one waits until it cannot; the content and calls sent match the whole response's.
+    """
 
     def __init__(self, prepared: PreparedChat) -> None:
         self._prepared = prepared
+        self._tool_streams: defaultdict[int, _ToolCallStream] = defaultdict(_ToolCallStream)
 
     def chunk(self, delta: Delta) -> ChatCompletionChunk:
+        content, calls = delta.text, []
+        reason = delta.finish_reason
+        if self._prepared.calls_tools:
+            content, calls, reason = self._tool_calls(delta)
         choice = ChunkChoice(
             index=delta.index,
-            delta=ChoiceDelta(role="assistant" if delta.first else None, content=delta.text),
-            finish_reason=delta.finish_reason,
+            delta=ChoiceDelta(
+                role="assistant" if delta.first else None,
+                content=content if content or not calls else None,
+                tool_calls=calls or None,
+            ),
+            finish_reason=reason,
             logprobs=self._prepared.logprobs(delta.logprobs),
         )
         return self._chunk([choice])
+
+    def _tool_calls(self, delta: Delta) -> tuple[str, list[ToolCallDelta], str | None]:
+        stream = self._tool_streams[delta.index]
+        stream.text += delta.text
+        finished = delta.finish_reason is not None
+        content, calls = self._prepared.split(stream.text, complete=finished)
+        content = content or ""
+        piece = content[len(stream.content) :]
+        stream.content = content
+        new = [
+            ToolCallDelta(
+                index=stream.calls + i,
+                id=call.id,
+                type="function",
+                function=FunctionCallDelta(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for i, call in enumerate(new_tool_call(c) for c in calls[stream.calls :])
+        ]
+        stream.calls = len(calls)
+        reason = delta.finish_reason
+        return piece, new, reason and tool_calls_finish(reason, stream.calls > 0)
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
         return self._chunk([], usage)

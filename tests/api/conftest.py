@@ -28,11 +28,18 @@ from services import S3Server, postgres_schema
 
 from pagedbatch.api.app import create_app
 from pagedbatch.api.deps import Services
+from pagedbatch.engine import EngineArgs, LLMEngine
 from pagedbatch.service import embedded
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
 from pagedbatch.store.migrate import upgrade
+
+
+@pytest.fixture(scope="module")
+def engine(tiny_llama: Path) -> LLMEngine:
+    """An engine on the tiny checkpoint, for serving tests that step it themselves."""
+    return LLMEngine(EngineArgs(model=str(tiny_llama), max_num_seqs=8, num_kv_blocks=256))
 
 
 @pytest.fixture

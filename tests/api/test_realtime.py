@@ -238,7 +238,12 @@ def test_a_failure_once_streaming_has_begun_is_an_error_event(serve_batches):
     partial = CompletionOutput(index=0, text="Once", token_ids=[7])
     output = RequestOutput(prepared.id, prepared.inputs[0].prompt_token_ids, [partial])
     (chunk,) = parse_events(encoder.events([output]).decode())
-    assert chunk["choices"][0]["delta"] == {"role": "assistant", "content": "Once", "refusal": None}
+    assert chunk["choices"][0]["delta"] == {
+        "role": "assistant",
+        "content": "Once",
+        "refusal": None,
+        "tool_calls": None,
+    }
 
     aborted = replace(partial, finish_reason="abort")
     with pytest.raises(OpenAIError) as caught:

@@ -12,13 +12,8 @@ from pagedbatch.api.schemas.completions import CompletionRequest
 from pagedbatch.api.serving.chat import prepare_chat
 from pagedbatch.api.serving.common import Prepared, parse_request
 from pagedbatch.api.serving.completions import prepare_completion
-from pagedbatch.engine import EngineArgs, LLMEngine
+from pagedbatch.engine import LLMEngine
 from pagedbatch.engine.outputs import RequestOutput
-
-
-@pytest.fixture(scope="module")
-def engine(tiny_llama) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=str(tiny_llama), max_num_seqs=8, num_kv_blocks=256))
 
 
 def chat(engine: LLMEngine, **fields: Any):
@@ -133,12 +128,7 @@ class TestChatPrompt:
     @pytest.mark.parametrize(
         ("fields", "param"),
         [
-            ({"tools": [{"type": "function", "function": {"name": "f"}}]}, "tools"),
-            ({"response_format": {"type": "json_object"}}, "response_format"),
-            (
-                {"response_format": {"type": "json_schema", "json_schema": {"name": "a"}}},
-                "response_format",
-            ),
+            ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
             (
                 {
                     "messages": [
