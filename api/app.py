@@ -22,7 +22,9 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 from pagedbatch.api.auth import KeyRing
 from pagedbatch.api.deps import Services
 from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.routes import api_router
+from pagedbatch.api.metrics import install_metrics
+from pagedbatch.api.routes import api_router, ui
+from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.settings import Settings
 
 logger = logging.getLogger(__name__)
@@ -40,13 +42,21 @@ def create_app(settings: Settings, services: Services) -> FastAPI:
     app.state.keys = KeyRing(settings.api_keys)
     app.state.services = services
     app.include_router(api_router)
+    app.include_router(ui.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["health"])
+    install_error_handling(app)
+    install_metrics(app, services)  # `/metrics`, and the HTTP metrics around everything else
+    return app
+
+
+def install_error_handling(app: FastAPI) -> None:
+    """OpenAI-shaped errors and request ids: for this app and for the workers' engine hosts,
+    which serve the realtime routes too."""
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(RequestIdMiddleware)
-    return app
 
 
 def health() -> dict[str, str]:
@@ -80,6 +90,11 @@ class RequestIdMiddleware:
                 message = {**message, "headers": headers}
             await send(message)
 
+        # Log lines written while the request is served carry its id (in the JSON log format).
+        # Not reset on the way out: the server-error handler and the server's traceback of a 500
+        # are logged after this returns, and the server runs each request in a task of its own,
+        # whose context ends with it.
+        current_request_id.set(request_id)
         await self.app(scope, receive, send_with_id)
 
 

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from dataclasses import dataclass, field
-from typing import Annotated
+from typing import TYPE_CHECKING, Annotated
 
 import anyio
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
+from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.ids import now
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
 from pagedbatch.workers.queue import TaskQueue
+
+if TYPE_CHECKING:  # it serves the realtime routes, which use this module
+    from pagedbatch.api.engine_proxy import EngineProxy
 
 
 @dataclass
@@ -27,11 +31,21 @@ class Services:
     queue: TaskQueue | None = None  # where batch work goes; None in a Files-only app
     served_models: list[str] = field(default_factory=list)
     engine: AsyncLLM | None = None  # serves the realtime endpoints; None in the distributed API
+    engines: EngineProxy | None = None  # the distributed API's way to the workers' engines
     started_at: int = field(default_factory=now)  # reported as each served model's `created`
     # An upload holds a thread for as long as its client takes to send it, so uploads get threads
     # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.
     # Uploads beyond this many wait their turn.
     upload_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(32))
+    # The engine's generated tokens per second, as `/v1/engine/stats` reports it.
+    generation_rate: TokenRate = field(default_factory=TokenRate)
+
+    async def models(self) -> list[str]:
+        """The served models: the configured ones, and those of the live engines."""
+        if self.engines is None:
+            return list(self.served_models)
+        live = await self.engines.models()
+        return [*self.served_models, *sorted(set(live) - set(self.served_models))]
 
 
 def get_services(request: Request) -> Services:

@@ -4,6 +4,9 @@ At most `max_realtime_queue` realtime requests are in the engine at once (waitin
 beyond that a client gets a 429 with Retry-After at once, so a burst costs neither memory nor an
 ever longer queue. Admitted requests run at REALTIME_PRIORITY, ahead of batch lines. A client
 that goes away, streaming or not, aborts its engine requests at once, which frees their KV blocks.
+
+The distributed API runs no engine: it checks the request and forwards it to a worker's engine
+host (api/engine_proxy.py), which answers it with this same code, and so admits per engine.
 """
 
 from __future__ import annotations
@@ -68,7 +71,7 @@ def _engine_for(services: Services, model: str) -> AsyncLLM:
     if model not in services.served_models:
         raise model_not_found(model)
     if services.engine is None:
-        # A distributed API process runs no engine, and does not yet route to the workers'.
+        # An app given neither an engine nor a way to the workers' (a Files-only app).
         raise OpenAIError(
             f"No engine serves model '{model}' right now. Please try again later.",
             status_code=503,
@@ -92,6 +95,8 @@ async def answer(
     The request is checked in full before it comes near the engine, then runs if admitted.
     """
     params = parse_request(schema, body)
+    if services.engines is not None:  # the distributed API: a worker's engine host answers
+        return await services.engines.forward(request, params.model, body, services.served_models)
     engine = _engine_for(services, params.model)
     prepared = prepare(params, engine.engine)
     admission = _admission(request)
@@ -101,7 +106,7 @@ async def answer(
         events = _events(engine, prepared.inputs, StreamEncoder(chunks(prepared), params))
         return EventStreamResponse(events, admission.leave)
     try:
-        outputs = await _unless_disconnected(request, _final_outputs(engine, prepared.inputs))
+        outputs = await unless_disconnected(request, _final_outputs(engine, prepared.inputs))
     finally:
         admission.leave()
     if outputs is None:
@@ -230,7 +235,7 @@ async def _events(
         )
 
 
-async def _unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
+async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """What `work` returns, or None if the client goes away first, which cancels `work`."""
     task = asyncio.ensure_future(work)
     watch = asyncio.ensure_future(_disconnect(request))

@@ -35,6 +35,7 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
+    final_only: bool
 
     def put(self, item: RequestOutput | BaseException) -> None:
         # A caller whose event loop has ended (a finished `asyncio.run`) has stopped listening.
@@ -64,8 +65,11 @@ class AsyncLLM:
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        final_only: bool = False,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output each step it moves, the last one finished.
+        """Yield the request's cumulative output each step it moves, the last one finished;
+        with `final_only`, the last one alone (a batch line: its caller then sleeps, rather than
+        wake every step to drop an output, and takes no time from the others).
 
         Bad input raises ValueError before anything is yielded. Leaving the generator early
         (a disconnected client) aborts the request.
@@ -74,7 +78,7 @@ class AsyncLLM:
             raise EngineDeadError(f"the engine has stopped: {self._dead}")
         request_id = request_id or f"async-{next(self._ids)}"
         loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue())
+        stream = _Stream(loop, asyncio.Queue(), final_only)
         admitted: asyncio.Future[None] = loop.create_future()
 
         def add() -> None:
@@ -120,6 +124,7 @@ class AsyncLLM:
         self._stopping.set()
         self._commands.put(lambda: None)  # wake the loop
         self._thread.join()
+        self.engine.shutdown()
 
     def _loop(self) -> None:
         try:
@@ -128,11 +133,13 @@ class AsyncLLM:
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
                         stream = self._streams.get(output.request_id)
-                        if stream is None:
+                        if stream is None or (stream.final_only and not output.finished):
                             continue
                         if output.finished:
                             del self._streams[output.request_id]
                         stream.put(output)
+                else:
+                    self.engine.idle()
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
             logger.exception("engine loop died")
             self._dead = e

@@ -9,6 +9,8 @@ from typing import Any
 
 import torch
 
+from pagedbatch.engine.distributed import divide
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 
 
@@ -23,21 +25,38 @@ class EngineArgs:
     max_num_batched_tokens: int = 2048
     block_size: int = 16
     num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
-    kv_cache_memory_gib: float | None = None  # default: 2 GiB on CPU, 90% of free memory on GPU
+    # per rank; default: 2 GiB on CPU, 90% of free memory on GPU
+    kv_cache_memory_gib: float | None = None
     enable_prefix_caching: bool = True
     scheduling_policy: str = "priority"  # or "fcfs"
-    tensor_parallel_size: int = 1
+    # Under the priority policy, while requests of a better priority are in the engine, the
+    # others get at most this many tokens a step (None: no bound of their own), so the steps that
+    # realtime requests wait on stay short under a batch.
+    low_priority_token_budget: int | None = None
+    tensor_parallel_size: int = 1  # ranks (processes; on CUDA, devices from `device` on)
     seed: int = 0  # for requests that sample without a seed of their own
+    # Log a stats line (throughput, running, waiting, KV usage) this often while there is work;
+    # 0: never. The service turns it on; offline runs have their progress bar.
+    stats_log_interval_seconds: float = 0.0
 
     def __post_init__(self) -> None:
-        positive = ("max_num_seqs", "max_num_batched_tokens", "block_size", "tensor_parallel_size")
+        positive = (
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "block_size",
+            "tensor_parallel_size",
+            "low_priority_token_budget",
+        )
         for name in positive:
-            if getattr(self, name) < 1:
+            if getattr(self, name) is not None and getattr(self, name) < 1:
                 raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
+        if self.stats_log_interval_seconds < 0:
+            raise ValueError(
+                f"stats_log_interval_seconds must not be negative, got "
+                f"{self.stats_log_interval_seconds}"
+            )
         if self.dtype != "auto" and self.dtype not in DTYPES:
             raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
-        if self.tensor_parallel_size != 1:
-            raise ValueError("tensor_parallel_size > 1 is not supported yet")
 
 
 @dataclass
@@ -61,6 +80,13 @@ class ModelConfig:
     sliding_windows: list[int | None]  # per layer
     torch_dtype: torch.dtype
     raw: dict[str, Any] = field(repr=False)
+
+    def check_tensor_parallel(self, size: int) -> None:
+        """Raises ValueError unless each of `size` ranks can hold whole heads and an equal share of
+        the MLP. (The vocabulary is padded to split evenly.)"""
+        divide(self.num_heads, size, "num_attention_heads")
+        divide(self.num_kv_heads, size, "num_key_value_heads")
+        divide(self.intermediate_size, size, "intermediate_size")
 
     @classmethod
     def from_dir(cls, path: str | Path) -> ModelConfig:

@@ -68,3 +68,7 @@ class LLM:
 
     def get_stats(self) -> dict:
         return self.engine.get_stats()
+
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any."""
+        self.engine.shutdown()

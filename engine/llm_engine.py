@@ -14,13 +14,15 @@ import torch
 from pagedbatch.engine.config import EngineArgs, ModelConfig
 from pagedbatch.engine.detokenizer import IncrementalDetokenizer
 from pagedbatch.engine.kv_cache_manager import KVCacheManager, cdiv
-from pagedbatch.engine.model_runner import ModelRunner
+from pagedbatch.engine.metrics import EngineMetrics
 from pagedbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
+from pagedbatch.engine.ranks import start_runner
 from pagedbatch.engine.request import Request, RequestStatus, TokenLogprob
 from pagedbatch.engine.sampler import Sampler
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.scheduler import Scheduler
 from pagedbatch.engine.stats import EngineStats
+from pagedbatch.engine.stats_logger import Snapshot, StatsLogger
 from pagedbatch.engine.structured_output import GrammarRuntime, GrammarViolation
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 
@@ -53,18 +55,25 @@ class LLMEngine:
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
         self.max_model_len = args.max_model_len or limit
-        self.runner = ModelRunner(self.model_config, args)
+        self.runner = start_runner(self.model_config, args)
         self.kv = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
         self.scheduler = Scheduler(
-            self.kv, args.max_num_seqs, args.max_num_batched_tokens, args.scheduling_policy
+            self.kv,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.scheduling_policy,
+            args.low_priority_token_budget,
         )
         self.grammars = GrammarRuntime(
             self.tokenizer, self.model_config.vocab_size, self.eos_token_ids
         )
         self.sampler = Sampler(self.grammars.apply_masks)
         self.stats = EngineStats()
+        self.metrics = EngineMetrics(self.model_name, self.kv, self.scheduler)
+        interval = args.stats_log_interval_seconds
+        self.stats_logger = StatsLogger(self.model_name, interval) if interval else None
         self._groups: dict[str, _Group] = {}
         self._child_group: dict[str, _Group] = {}
         self._compiling: list[_Group] = []  # admitted to the scheduler once their grammar is ready
@@ -193,10 +202,15 @@ class LLMEngine:
     def has_unfinished_requests(self) -> bool:
         return bool(self._groups)
 
+    def shutdown(self) -> None:
+        """Stops the engine's other tensor-parallel ranks, if any; the engine runs no more."""
+        self.runner.shutdown()
+
     # The step ----------------------------------------------------------------------------------
 
     def step(self) -> list[RequestOutput]:
         """Run one engine step; returns the outputs of the requests that moved."""
+        began = time.monotonic()
         self._expire_deadlines()
         self._schedule_compiled()
         out = self.scheduler.schedule()
@@ -217,7 +231,24 @@ class LLMEngine:
             num_seqs=len(out.scheduled),
             seconds=time.perf_counter() - started,
         )
+        self.metrics.record_step(out.num_tokens)
+        if self.stats_logger is not None:
+            self.stats_logger.step(began, self._snapshot())
         return self._collect_outputs()
+
+    def idle(self) -> None:
+        """For a loop that waits for work: lets the stats line of the last burst out on time."""
+        if self.stats_logger is not None:
+            self.stats_logger.idle(time.monotonic())
+
+    def _snapshot(self) -> Snapshot:
+        return Snapshot(
+            time=time.monotonic(),
+            totals=self.metrics.totals,
+            running=len(self.scheduler.running),
+            waiting=len(self.scheduler.waiting),
+            kv_usage=self.kv.pool.usage,
+        )
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request]
@@ -245,6 +276,7 @@ class LLMEngine:
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         now = time.monotonic()
+        self.metrics.record_token(request, now)
         if request.first_token_time is None:
             request.first_token_time = now
         request.last_token_time = now
@@ -342,6 +374,7 @@ class LLMEngine:
             del self._child_group[child.request_id]
             self.grammars.release(child.request_id)
             self.stats.record_finished(child)
+            self.metrics.record_finished(child)
 
     def get_stats(self) -> dict:
         pool = self.kv.pool

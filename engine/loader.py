@@ -1,4 +1,8 @@
-"""Reading safetensors checkpoints (single file or sharded) straight into the model."""
+"""Reading safetensors checkpoints (single file or sharded) straight into the model.
+
+Tensors are handed over unread: a `CheckpointTensor` reads from the file only the part it is
+indexed with, so a tensor-parallel rank reads its slices of the weights, not the whole checkpoint.
+"""
 
 from __future__ import annotations
 
@@ -24,12 +28,25 @@ def checkpoint_files(model_dir: Path) -> list[Path]:
     return files
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, torch.Tensor]]:
+class CheckpointTensor:
+    """One tensor of an open safetensors file. Index it to read: `t[:]` reads it whole, `t[a:b]`
+    rows a to b, `t[:, a:b]` those columns; nothing else of it is read. Valid while the iteration
+    that yielded it is on its file."""
+
+    def __init__(self, handle, name: str):
+        self._slice = handle.get_slice(name)
+        self.shape = torch.Size(self._slice.get_shape())
+
+    def __getitem__(self, index) -> torch.Tensor:
+        return self._slice[index]
+
+
+def iterate_weights(model_dir: Path) -> Iterator[tuple[str, CheckpointTensor]]:
     """Yield (name, tensor) one tensor at a time, so a checkpoint never sits in memory twice."""
     for path in checkpoint_files(model_dir):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping
-                    yield name, f.get_tensor(name)
+                    yield name, CheckpointTensor(f, name)
         except SafetensorError as e:
             raise ValueError(f"cannot read checkpoint file {path}: {e}") from e

@@ -1,16 +1,27 @@
-"""Loads the model, owns the KV cache tensors, and runs one flattened batch per step."""
+"""One tensor-parallel rank's model shard and KV cache; runs one flattened batch per step.
+
+Rank 0 (the engine's process) turns the scheduler's decisions into a `StepInput`; with more than
+one rank, `ranks.RankProcesses` hands the same input to every other rank, and all of them run it.
+"""
 
 from __future__ import annotations
 
 import time
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
 
+from pagedbatch.engine import distributed
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
+from pagedbatch.engine.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
 from pagedbatch.engine.scheduler import ScheduledRequest
 from pagedbatch.kernels.attention import prepare_attention
+
+if TYPE_CHECKING:
+    from pagedbatch.engine.ranks import RankProcesses
 
 DEFAULT_CPU_KV_GIB = 2.0
 GPU_MEMORY_FRACTION = 0.9
@@ -22,6 +33,22 @@ def resolve_device(name: str) -> torch.device:
     return torch.device(name)
 
 
+def rank_device(name: str, rank: int, size: int) -> torch.device:
+    """The device of `rank` of `size`: on CUDA, one device per rank, counting up from `name`'s."""
+    device = resolve_device(name)
+    if size == 1 or device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on cpu or cuda devices, not {device.type}")
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + size > count:
+        raise ValueError(
+            f"tensor_parallel_size {size} needs CUDA devices {first} to {first + size - 1}; "
+            f"{count} visible"
+        )
+    return torch.device("cuda", first + rank)
+
+
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
@@ -29,21 +56,57 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
     return cfg.torch_dtype if device.type == "cuda" else torch.float32
 
 
+@dataclass
+class StepInput:
+    """One step's batch as plain lists: what every rank needs to run it."""
+
+    input_ids: list[int]
+    query_start_loc: list[int]  # sequence i owns input_ids[query_start_loc[i]:[i + 1]]
+    seq_lens: list[int]  # each sequence's context length after this step
+    block_tables: list[list[int]]  # padded to one width
+    sample_rows: list[int]  # the tokens whose next-token logits are wanted
+
+    @classmethod
+    def build(cls, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> StepInput:
+        input_ids: list[int] = []
+        query_start_loc = [0]
+        sample_rows: list[int] = []
+        for s in scheduled:
+            input_ids.extend(s.request.all_token_ids[s.start : s.end])
+            query_start_loc.append(len(input_ids))
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        width = max(len(b) for b in block_tables)
+        return cls(
+            input_ids=input_ids,
+            query_start_loc=query_start_loc,
+            seq_lens=[s.end for s in scheduled],
+            block_tables=[b + [0] * (width - len(b)) for b in block_tables],
+            sample_rows=sample_rows,
+        )
+
+
 class ModelRunner:
-    def __init__(self, cfg: ModelConfig, args: EngineArgs):
+    def __init__(self, cfg: ModelConfig, args: EngineArgs, tp: TensorParallel = SINGLE):
         self.cfg = cfg
-        self.device = resolve_device(args.device)
+        self.tp = tp
+        self.device = rank_device(args.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.block_size = args.block_size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         started = time.perf_counter()
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - started
-        self.num_blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
+        blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
+        # Rank 0's block ids address every rank's cache: all hold as many blocks as the smallest.
+        self.num_blocks = tp.min(blocks, self.device)
         self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)]
+        # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
+        self.ranks: RankProcesses | None = None
 
     def _load_model(self) -> torch.nn.Module:
         model_cls = resolve_model_class(self.cfg.architecture)
-        with torch.device(self.device):
+        with torch.device(self.device), distributed.building_for(self.tp):
             model = model_cls(self.cfg)
         model = model.to(self.dtype)
         model.load_weights(iterate_weights(self.cfg.path))
@@ -51,7 +114,7 @@ class ModelRunner:
 
     @property
     def kv_bytes_per_block(self) -> int:
-        per_token = 2 * self.cfg.num_layers * self.cfg.num_kv_heads * self.cfg.head_dim
+        per_token = 2 * self.cfg.num_layers * self.num_kv_heads * self.cfg.head_dim
         return per_token * self.block_size * self.dtype.itemsize
 
     def _blocks_for_budget(self, gib: float | None) -> int:
@@ -63,34 +126,37 @@ class ModelRunner:
         return max(1, int(budget // self.kv_bytes_per_block))
 
     def _empty_cache(self) -> torch.Tensor:
-        shape = (self.num_blocks, self.block_size, self.cfg.num_kv_heads, self.cfg.head_dim)
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
         # Uninitialised on purpose: attention only reads slots that were written.
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    @torch.inference_mode()
     def execute(
         self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
     ) -> torch.Tensor:
-        """Run one step; returns float32 logits for the requests that sample, in order."""
-        input_ids: list[int] = []
-        query_start_loc = [0]
-        sample_rows: list[int] = []
-        for s in scheduled:
-            input_ids.extend(s.request.all_token_ids[s.start : s.end])
-            query_start_loc.append(len(input_ids))
-            if s.samples:
-                sample_rows.append(len(input_ids) - 1)
-        width = max(len(b) for b in block_tables)
-        padded = [b + [0] * (width - len(b)) for b in block_tables]
+        """Run one step on every rank; returns float32 logits for the requests that sample, in
+        order."""
+        step = StepInput.build(scheduled, block_tables)
+        if self.ranks is None:
+            return self.run(step)
+        return self.ranks.run(step, self.run)
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor:
+        """This rank's part of a step; every rank returns the same logits."""
         device = self.device
         meta = prepare_attention(
-            query_start_loc=torch.tensor(query_start_loc, device=device),
-            seq_lens=torch.tensor([s.end for s in scheduled], device=device),
-            block_tables=torch.tensor(padded, dtype=torch.int32, device=device),
+            query_start_loc=torch.tensor(step.query_start_loc, device=device),
+            seq_lens=torch.tensor(step.seq_lens, device=device),
+            block_tables=torch.tensor(step.block_tables, dtype=torch.int32, device=device),
             block_size=self.block_size,
         )
         hidden = self.model(
-            torch.tensor(input_ids, device=device), meta.positions, self.kv_caches, meta
+            torch.tensor(step.input_ids, device=device), meta.positions, self.kv_caches, meta
         )
-        rows = torch.tensor(sample_rows, dtype=torch.long, device=device)
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def shutdown(self) -> None:
+        """Stops the other ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.shutdown()

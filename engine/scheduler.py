@@ -2,9 +2,12 @@
 
 Every step has one token budget. Running requests are served first (one decode token each, or the
 next chunk of their prefill), best priority first; waiting requests then fill what is left, their
-prefills cut into chunks that fit. When the KV pool runs dry, the worst running request (lowest
-priority, latest arrival) is preempted: its blocks are freed and it is recomputed later, mostly
-from the prefix cache.
+prefills cut into chunks that fit. Under the priority policy the best priority present (realtime
+requests) is served that way before any other, and alone in a step where one of them prefills (but
+never in two steps running), so that its first token is not held up by batch work; otherwise the
+rest share at most `low_priority_token_budget` tokens, which keeps the steps realtime requests wait
+on short. When the KV pool runs dry, the worst running request (lowest priority, latest arrival)
+is preempted: its blocks are freed and it is recomputed later, mostly from the prefix cache.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ class Scheduler:
         max_num_seqs: int,
         max_num_batched_tokens: int,
         policy: str = "priority",
+        low_priority_token_budget: int | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -57,9 +61,13 @@ class Scheduler:
         self.max_num_seqs = max_num_seqs
         self.max_num_batched_tokens = max_num_batched_tokens
         self.policy = policy
+        # While better-priority requests are in the engine, the others' tokens per step: short
+        # steps for realtime requests under a batch (None: max_num_batched_tokens bounds them).
+        self.low_priority_token_budget = low_priority_token_budget
         self.waiting: list[Request] = []  # sorted, best first
         self.running: list[Request] = []  # sorted, best first
         self.num_preemptions = 0
+        self._last_step_alone = False  # the last step served the best priority alone
 
     def _key(self, request: Request) -> tuple[int, float]:
         return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
@@ -118,11 +126,46 @@ class Scheduler:
         if self.policy == "priority":
             self._make_room_for_better_waiting(out)
         budget = self.max_num_batched_tokens
+        # The best priority present goes first, running then waiting: a realtime request's prefill
+        # is not left behind batch work. Then the rest, within their own budget.
+        top = self._top_priority()
+        _, budget = self._schedule_running(out, 0, budget, top)
+        budget = self._schedule_waiting(out, budget, top)
+        placed = sum(1 for r in self.running if r.priority == top)  # they lie first
+        others = len(self.running) > placed or (self.waiting and self.waiting[-1].priority != top)
+        if top is not None and others:
+            low = budget
+            if self.low_priority_token_budget is not None:
+                low = min(budget, self.low_priority_token_budget)
+            prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
+            # A best-priority request is prefilling: its first token comes sooner from a step of
+            # its own. Never twice in a row, so a stream of them takes at most half the steps.
+            alone = prefilling and not self._last_step_alone
+            self._last_step_alone = alone
+            if alone:
+                low = 0
+            _, left = self._schedule_running(out, placed, low, None)
+            self._schedule_waiting(out, left, None)
+        return out
 
-        # Running requests, best first; victims are taken from the end, so never one already placed.
-        i = 0
+    def _top_priority(self) -> int | None:
+        """The best priority in the engine; None under fcfs, where all are one class."""
+        if self.policy != "priority":
+            return None
+        heads = [queue[0].priority for queue in (self.running, self.waiting) if queue]
+        return min(heads) if heads else None
+
+    def _schedule_running(
+        self, out: SchedulerOutput, start: int, budget: int, only: int | None
+    ) -> tuple[int, int]:
+        """Running requests from `start` on, best first (of priority `only`, if given); returns
+        where it stopped and the budget left. Victims are taken from the end, so never one
+        already placed."""
+        i = start
         while i < len(self.running) and budget > 0:
             request = self.running[i]
+            if only is not None and request.priority != only:
+                break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
@@ -137,12 +180,17 @@ class Scheduler:
                 request.num_computed_tokens += num_new
                 budget -= num_new
                 i += 1
+        return i, budget
 
-        # Waiting requests fill the rest, unless the pool was just found short.
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, only: int | None) -> int:
+        """Waiting requests (of priority `only`, if given) fill the budget, unless the pool was
+        just found short; returns the budget left."""
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted and self.policy == "fcfs":
                 break
             request = self.waiting[0]
+            if only is not None and request.priority != only:
+                break
             if request in out.preempted:
                 break  # preempted for lack of room this very step
             cached = self.kv.find_cached_prefix(request)
@@ -160,4 +208,4 @@ class Scheduler:
             request.num_computed_tokens += num_new
             budget -= num_new
             bisect.insort(self.running, request, key=self._key)
-        return out
+        return budget

@@ -27,13 +27,14 @@ def add_engine_args(parser: argparse.ArgumentParser) -> None:
         "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True
     )
     g.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"])
+    g.add_argument("--tensor-parallel-size", type=int, default=1)
 
 
 def engine_kwargs(args: argparse.Namespace) -> dict:
     names = (
         "served_model_name", "dtype", "device", "max_model_len", "max_num_seqs",
         "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
-        "enable_prefix_caching", "scheduling_policy",
+        "enable_prefix_caching", "scheduling_policy", "tensor_parallel_size",
     )  # fmt: skip
     return {name: getattr(args, name) for name in names}
 
@@ -62,19 +63,29 @@ def settings_from_args(args: argparse.Namespace):
     return Settings(**given)
 
 
+def service_settings(args: argparse.Namespace):
+    """The settings of a long-running service command, with its logging set up by them."""
+    from pagedbatch.logs import configure_logging
+
+    settings = settings_from_args(args)
+    configure_logging(settings.log_format)
+    return settings
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedbatch import service
 
-    settings = settings_from_args(args)
+    settings = service_settings(args)
+    # No log_config: uvicorn's loggers then propagate to the handler configured above.
     if settings.distributed:
         app = service.api_only(settings)
-        uvicorn.run(app, host=settings.host, port=settings.port)
+        uvicorn.run(app, host=settings.host, port=settings.port, log_config=None)
         return 0
     embedded = service.embedded(settings)
     try:
-        uvicorn.run(embedded.app, host=settings.host, port=settings.port)
+        uvicorn.run(embedded.app, host=settings.host, port=settings.port, log_config=None)
     finally:
         embedded.shutdown()
     return 0
@@ -83,7 +94,7 @@ def _serve(args: argparse.Namespace) -> int:
 def _worker(args: argparse.Namespace) -> int:
     from pagedbatch import service
 
-    settings = settings_from_args(args)
+    settings = service_settings(args)
     if not settings.distributed:
         raise ValueError("a worker needs a broker: set PAGEDBATCH_BROKER_URL or --broker-url")
     service.run_worker(settings, beat=args.beat)

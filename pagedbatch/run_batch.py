@@ -11,6 +11,9 @@ from pagedbatch.api.schemas.batch_lines import BatchOutputLine
 from pagedbatch.engine import EngineArgs, LLMEngine
 from pagedbatch.workers.batch_runner import BatchProgress, BatchRunner
 
+# tqdm's ETA comes from the rate lines finish at; the postfix adds tokens/s and failures.
+BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} lines [{elapsed} elapsed, ETA {remaining}{postfix}]"
+
 
 def run_batch(
     input_path: str | Path,
@@ -32,7 +35,10 @@ def run_batch(
         open(input_path, "rb") as source,
         open(output_path, "w", encoding="utf-8", buffering=1) as sink,
         tqdm(
-            total=_count_lines(input_path), unit="line", desc="run-batch", disable=not show_progress
+            total=_count_lines(input_path),
+            desc="run-batch",
+            bar_format=BAR_FORMAT,
+            disable=not show_progress,
         ) as bar,
     ):
 

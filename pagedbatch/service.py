@@ -2,7 +2,8 @@
 
 Embedded (no broker configured): API, task queue and engine in one process, the queue a thread
 pool running the same task functions the Celery workers run. Distributed: the API enqueues on
-Celery and serves no engine; each `pagedbatch worker` runs one engine and the tasks.
+Celery and serves no engine; each `pagedbatch worker` runs one engine and the tasks, and serves
+its engine's realtime endpoints to the API through an engine host.
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pagedbatch.api.app import create_app
 from pagedbatch.api.deps import Services
+from pagedbatch.api.engine_proxy import EngineProxy
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore, make_blob_store
@@ -24,9 +26,12 @@ from pagedbatch.store.db import make_engine, make_session_factory
 from pagedbatch.store.migrate import upgrade
 from pagedbatch.workers.celery_app import CeleryQueue, make_celery
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.engine_host import EngineHost
+from pagedbatch.workers.metrics import serve_metrics
 from pagedbatch.workers.queue import InProcessQueue
 from pagedbatch.workers.recovery import resume_work
 from pagedbatch.workers.tasks import PERIODIC, run_task
+from pagedbatch.workers.webhooks import DELIVERY_THREADS
 
 logger = logging.getLogger(__name__)
 
@@ -51,7 +56,13 @@ def served_model_name(settings: Settings) -> str:
 
 
 def start_engine(settings: Settings) -> AsyncLLM:
-    return AsyncLLM(str(model_dir(settings)), served_model_name=served_model_name(settings))
+    return AsyncLLM(
+        str(model_dir(settings)),
+        served_model_name=served_model_name(settings),
+        stats_log_interval_seconds=settings.stats_log_interval_seconds,
+        tensor_parallel_size=settings.tensor_parallel_size,
+        low_priority_token_budget=settings.batch_tokens_under_realtime or None,
+    )
 
 
 def open_store(settings: Settings) -> tuple[sessionmaker[Session], BlobStore]:
@@ -80,7 +91,8 @@ def embedded(settings: Settings) -> Embedded:
     ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine)
     queue = InProcessQueue(
         lambda name, args: run_task(ctx, name, args),
-        lanes={"run_shard": settings.worker_concurrency},
+        # Webhook receivers can be slow: their deliveries must not hold up batch work.
+        lanes={"run_shard": settings.worker_concurrency, "deliver_webhook": DELIVERY_THREADS},
     )
     ctx.queue = queue
     for task in PERIODIC:
@@ -98,7 +110,9 @@ def embedded(settings: Settings) -> Embedded:
 
 
 def api_only(settings: Settings) -> FastAPI:
-    """The distributed API process: work goes to Celery; no engine here."""
+    """The distributed API process: work goes to Celery, realtime requests to the workers'
+    engine hosts; no engine here."""
+    assert settings.broker_url is not None
     session_factory, blobs = open_store(settings)
     queue = CeleryQueue(make_celery(settings, run=_not_here))
     services = Services(
@@ -107,6 +121,9 @@ def api_only(settings: Settings) -> FastAPI:
         blobs=blobs,
         queue=queue,
         served_models=[served_model_name(settings)],
+        engines=EngineProxy(
+            settings.broker_url, settings.engine_secret, settings.engine_heartbeat_seconds
+        ),
     )
     return create_app(settings, services)
 
@@ -121,8 +138,21 @@ def run_worker(settings: Settings, beat: bool) -> None:
     session_factory, blobs = open_store(settings)
     ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=start_engine(settings))
     app = make_celery(settings, run=lambda name, args: run_task(ctx, name, args))
+    # Celery would replace the root logger's handler, and with it the configured log format.
+    app.conf.worker_hijack_root_logger = False
     ctx.queue = CeleryQueue(app)
     resume_work(ctx)
+    if settings.worker_metrics_port:
+        try:
+            serve_metrics(settings.host, settings.worker_metrics_port)
+        except OSError as e:  # a port taken (by another worker on this host) costs only metrics
+            logger.error(
+                "no metrics server on %s:%d (%s); give each worker on a host its own "
+                "PAGEDBATCH_WORKER_METRICS_PORT, or 0 for none",
+                settings.host,
+                settings.worker_metrics_port,
+                e,
+            )
     argv = [
         "worker",
         "--pool=threads",
@@ -135,4 +165,9 @@ def run_worker(settings: Settings, beat: bool) -> None:
     ]
     if beat:
         argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
-    app.worker_main(argv)
+    host = EngineHost(ctx)
+    host.start()
+    try:
+        app.worker_main(argv)
+    finally:
+        host.stop()

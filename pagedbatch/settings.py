@@ -14,6 +14,8 @@ from typing import Annotated
 from pydantic import Field, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from pagedbatch.logs import LogFormat
+
 DAY = 24 * 3600
 
 
@@ -34,13 +36,41 @@ class Settings(BaseSettings):
     # Comma-separated in the environment. Empty: no auth, one shared tenant.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
 
+    # Log lines on stderr: "text", or "json" (an object a line, with the request id in requests).
+    log_format: LogFormat = "text"
+
+    # Observability. Each engine logs a stats line (throughput, running, waiting, KV usage) this
+    # often while it has work; 0: never. A worker serves /metrics on this port (at `host`); 0:
+    # not at all. The API serves /metrics on its own port.
+    stats_log_interval_seconds: float = Field(5.0, ge=0)
+    worker_metrics_port: int = Field(8001, ge=0)
+
     # The model; unset: the built-in tiny demo model, made on first start.
     model: str | None = None
     served_model_name: str | None = None
+    # Ranks the model is split across: a worker's engine claims this many GPUs (cuda:0 on; pick
+    # them with CUDA_VISIBLE_DEVICES), or runs this many processes on CPU.
+    tensor_parallel_size: int = Field(1, ge=1)
 
     # Realtime work: requests admitted into the engine at once (waiting or running), per API
     # process; beyond it clients get a 429 with Retry-After rather than an ever longer wait.
     max_realtime_queue: int = 256
+    # While realtime requests are in an engine, batch lines get at most this many tokens a step
+    # (0: no bound but the engine's step budget): the smaller, the shorter the steps realtime
+    # requests wait on, and the less batch throughput while they run.
+    batch_tokens_under_realtime: int = Field(512, ge=0)
+
+    # Distributed realtime work: each worker's engine host serves the realtime endpoints over
+    # HTTP at engine_host:engine_port (0: any free port) and heartbeats its address and load into
+    # the broker's Redis; the API forwards each realtime request to the least loaded live one.
+    # engine_address is the URL the API should use (default: http://engine_host:port, with the
+    # machine's address when engine_host is 0.0.0.0). Off loopback, engine_secret must be set,
+    # on the workers and the API alike: the engine host then answers only requests bearing it.
+    engine_host: str = "127.0.0.1"
+    engine_port: int = Field(0, ge=0, le=65535)
+    engine_address: str | None = None
+    engine_secret: str | None = None
+    engine_heartbeat_seconds: float = Field(1.0, gt=0)  # a host is gone after 3 missed beats
 
     # Batch work.
     completion_window_seconds: int = DAY  # how long a batch may run before it expires
@@ -52,7 +82,18 @@ class Settings(BaseSettings):
     max_batch_file_bytes: int = 200 * 2**20
     max_batch_lines: int = 50_000
 
-    @field_validator("api_keys", mode="before")
+    # Webhooks. A failed delivery is retried with exponential backoff and jitter, from the
+    # initial to the maximum delay, up to max_attempts tries: by default about three days.
+    webhook_max_attempts: int = Field(24, ge=1)
+    webhook_initial_backoff_seconds: float = Field(10.0, gt=0)
+    webhook_max_backoff_seconds: float = Field(6 * 3600.0, gt=0)
+    webhook_timeout_seconds: float = Field(15.0, gt=0)  # connect, send and read, per attempt
+    webhook_secret_grace_seconds: int = DAY  # a rotated-out secret keeps signing this long
+    # Hosts, addresses or networks (10.0.0.0/8) webhooks may reach although they are loopback,
+    # private or link-local; comma-separated in the environment.
+    webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

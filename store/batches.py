@@ -11,6 +11,7 @@ from sqlalchemy.orm import Session
 
 from pagedbatch.ids import now
 from pagedbatch.store.models import (
+    TERMINAL,
     Batch,
     BatchRequest,
     BatchStatus,
@@ -18,6 +19,7 @@ from pagedbatch.store.models import (
     Shard,
     ShardStatus,
 )
+from pagedbatch.store.webhooks import record_batch_event
 
 S = BatchStatus
 
@@ -44,14 +46,19 @@ TIMESTAMP = {
 
 
 def transition(session: Session, batch_id: str, target: BatchStatus, **values: object) -> bool:
-    """Move the batch to `target` if its current state allows it; False if it did not."""
-    values[TIMESTAMP[target]] = now()
+    """Move the batch to `target` if its current state allows it; False if it did not.
+
+    Entering a final state records its webhook event in the same transaction."""
+    moment = values[TIMESTAMP[target]] = now()
     result = session.execute(
         update(Batch)
         .where(Batch.id == batch_id, Batch.status.in_([s.value for s in SOURCES[target]]))
         .values(status=target.value, **values)
     )
-    return result.rowcount == 1
+    moved = result.rowcount == 1
+    if moved and target in TERMINAL:
+        record_batch_event(session, batch_id, target, created_at=moment)
+    return moved
 
 
 def stopping(batch: Batch) -> bool:

@@ -155,3 +155,90 @@ class IdempotencyKey(Base):
     key: Mapped[str] = mapped_column(String(256), primary_key=True)
     resource_id: Mapped[str] = mapped_column(String(64))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookEndpoint(Base):
+    """A URL of a tenant's that hears of its batches' ends, signed with the endpoint's secret."""
+
+    __tablename__ = "webhook_endpoints"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    url: Mapped[str] = mapped_column(String(2048))
+    events: Mapped[list[Any] | None]  # the event types sent; None: all of them
+    secret: Mapped[str] = mapped_column(String(128))  # `whsec_` + base64; needed to sign
+    # The secret before the last rotation signs too until it expires, so a receiver can switch
+    # to the new one without rejecting a delivery.
+    previous_secret: Mapped[str | None] = mapped_column(String(128))
+    previous_secret_expires_at: Mapped[int | None] = mapped_column(BigInteger)
+    disabled_at: Mapped[int | None] = mapped_column(BigInteger)  # set when a receiver said 410
+    disabled_reason: Mapped[str | None] = mapped_column(String(512))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now, index=True)
+
+
+class WebhookEvent(Base):
+    """Something that happened to a batch, recorded in the transaction that made it happen."""
+
+    __tablename__ = "webhook_events"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # evt_...
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    type: Mapped[str] = mapped_column(String(32))  # batch.completed, ...
+    # A batch ends once, so it has one event.
+    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), unique=True)
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WebhookMessageStatus(enum.StrEnum):
+    PENDING = "pending"  # waiting for its next attempt, or in one
+    DELIVERED = "delivered"
+    FAILED = "failed"  # out of attempts, or its endpoint was disabled
+
+
+class WebhookMessage(Base):
+    """One event on its way to one endpoint. Its id is the `webhook-id` of every attempt, which
+    receivers use to drop duplicates."""
+
+    __tablename__ = "webhook_messages"
+    __table_args__ = (
+        UniqueConstraint("event_id", "endpoint_id"),
+        Index("ix_webhook_messages_due", "status", "next_attempt_at"),
+    )
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # wh_...
+    event_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_events.id", ondelete="CASCADE"), index=True
+    )
+    endpoint_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_endpoints.id", ondelete="CASCADE"), index=True
+    )
+    status: Mapped[str] = mapped_column(String(16), default=WebhookMessageStatus.PENDING)
+    attempts: Mapped[int] = mapped_column(default=0)
+    next_attempt_at: Mapped[float] = mapped_column(Float)  # Unix seconds
+    # Set while an attempt runs; a claim that lapsed belonged to a process that died.
+    claimed_until: Mapped[float | None] = mapped_column(Float)
+
+
+class WebhookOutcome(enum.StrEnum):
+    DELIVERED = "delivered"  # the receiver answered 2xx
+    FAILED = "failed"  # anything else but 410; retried while attempts remain
+    DISABLED = "disabled"  # the receiver answered 410 Gone: its endpoint is disabled
+
+
+class WebhookDelivery(Base):
+    """One attempt to deliver a message: the delivery log an endpoint's owner can read."""
+
+    __tablename__ = "webhook_deliveries"
+    __table_args__ = (Index("ix_webhook_deliveries_endpoint", "endpoint_id", "created_at"),)
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # whd_...
+    message_id: Mapped[str] = mapped_column(
+        ForeignKey("webhook_messages.id", ondelete="CASCADE"), index=True
+    )
+    endpoint_id: Mapped[str] = mapped_column(ForeignKey("webhook_endpoints.id", ondelete="CASCADE"))
+    attempt: Mapped[int]  # 1 for the first
+    outcome: Mapped[str] = mapped_column(String(16))
+    status_code: Mapped[int | None]
+    latency_ms: Mapped[int | None]  # until the response's headers, or the failure
+    error: Mapped[str | None] = mapped_column(String(1024))
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)

@@ -10,20 +10,36 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import redis
 from celery import Celery
 
 from pagedbatch.settings import Settings
 from pagedbatch.workers.tasks import PERIODIC, TASKS
 
 QUEUE = "pagedbatch"
+# A scrape of the queue depth waits no longer than this for Redis.
+DEPTH_TIMEOUT_SECONDS = 2.0
 
 
 class CeleryQueue:
     def __init__(self, app: Celery):
         self.app = app
+        self._redis: redis.Redis | None = None
 
-    def enqueue(self, task: str, *args: Any) -> None:
-        self.app.send_task(task, args=args, queue=QUEUE)
+    def enqueue(self, task: str, *args: Any, delay: float = 0.0) -> None:
+        # A countdown past Redis's visibility timeout gets the task delivered more than once;
+        # delayed tasks (webhook retries) claim their work in the job store, so extra copies
+        # find nothing to do.
+        self.app.send_task(task, args=args, queue=QUEUE, countdown=delay or None)
+
+    def depths(self) -> dict[str, int]:
+        """Messages waiting in the broker: the length of the queue's Redis list. Tasks a worker
+        has taken (delayed ones included) are no longer in it."""
+        if self._redis is None:
+            self._redis = redis.Redis.from_url(
+                self.app.conf.broker_url, socket_timeout=DEPTH_TIMEOUT_SECONDS
+            )
+        return {QUEUE: self._redis.llen(QUEUE)}
 
 
 def make_celery(settings: Settings, run: Callable[[str, tuple[Any, ...]], None]) -> Celery:

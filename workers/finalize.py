@@ -31,6 +31,7 @@ from pagedbatch.store.models import (
     ShardStatus,
 )
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.webhooks import queue_batch_webhooks
 
 logger = logging.getLogger(__name__)
 
@@ -80,6 +81,7 @@ def finalize_batch(ctx: WorkerContext, batch_id: str) -> None:
         if not transition(session, batch_id, target, **files):
             # Cancelled while the files were written: they hold every result, so keep them.
             transition(session, batch_id, BatchStatus.CANCELLED, **files)
+    queue_batch_webhooks(ctx, batch_id)
     logger.info("batch %s finalized", batch_id)
 
 

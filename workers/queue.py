@@ -6,24 +6,38 @@ deployment of the distributed design, not a second implementation.
 
 from __future__ import annotations
 
+import heapq
+import itertools
 import logging
 import threading
+import time
+from collections import Counter
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from typing import Any, Protocol
 
 logger = logging.getLogger(__name__)
 
+DEFAULT_LANE = "default"  # the in-process pool of every task without a lane of its own
+
 
 class TaskQueue(Protocol):
-    def enqueue(self, task: str, *args: Any) -> None: ...
+    def enqueue(self, task: str, *args: Any, delay: float = 0.0) -> None:
+        """Run `task(*args)` on some worker, no sooner than `delay` seconds from now."""
+        ...
+
+    def depths(self) -> dict[str, int]:
+        """Tasks waiting to be picked up, per queue."""
+        ...
 
 
 class InProcessQueue:
     """Runs tasks on thread pools in this process, and periodic tasks on timers.
 
     Tasks named in `lanes` get a pool of their own of the given size: shard runs hold a thread
-    for as long as a shard takes, and must not starve validation or finalization.
+    for as long as a shard takes, and must not starve validation or finalization. Delayed tasks
+    wait in memory and are dropped at shutdown: whoever delays a task keeps what it needs in the
+    job store, where a periodic task finds it again.
     """
 
     def __init__(
@@ -40,10 +54,49 @@ class InProcessQueue:
         }
         self._stop = threading.Event()
         self._timers: list[threading.Thread] = []
+        self._waiting: Counter[str] = Counter()  # per lane: submitted, not started
+        self._waiting_lock = threading.Lock()
+        self._delayed: list[tuple[float, int, str, tuple[Any, ...]]] = []  # a heap by due time
+        self._delayed_changed = threading.Condition()
+        self._sequence = itertools.count()  # orders tasks due at once; tuples never compare args
+        self._delayer = threading.Thread(target=self._run_delayed, name="delayed", daemon=True)
+        self._delayer.start()
 
-    def enqueue(self, task: str, *args: Any) -> None:
-        if not self._stop.is_set():
-            self._lanes.get(task, self._pool).submit(self._safe_run, task, args)
+    def enqueue(self, task: str, *args: Any, delay: float = 0.0) -> None:
+        if self._stop.is_set():
+            return
+        if delay > 0:
+            with self._delayed_changed:
+                due = time.monotonic() + delay
+                heapq.heappush(self._delayed, (due, next(self._sequence), task, args))
+                self._delayed_changed.notify()
+            return
+        with self._waiting_lock:
+            self._waiting[self._lane(task)] += 1
+        self._lanes.get(task, self._pool).submit(self._start, task, args)
+
+    def _lane(self, task: str) -> str:
+        return task if task in self._lanes else DEFAULT_LANE
+
+    def _start(self, task: str, args: tuple[Any, ...]) -> None:
+        with self._waiting_lock:
+            self._waiting[self._lane(task)] -= 1
+        self._safe_run(task, args)
+
+    def depths(self) -> dict[str, int]:
+        """Tasks waiting for a thread, per pool: lanes by their task's name, the rest "default"."""
+        with self._waiting_lock:
+            return {lane: self._waiting[lane] for lane in (DEFAULT_LANE, *self._lanes)}
+
+    def _run_delayed(self) -> None:
+        with self._delayed_changed:
+            while not self._stop.is_set():
+                wait = self._delayed[0][0] - time.monotonic() if self._delayed else None
+                if wait is None or wait > 0:
+                    self._delayed_changed.wait(wait)
+                    continue
+                _, _, task, args = heapq.heappop(self._delayed)
+                self.enqueue(task, *args)
 
     def _safe_run(self, task: str, args: tuple[Any, ...]) -> None:
         try:
@@ -62,6 +115,9 @@ class InProcessQueue:
 
     def shutdown(self) -> None:
         self._stop.set()
+        with self._delayed_changed:
+            self._delayed_changed.notify()
+        self._delayer.join()
         for pool in (self._pool, *self._lanes.values()):
             pool.shutdown(wait=True, cancel_futures=True)
         for timer in self._timers:

@@ -38,6 +38,7 @@ from pagedbatch.workers.batch_runner import (
     response_line,
 )
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.metrics import BATCH_REQUESTS
 
 logger = logging.getLogger(__name__)
 
@@ -117,9 +118,10 @@ class _ShardRun:
         self.shard = shard
         self.stop = asyncio.Event()
         self.lease_lost = False
-        # Bound what one shard puts in the engine queue, so other shards' lines get in too.
-        share = engine.engine.args.max_num_seqs // ctx.settings.worker_concurrency
-        self.in_flight = asyncio.Semaphore(max(4, share))
+        # Up to an engine's worth of lines each: the engine runs max_num_seqs at once and queues
+        # the rest by arrival, so the lines of concurrent shards take turns, and a shard running
+        # alone, or the others while one drains its last lines, still fill every seat.
+        self.in_flight = asyncio.Semaphore(engine.engine.args.max_num_seqs)
 
     async def run(self) -> None:
         with self.ctx.session_factory() as session:
@@ -214,6 +216,7 @@ class _ShardRun:
                 # Unique per attempt: a retried shard may overlap a lost one in this engine.
                 request_id=f"{engine_input.request_id}-{uuid.uuid4().hex[:8]}",
                 priority=BATCH_PRIORITY,
+                final_only=True,
             ):
                 final = output
             return final
@@ -231,4 +234,7 @@ class _ShardRun:
 
     def _record(self, request: BatchRequest, status: RequestStatus, line: dict, **usage: int):
         with transaction(self.ctx.session_factory) as session:
-            record_result(session, request, status, line, **usage)
+            written = record_result(session, request, status, line, **usage)
+        if written:  # a retried shard's duplicate writes nothing and counts nothing
+            outcome = "completed" if status == RequestStatus.SUCCEEDED else "failed"
+            BATCH_REQUESTS.labels(outcome).inc()

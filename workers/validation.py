@@ -18,6 +18,7 @@ from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, Shard
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.webhooks import queue_batch_webhooks
 
 logger = logging.getLogger(__name__)
 
@@ -71,6 +72,7 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> None:
         report = [error.model_dump() for error in e.errors[:MAX_REPORTED_ERRORS]]
         with transaction(ctx.session_factory) as session:
             transition(session, batch_id, BatchStatus.FAILED, errors=report)
+        queue_batch_webhooks(ctx, batch_id)
         return
     except _Cancelled:
         ctx.queue.enqueue("finalize_batch", batch_id)
@@ -85,6 +87,7 @@ def validate_batch(ctx: WorkerContext, batch_id: str) -> None:
         )
         with transaction(ctx.session_factory) as session:
             transition(session, batch_id, BatchStatus.FAILED, errors=[error.model_dump()])
+        queue_batch_webhooks(ctx, batch_id)
         return
     for _ in range(num_shards):
         ctx.queue.enqueue("run_shard")

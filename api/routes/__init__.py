@@ -6,7 +6,15 @@ from fastapi import APIRouter, Depends, Request
 
 from pagedbatch.api.auth import get_owner
 from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.routes import batches, chat, completions, files, models
+from pagedbatch.api.routes import (
+    batches,
+    chat,
+    completions,
+    engine,
+    files,
+    models,
+    webhook_endpoints,
+)
 from pagedbatch.api.routes.openapi import error_responses
 
 
@@ -30,5 +38,7 @@ api_router = APIRouter(
 api_router.include_router(batches.router)
 api_router.include_router(chat.router)
 api_router.include_router(completions.router)
+api_router.include_router(engine.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)
+api_router.include_router(webhook_endpoints.router)

@@ -1,4 +1,5 @@
-"""`/v1/models`: the model(s) this deployment serves."""
+"""`/v1/models`: the model(s) this deployment serves (distributed: the configured one and those
+of the live engines)."""
 
 from __future__ import annotations
 
@@ -23,15 +24,15 @@ class Model(BaseModel):
 
 
 @router.get("")
-def list_models(services: ServicesDep) -> ListPage[Model]:
-    models = [Model(id=name, created=services.started_at) for name in services.served_models]
+async def list_models(services: ServicesDep) -> ListPage[Model]:
+    models = [Model(id=name, created=services.started_at) for name in await services.models()]
     return ListPage[Model].from_rows(models, len(models), lambda model: model)
 
 
 # `:path` because served names are often Hugging Face ids such as `org/name`.
 @router.get("/{model:path}", responses=error_responses(404))
-def retrieve_model(model: str, services: ServicesDep) -> Model:
-    if model not in services.served_models:
+async def retrieve_model(model: str, services: ServicesDep) -> Model:
+    if model not in await services.models():
         raise OpenAIError(
             f"The model '{model}' does not exist",
             status_code=404,

@@ -3,6 +3,9 @@
 The three differ only in what config.json switches on: Qwen2's q/k/v biases, Mistral's and Qwen2's
 sliding windows. Q/K/V and gate/up projections are fused into one matmul each; the loader splits
 the checkpoint's separate tensors into them.
+
+Built under `distributed.building_for(tp)`, a model holds one tensor-parallel rank's share: its
+attention heads, its slice of the MLP and of the vocabulary (see parallel_layers).
 """
 
 from __future__ import annotations
@@ -14,6 +17,15 @@ from torch import nn
 
 from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.models.rope import RotaryEmbedding
+from pagedbatch.engine.parallel_layers import (
+    ColumnParallelLinear,
+    Loaded,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
 from pagedbatch.kernels import ops
 from pagedbatch.kernels.attention import AttentionMetadata
 
@@ -38,15 +50,18 @@ class RMSNorm(nn.Module):
 class Attention(nn.Module):
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
         super().__init__()
-        self.num_heads = cfg.num_heads
-        self.num_kv_heads = cfg.num_kv_heads
-        self.head_dim = cfg.head_dim
-        self.q_size = cfg.num_heads * cfg.head_dim
-        self.kv_size = cfg.num_kv_heads * cfg.head_dim
-        self.qkv_proj = nn.Linear(
-            cfg.hidden_size, self.q_size + 2 * self.kv_size, bias=cfg.qkv_bias
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias
         )
-        self.o_proj = nn.Linear(self.q_size, cfg.hidden_size, bias=cfg.o_proj_bias)
+        # This rank's heads.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, "the attention output"
+        )
         self.rotary = rotary
         self.sliding_window = sliding_window
         self.scale = cfg.head_dim**-0.5
@@ -73,8 +88,11 @@ class Attention(nn.Module):
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
-        self.gate_up_proj = nn.Linear(cfg.hidden_size, 2 * cfg.intermediate_size, bias=False)
-        self.down_proj = nn.Linear(cfg.intermediate_size, cfg.hidden_size, bias=False)
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias=False, what="intermediate_size"
+        )
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
@@ -116,12 +134,12 @@ class LlamaForCausalLM(nn.Module):
         super().__init__()
         self.cfg = cfg
         rotary = RotaryEmbedding.from_config(cfg.raw, cfg.head_dim)
-        self.embed_tokens = nn.Embedding(cfg.vocab_size, cfg.hidden_size)
+        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(
             DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)
         )
         self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = nn.Linear(cfg.hidden_size, cfg.vocab_size, bias=False)
+        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
 
@@ -141,9 +159,12 @@ class LlamaForCausalLM(nn.Module):
         return x
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.lm_head(hidden)
+        """Logits over the whole vocabulary, on every rank."""
+        return self.lm_head.compute_logits(hidden)
 
-    def load_weights(self, weights: Iterable[tuple[str, torch.Tensor]]) -> None:
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """Loads (name, tensor) pairs named as transformers names them; each parameter reads only
+        this rank's slice (from a `CheckpointTensor`, only those bytes of the file)."""
         params = dict(self.named_parameters())
         loaded: set[str] = set()
         for ckpt_name, tensor in weights:
@@ -160,28 +181,15 @@ class LlamaForCausalLM(nn.Module):
                     continue
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
             param = params[name]
-            target = param.data if shard is None else self._shard(param.data, name, shard)
-            if target.shape != tensor.shape:
-                raise ValueError(
-                    f"checkpoint tensor {ckpt_name!r} has shape {tuple(tensor.shape)}, "
-                    f"the model expects {tuple(target.shape)}"
-                )
-            target.copy_(tensor)
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from e
             loaded.add(name if shard is None else f"{name}#{shard}")
         expected = self._expected_loads(params)
         if missing := sorted(expected - loaded):
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
-
-    def _shard(self, data: torch.Tensor, name: str, index: int) -> torch.Tensor:
-        if "qkv_proj" in name:
-            q, kv = (
-                self.cfg.num_heads * self.cfg.head_dim,
-                self.cfg.num_kv_heads * self.cfg.head_dim,
-            )
-            sizes = [q, kv, kv]
-        else:
-            sizes = [self.cfg.intermediate_size] * 2
-        return data.split(sizes, dim=0)[index]
 
     def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
         expected = set()

@@ -3,6 +3,10 @@
 Plugins add architectures through the entry-point group `pagedbatch.models`: the entry point's
 name is the architecture (as config.json spells it), its value the model class, for example
 `MyForCausalLM = "my_plugin.model:MyForCausalLM"`.
+
+A model class is built as `cls(model_config)` under `distributed.building_for(tp)`, and loaded with
+`load_weights(pairs)`, pairs of a checkpoint name and a `loader.CheckpointTensor` (index it to
+read: `t[:]` is the whole tensor). Classes built from `parallel_layers` run tensor-parallel.
 """
 
 from __future__ import annotations

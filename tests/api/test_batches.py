@@ -130,6 +130,25 @@ def test_every_line_lands_once_in_the_output_or_error_file(serve_batches):
     assert_engine_idle(server)
 
 
+def test_request_counts_move_while_the_batch_runs(serve_batches):
+    client = serve_batches().client()
+    lines = [chat_line(f"r{i}", max_tokens=32, ignore_eos=True) for i in range(24)]
+    batch = create(client, lines)
+    done_while_running: list[int] = []
+    deadline = time.monotonic() + 120
+    while batch.status not in TERMINAL:
+        assert time.monotonic() < deadline, f"batch stuck in {batch.status}"
+        if batch.status == "in_progress":
+            assert batch.request_counts.total == 24
+            done_while_running.append(batch.request_counts.completed + batch.request_counts.failed)
+        time.sleep(0.05)
+        batch = client.batches.retrieve(batch.id)
+    assert batch.status == "completed"
+    assert done_while_running == sorted(done_while_running)
+    midway = {done for done in done_while_running if 0 < done < 24}
+    assert len(midway) >= 2, f"counts seen while in progress: {done_while_running}"
+
+
 def test_batch_results_equal_the_engine_run_directly(serve_batches):
     server = serve_batches()
     client = server.client()

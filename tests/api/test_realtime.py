@@ -409,7 +409,8 @@ def test_bad_requests_get_openai_errors_and_never_reach_the_engine(serve_batches
 
 
 def test_without_an_engine_the_api_answers_503(serve):
-    """The distributed API process runs no engine and does not route to workers yet."""
+    """An app given neither an engine nor the workers' (the distributed API has the latter:
+    tests/workers/test_engine_host.py)."""
     client = serve(served_models=["tiny"]).client()
     with pytest.raises(openai.InternalServerError) as caught:
         client.chat.completions.create(model="tiny", messages=MESSAGES)

@@ -170,6 +170,22 @@ def test_async_stream_grows_and_matches_offline(tiny_llama):
     assert final.token_ids == streamed.token_ids and final.text == streamed.text
 
 
+def test_async_final_only_yields_just_the_finished_output(tiny_llama):
+    async def main():
+        llm = AsyncLLM(tiny_llama, num_kv_blocks=128)
+        try:
+            params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+            finals = [out async for out in llm.generate("stream me", params, final_only=True)]
+            streamed = [out async for out in llm.generate("stream me", params)]
+            return finals, streamed
+        finally:
+            llm.shutdown()
+
+    finals, streamed = asyncio.run(main())
+    assert len(streamed) > 1 and len(finals) == 1 and finals[0].finished
+    assert finals[0].token_ids == streamed[-1].token_ids and finals[0].text == streamed[-1].text
+
+
 def test_async_client_leaving_early_aborts_and_frees_blocks(tiny_llama):
     async def main():
         llm = AsyncLLM(tiny_llama, num_kv_blocks=128)

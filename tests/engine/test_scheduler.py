@@ -10,9 +10,11 @@ from pagedbatch.engine.scheduler import Scheduler
 BLOCK = 4
 
 
-def make_scheduler(num_blocks=64, max_seqs=8, budget=32, policy="priority", caching=True):
+def make_scheduler(
+    num_blocks=64, max_seqs=8, budget=32, policy="priority", caching=True, low_budget=None
+):
     kv = KVCacheManager(num_blocks, BLOCK, enable_caching=caching)
-    return Scheduler(kv, max_seqs, budget, policy)
+    return Scheduler(kv, max_seqs, budget, policy, low_budget)
 
 
 def req(rid, prompt_len=6, priority=0, arrival=0.0, first=0):
@@ -107,6 +109,50 @@ def test_fcfs_ignores_priority():
     sched.add(req("urgent", 4, priority=0, arrival=1))
     out = run_step(sched)
     assert [s.request.request_id for s in out.scheduled] == ["first"]
+
+
+def scheduled(out):
+    return [(s.request.request_id, s.num_new_tokens) for s in out.scheduled]
+
+
+def test_a_realtime_prefill_gets_a_step_of_its_own_then_batch_work_resumes():
+    sched = make_scheduler(budget=64)
+    batch = [req(f"b{i}", 4, priority=10, arrival=i, first=10 * i) for i in range(3)]
+    for r in batch:
+        sched.add(r)
+    run_step(sched)
+    sched.add(req("rt", 6, priority=0, arrival=5, first=100))
+    assert scheduled(run_step(sched)) == [("rt", 6)]  # its first token, from a short step
+    assert scheduled(run_step(sched)) == [("rt", 1), ("b0", 1), ("b1", 1), ("b2", 1)]
+
+
+def test_realtime_arrivals_every_step_leave_batch_work_every_other_step():
+    sched = make_scheduler(budget=64)
+    sched.add(req("b", 4, priority=10))
+    run_step(sched)
+    steps = []
+    for i in range(3):
+        sched.add(req(f"rt{i}", 4, priority=0, arrival=1 + i, first=100 * (i + 1)))
+        steps.append(scheduled(run_step(sched)))
+    assert steps == [
+        [("rt0", 4)],
+        [("rt0", 1), ("rt1", 4), ("b", 1)],
+        [("rt0", 1), ("rt1", 1), ("rt2", 4)],
+    ]
+
+
+def test_while_realtime_requests_run_batch_work_gets_at_most_its_own_budget():
+    sched = make_scheduler(budget=64, low_budget=3)
+    batch = [req(f"b{i}", 4, priority=10, arrival=i, first=10 * i) for i in range(4)]
+    for r in batch:
+        sched.add(r)
+    assert len(run_step(sched).scheduled) == 4  # alone, batch work has the whole budget
+    sched.add(req("rt", 6, priority=0, arrival=5, first=100))
+    run_step(sched)
+    # The earliest batch lines go on; the last waits for a step with room.
+    assert scheduled(run_step(sched)) == [("rt", 1), ("b0", 1), ("b1", 1), ("b2", 1)]
+    sched.finish(sched.running[0], RequestStatus.FINISHED_STOPPED)
+    assert len(run_step(sched).scheduled) == 4  # the realtime request gone, so is the bound
 
 
 def test_shared_prefix_is_served_from_cache():

@@ -3,8 +3,13 @@
 from __future__ import annotations
 
 import json
+import re
+from functools import partial
 from pathlib import Path
 
+from tqdm import tqdm
+
+import pagedbatch.run_batch
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.run_batch import run_batch
 
@@ -81,3 +86,30 @@ def test_run_batch(tiny_llama, tmp_path, capsys):
     bar = capsys.readouterr().err
     assert "6/6" in bar
     assert "tok/s" in bar
+
+
+def test_the_progress_bar_shows_lines_tokens_per_second_and_eta(
+    tiny_llama, tmp_path, capsys, monkeypatch
+):
+    # Every update drawn (tqdm draws at most every 0.1 s), so that the frames of the lines
+    # between the first and the last are there to read however fast the machine is.
+    monkeypatch.setattr(pagedbatch.run_batch, "tqdm", partial(tqdm, mininterval=0))
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    line = {"method": "POST", "url": "/v1/completions"}
+    body = {"model": "tiny", "prompt": "Hi", "max_tokens": 8, "ignore_eos": True}
+    source.write_text(
+        "\n".join(json.dumps({**line, "custom_id": f"r{i}", "body": body}) for i in range(4))
+    )
+
+    run_batch(source, target, tiny_llama, served_model_name="tiny", max_num_seqs=1)
+
+    frames = [frame.strip() for frame in capsys.readouterr().err.split("\r") if frame.strip()]
+    pattern = re.compile(
+        r"(\d)/4 lines \[\d\d:\d\d elapsed, ETA (\d\d:\d\d|\?), ([\d.]+) tok/s, 0 failed\]$"
+    )
+    shown = [match.groups() for frame in frames if (match := pattern.search(frame))]
+    midway = [(done, eta, rate) for done, eta, rate in shown if done in "123"]
+    assert {done for done, _, _ in midway} == {"1", "2", "3"}
+    # Once a line has finished, the ETA is a time and tokens are flowing.
+    assert all(eta != "?" and float(rate) > 0 for _, eta, rate in midway)
+    assert shown[-1][0] == "4"

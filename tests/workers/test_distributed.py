@@ -21,6 +21,7 @@ import openai
 import pytest
 import redis
 from services import postgres_schema
+from webhook_receiver import Receiver
 
 REDIS = "redis://127.0.0.1:6379"
 START_SECONDS = 60
@@ -73,6 +74,8 @@ def deployment(tmp_path, tiny_llama, postgres_url, s3_settings_env) -> Iterator[
             "PAGEDBATCH_SHARD_SIZE": "3",
             "PAGEDBATCH_LEASE_SECONDS": "3",
             "PAGEDBATCH_REAPER_INTERVAL_SECONDS": "1",
+            "PAGEDBATCH_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
+            "PAGEDBATCH_WEBHOOK_INITIAL_BACKOFF_SECONDS": "0.3",
             "OMP_NUM_THREADS": "1",
         }
         deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp_path, [])
@@ -158,6 +161,23 @@ def test_a_worker_process_runs_batches_from_the_api(deployment):
     assert batch.status == "completed", batch
     assert sorted(output_ids(client, batch.output_file_id)) == sorted(f"r{i}" for i in range(7))
     assert batch.error_file_id is None
+
+
+def test_a_worker_delivers_the_batch_webhook_retrying_through_celery(deployment):
+    deployment.start_worker("worker")
+    client = deployment.client()
+    with Receiver(statuses=[500]) as receiver:
+        endpoint = httpx.post(
+            f"{deployment.url}/v1/webhook_endpoints", json={"url": receiver.url()}
+        ).json()
+        file_id = client.files.create(file=("in.jsonl", lines(2, 4)), purpose="batch").id
+        batch = client.batches.create(
+            input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
+        )
+        received = receiver.wait_for(lambda got: [r.status for r in got] == [500, 200], 120)
+    assert received[0].headers["webhook-id"] == received[1].headers["webhook-id"]
+    event = client.webhooks.unwrap(received[1].body, received[1].headers, secret=endpoint["secret"])
+    assert (event.type, event.data.id) == ("batch.completed", batch.id)
 
 
 def test_killing_a_worker_mid_batch_loses_and_duplicates_nothing(deployment):

@@ -1,0 +1,64 @@
+"""`/v1/engine/stats`: how busy the engines are, for the status page and for operators.
+
+Embedded, the figures come from the engine in this process. The distributed API runs no engine
+and answers `available: false` with no engines.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from typing import Literal
+
+from fastapi import APIRouter
+from pydantic import BaseModel, Field
+
+from pagedbatch.api.deps import ServicesDep
+
+router = APIRouter(prefix="/engine", tags=["engine"])
+
+EMBEDDED_ENGINE_ID = "embedded"
+# The engine answers between steps, within milliseconds; one whose thread has died never does.
+STATS_TIMEOUT_SECONDS = 2.0
+
+
+class EngineLoad(BaseModel):
+    id: str
+    model: str
+    running: int = Field(description="Requests the engine is generating for.")
+    waiting: int = Field(description="Requests queued for the engine, preempted ones included.")
+    kv_usage: float = Field(description="Fraction of the KV-cache blocks in use, 0 to 1.")
+    tokens_per_second: float | None = Field(
+        description="Tokens generated per second over about the last 10 s; null on the first "
+        "reading."
+    )
+
+
+class EngineStats(BaseModel):
+    object: Literal["engine.stats"] = "engine.stats"
+    available: bool = Field(
+        description="False when this API process cannot read its engines' figures."
+    )
+    engines: list[EngineLoad]
+
+
+@router.get("/stats")
+async def engine_stats(services: ServicesDep) -> EngineStats:
+    engine = services.engine
+    if engine is None:
+        return EngineStats(available=False, engines=[])
+    try:
+        stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_SECONDS)
+    except TimeoutError:
+        return EngineStats(available=False, engines=[])
+    load = EngineLoad(
+        id=EMBEDDED_ENGINE_ID,
+        model=engine.engine.model_name,
+        running=stats["running"],
+        waiting=stats["waiting"],
+        kv_usage=stats["kv_usage"],
+        tokens_per_second=services.generation_rate.update(
+            stats["generation_tokens"], time.monotonic()
+        ),
+    )
+    return EngineStats(available=True, engines=[load])
