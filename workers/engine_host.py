@@ -36,6 +36,7 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.errors import OpenAIError
 from pagedbatch.api.realtime import Admission
 from pagedbatch.api.routes import chat, completions
+from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.settings import Settings
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.engine_registry import EngineRecord, publish, withdraw
@@ -111,6 +112,7 @@ def engine_host_app(
     engine = services.engine
     model = engine.engine.model_name
     figures: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+    rate = TokenRate()
     beats = 0
 
     async def record(beat: bool = False) -> EngineRecord:
@@ -118,7 +120,10 @@ def engine_host_app(
         try:
             # Answered between two steps; during a long prefill step the last figures serve.
             stats = await asyncio.wait_for(engine.get_stats(), settings.engine_heartbeat_seconds)
-            figures.update({name: stats[name] for name in figures})
+            figures.update({name: stats[name] for name in ("running", "waiting", "kv_usage")})
+            if beat:
+                at = time.monotonic()
+                figures["tokens_per_second"] = rate.update(stats["generation_tokens"], at)
         except TimeoutError:
             pass
         beats += beat

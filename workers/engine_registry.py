@@ -29,6 +29,7 @@ class EngineRecord:
     admitted: int  # realtime requests in the engine
     max_admitted: int  # beyond this many, realtime requests get a 429
     beat: int  # counts this host's heartbeats: a new value means new figures
+    tokens_per_second: float | None = None  # generated, over about the last 10 s
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,7 +1,7 @@
 """`/v1/engine/stats`: how busy the engines are, for the status page and for operators.
 
-Embedded, the figures come from the engine in this process. The distributed API runs no engine
-and answers `available: false` with no engines.
+Embedded, the figures come from the engine in this process; in the distributed API, from the
+live engine hosts' latest heartbeats.
 """
 
 from __future__ import annotations
@@ -45,6 +45,20 @@ class EngineStats(BaseModel):
 @router.get("/stats")
 async def engine_stats(services: ServicesDep) -> EngineStats:
     engine = services.engine
+    if engine is None and services.engines is not None:
+        hosts = await services.engines.live()
+        loads = [
+            EngineLoad(
+                id=h.id,
+                model=h.model,
+                running=h.running,
+                waiting=h.waiting,
+                kv_usage=h.kv_usage,
+                tokens_per_second=h.tokens_per_second,
+            )
+            for h in hosts
+        ]
+        return EngineStats(available=True, engines=loads)
     if engine is None:
         return EngineStats(available=False, engines=[])
     try:

@@ -234,6 +234,22 @@ def test_the_models_are_the_configured_one_and_those_of_live_engines(settings):
             assert f"No engine serving model '{model}' can be reached" in caught.value.message
 
 
+def test_engine_stats_are_the_live_hosts_heartbeats(settings, start_host):
+    host = start_host(settings)
+    httpx.post(f"{host.address}/v1/completions", json=completion(max_tokens=8), timeout=60)
+    # Two beats after the work: the second has a rate over the first.
+    eventually(lambda: records(settings.broker_url)[0].tokens_per_second is not None)
+    with serving(api_only(settings)) as url:
+        response = httpx.get(f"{url}/v1/engine/stats")
+    assert response.status_code == 200
+    body = response.json()
+    assert body["available"] is True
+    (engine,) = body["engines"]
+    assert engine["id"] == "worker-1" and engine["model"] == "tiny"
+    assert (engine["running"], engine["waiting"]) == (0, 0)
+    assert engine["tokens_per_second"] >= 0
+
+
 def test_a_full_host_answers_429_with_retry_after_through_the_api(settings, start_host):
     settings = replace_settings(settings, max_realtime_queue=1)
     host = start_host(settings)
