@@ -76,11 +76,11 @@ def test_the_embedded_engine_reports_its_load_and_rate(serve_batches):
         client.completions.create(
             model="tiny", prompt="Hi", max_tokens=16, extra_body={"ignore_eos": True}
         )
+        generating = time.monotonic() - started
         [engine] = http.get("/v1/engine/stats").json()["engines"]
-    elapsed = time.monotonic() - started
     assert engine["running"] == engine["waiting"] == 0
-    # 16 tokens since the first reading, which came before `started`.
-    assert 0 < engine["tokens_per_second"] <= 16 / elapsed
+    # 16 tokens between the two readings, which lie further apart than the request took.
+    assert 0 < engine["tokens_per_second"] <= 16 / generating
 
 
 def test_while_generating_the_engine_shows_running_requests_and_kv_in_use(serve_batches):
