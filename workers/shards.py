@@ -151,9 +151,13 @@ class _ShardRun:
                 .values(status=ShardStatus.DONE, lease_owner=None, lease_expires_at=None)
             )
         # Counted after the commit: two shards ending at once must not both miss the other.
+        # A batch told to stop is finalized too, even if this shard ended before it noticed:
+        # a finalization that ran meanwhile saw this shard running and left it to this one.
         with self.ctx.session_factory() as session:
             remaining = unfinished_shards(session, self.shard.batch_id)
-        if remaining == 0 or self.stop.is_set():
+            batch = session.get(Batch, self.shard.batch_id)
+            stopped = batch is not None and stopping(batch)
+        if remaining == 0 or stopped or self.stop.is_set():
             self.ctx.queue.enqueue("finalize_batch", self.shard.batch_id)
 
     async def _watch(self) -> None:

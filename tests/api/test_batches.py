@@ -12,6 +12,8 @@ import openai
 import pytest
 from servers import STORAGES, BatchServer
 
+from pagedbatch.workers import shards
+
 pytestmark = pytest.mark.parametrize("storage", STORAGES, indirect=True)
 
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
@@ -309,6 +311,22 @@ def test_cancel_mid_run_keeps_partial_results_and_frees_the_engine(serve_batches
     )
     assert batch.request_counts.completed == len(output)
     assert batch.request_counts.failed == len(errors)
+    assert_engine_idle(server)
+
+
+def test_a_shard_that_ends_before_it_sees_the_cancel_still_finalizes(serve_batches, monkeypatch):
+    # The shard's watcher does not look again before its lines are done.
+    monkeypatch.setattr(shards, "STOP_CHECK_SECONDS", 60.0)
+    server = serve_batches(shard_size=2, worker_concurrency=1, lease_seconds=300.0)
+    client = server.client()
+    lines = [chat_line(f"r{i}", max_tokens=150, ignore_eos=True) for i in range(8)]
+    batch = create(client, lines)
+    wait_until(client, batch.id, lambda b: b.request_counts.completed >= 2)
+    client.batches.cancel(batch.id)  # its finalization finds a shard running, and leaves it
+    batch = finished(client, batch.id, timeout=60)
+    assert batch.status == "cancelled"
+    output, errors = results(client, batch)
+    assert len(output) + len(errors) == 8 and len(errors) >= 2
     assert_engine_idle(server)
 
 
