@@ -10,14 +10,18 @@ $(STAMP): pyproject.toml
 	$(BIN)/pip install --quiet -e '.[dev]'
 	touch $@
 
-.PHONY: install test lint serve
+.PHONY: install system-deps test lint serve
 install: $(STAMP)
+
+# PostgreSQL, Redis, chromium and promtool: what the tests use besides Python packages.
+system-deps:
+	scripts/system-deps
 
 lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
-test: lint
+test: lint system-deps
 	$(BIN)/pytest
 
 serve: $(STAMP)
