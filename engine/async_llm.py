@@ -3,19 +3,22 @@
 The engine is single-threaded: only the engine thread touches it. Callers post commands (add,
 abort) to a queue that the thread drains before every step, and receive outputs through
 per-request asyncio queues fed with `call_soon_threadsafe`.
+
+Nothing a caller does can stop the engine thread: a request that fails ends alone (LLMEngine sees
+to that), and a caller whose event loop has closed is treated as gone (its request is aborted).
+The thread dies only of an engine bug; `dead_error` then says which, and every waiter is told.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import itertools
 import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
@@ -25,6 +28,8 @@ from pagedbatch.engine.sampling_params import SamplingParams
 logger = logging.getLogger(__name__)
 
 IDLE_WAIT_SECONDS = 0.5
+
+T = TypeVar("T")
 
 
 class EngineDeadError(RuntimeError):
@@ -37,10 +42,29 @@ class _Stream:
     queue: asyncio.Queue[RequestOutput | BaseException]
     final_only: bool
 
-    def put(self, item: RequestOutput | BaseException) -> None:
-        # A caller whose event loop has ended (a finished `asyncio.run`) has stopped listening.
-        with contextlib.suppress(RuntimeError):
-            self.loop.call_soon_threadsafe(self.queue.put_nowait, item)
+    def put(self, item: RequestOutput | BaseException) -> bool:
+        return _call_soon(self.loop, self.queue.put_nowait, item)
+
+
+@dataclass(eq=False)
+class _Reply:
+    """An answer the engine thread owes a caller (hashed by identity: kept in a set)."""
+
+    loop: asyncio.AbstractEventLoop
+    future: asyncio.Future
+
+    def send(self, value: Any) -> bool:
+        return _call_soon(self.loop, _settle, self.future, value)
+
+
+def _call_soon(loop: asyncio.AbstractEventLoop, callback: Callable[..., Any], *args: Any) -> bool:
+    """Run `callback` on a caller's loop; False if that loop has closed (a finished
+    `asyncio.run`: its caller has gone), which must not raise into the engine thread."""
+    try:
+        loop.call_soon_threadsafe(callback, *args)
+    except RuntimeError:
+        return False
+    return True
 
 
 class AsyncLLM:
@@ -49,6 +73,7 @@ class AsyncLLM:
         self._commands: queue.Queue[Callable[[], None]] = queue.Queue()
         self._streams: dict[str, _Stream] = {}
         self._ids = itertools.count()
+        self._replies: set[_Reply] = set()  # owed to callers; all failed if the engine dies
         self._stopping = threading.Event()
         self._dead: BaseException | None = None
         self._thread = threading.Thread(target=self._loop, name="pagedbatch-engine", daemon=True)
@@ -58,6 +83,11 @@ class AsyncLLM:
     def tokenizer(self):
         return self.engine.tokenizer
 
+    @property
+    def dead_error(self) -> BaseException | None:
+        """What stopped the engine thread (an engine bug), or None while it runs."""
+        return self._dead
+
     async def generate(
         self,
         prompt: str | list[int],
@@ -66,35 +96,31 @@ class AsyncLLM:
         priority: int = 0,
         timeout: float | None = None,
         final_only: bool = False,
+        cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's cumulative output each step it moves, the last one finished;
         with `final_only`, the last one alone (a batch line: its caller then sleeps, rather than
-        wake every step to drop an output, and takes no time from the others).
+        wake every step to drop an output, and takes no time from the others). Prefix-cache
+        blocks are shared only with requests of the same `cache_salt` (see LLMEngine).
 
         Bad input raises ValueError before anything is yielded. Leaving the generator early
         (a disconnected client) aborts the request.
         """
-        if self._dead is not None:
-            raise EngineDeadError(f"the engine has stopped: {self._dead}")
+        self._check_alive()
         request_id = request_id or f"async-{next(self._ids)}"
-        loop = asyncio.get_running_loop()
-        stream = _Stream(loop, asyncio.Queue(), final_only)
-        admitted: asyncio.Future[None] = loop.create_future()
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only)
 
         def add() -> None:
-            try:
-                self.engine.add_request(request_id, prompt, sampling_params, priority, timeout)
-            except Exception as e:  # noqa: BLE001 - handed to the caller
-                loop.call_soon_threadsafe(_settle, admitted, e)
-                return
+            self.engine.add_request(
+                request_id, prompt, sampling_params, priority, timeout, cache_salt
+            )
             self._streams[request_id] = stream
-            loop.call_soon_threadsafe(_settle, admitted, None)
 
-        self._commands.put(add)
         finished = False
         try:
             # Inside the try: a caller cancelled while waiting for admission must still abort.
-            await admitted
+            # Should the caller's loop close before admission, nobody is left to listen.
+            await self._on_engine(add, gone=lambda: self._abort_now(request_id, listening=False))
             while not finished:
                 item = await stream.queue.get()
                 if isinstance(item, BaseException):
@@ -103,22 +129,46 @@ class AsyncLLM:
                 yield item
         finally:
             if not finished:
-                self.abort(request_id)
+                self._commands.put(lambda: self._abort_now(request_id, listening=False))
 
     def abort(self, request_id: str) -> None:
-        def abort() -> None:
-            self._streams.pop(request_id, None)
-            self.engine.abort_request(request_id)
+        """Abort a request; a task reading its stream gets a last output, finish_reason "abort"."""
+        self._commands.put(lambda: self._abort_now(request_id, listening=True))
 
-        self._commands.put(abort)
+    def _abort_now(self, request_id: str, listening: bool) -> None:
+        """On the engine thread: abort; unless someone is `listening`, drop the stream too."""
+        if not listening:
+            self._streams.pop(request_id, None)
+        self.engine.abort_request(request_id)
 
     async def get_stats(self) -> dict:
+        return await self._on_engine(self.engine.get_stats)
+
+    async def _on_engine(self, fn: Callable[[], T], gone: Callable[[], None] | None = None) -> T:
+        """Run `fn` on the engine thread and return its result, or raise its exception, here.
+        If this caller's loop has closed by then, `gone` runs there instead of the delivery."""
+        self._check_alive()
         loop = asyncio.get_running_loop()
-        result: asyncio.Future[dict] = loop.create_future()
-        self._commands.put(
-            lambda: loop.call_soon_threadsafe(_settle, result, self.engine.get_stats())
-        )
-        return await result
+        reply = _Reply(loop, loop.create_future())
+
+        def command() -> None:
+            self._replies.discard(reply)
+            try:
+                value: Any = fn()
+            except Exception as e:  # noqa: BLE001 - handed to the caller
+                value = e
+            if not reply.send(value) and gone is not None and not isinstance(value, Exception):
+                gone()
+
+        self._replies.add(reply)
+        self._commands.put(command)
+        if self._dead is not None:  # died before running it; else the dying thread answers
+            reply.send(_dead(self._dead))
+        return await reply.future
+
+    def _check_alive(self) -> None:
+        if self._dead is not None:
+            raise _dead(self._dead)
 
     def shutdown(self) -> None:
         self._stopping.set()
@@ -132,20 +182,27 @@ class AsyncLLM:
                 self._run_commands(block=not self.engine.has_unfinished_requests())
                 if self.engine.has_unfinished_requests():
                     for output in self.engine.step():
-                        stream = self._streams.get(output.request_id)
-                        if stream is None or (stream.final_only and not output.finished):
-                            continue
-                        if output.finished:
-                            del self._streams[output.request_id]
-                        stream.put(output)
+                        self._deliver(output)
                 else:
                     self.engine.idle()
         except BaseException as e:  # noqa: BLE001 - every waiter must learn the engine died
+            # Only an engine bug gets here: LLMEngine ends a failing request by itself.
             logger.exception("engine loop died")
             self._dead = e
-            for stream in self._streams.values():
-                stream.put(EngineDeadError(f"the engine has stopped: {e}"))
+            for stream in list(self._streams.values()):
+                stream.put(_dead(e))
             self._streams.clear()
+            for reply in list(self._replies):
+                reply.send(_dead(e))
+
+    def _deliver(self, output: RequestOutput) -> None:
+        stream = self._streams.get(output.request_id)
+        if stream is None or (stream.final_only and not output.finished):
+            return
+        if output.finished:
+            del self._streams[output.request_id]
+        if not stream.put(output) and not output.finished:
+            self._abort_now(output.request_id, listening=False)  # its caller's loop has closed
 
     def _run_commands(self, block: bool) -> None:
         try:
@@ -156,6 +213,10 @@ class AsyncLLM:
                 command = self._commands.get_nowait()
         except queue.Empty:
             return
+
+
+def _dead(cause: BaseException) -> EngineDeadError:
+    return EngineDeadError(f"the engine has stopped: {cause}")
 
 
 def _settle(future: asyncio.Future, value: Any) -> None:

@@ -3,6 +3,11 @@
 A block that is freed keeps its contents. If it was full (and so has a hash), it stays findable by
 that hash until it is handed out again; blocks are handed out from the front of the free queue, so
 the least recently freed cached blocks are evicted first.
+
+Invariants of the hashes: a block's hash covers its tokens, all the tokens before it (through its
+predecessor's hash) and the request's cache salt (through the first block's): two requests share
+a cached block only if they agree on all three. So requests salted per tenant never hit blocks
+that another tenant's prompts filled, and cannot learn from `cached_tokens` what it sent.
 """
 
 from __future__ import annotations
@@ -17,11 +22,21 @@ BlockHash = bytes
 
 
 def hash_block(parent: BlockHash | None, token_ids: Sequence[int]) -> BlockHash:
-    """Hash of a full block, chained from its predecessor so equal hashes mean equal prefixes."""
+    """Hash of a full block, chained from its predecessor so equal hashes mean equal prefixes.
+
+    The first block of a salted request chains from `salt_root(salt)`, that of an unsalted one
+    from nothing (a shorter input than any salted or chained block's)."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))
     return h.digest()
+
+
+def salt_root(salt: str | None) -> BlockHash | None:
+    """What a request's first block chains from: its cache salt, hashed apart from any block."""
+    if salt is None:
+        return None
+    return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache-salt").digest()
 
 
 @dataclass(eq=False)

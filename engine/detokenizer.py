@@ -55,7 +55,8 @@ class IncrementalDetokenizer:
     Stop strings are searched only where one could have been completed by the new text, once the
     output has min_tokens tokens, and the first stop string to be completed wins (on a tie, the
     longer one): the text a character stream would have produced. `stable_text` holds back a tail
-    that could still grow into a stop string.
+    that could still grow into a stop string. Both come from one matcher per stop string that reads
+    each new character once, so an update costs the same however long the text has grown.
     """
 
     def __init__(self, tokenizer: PreTrainedTokenizerBase, params: SamplingParams) -> None:
@@ -66,7 +67,7 @@ class IncrementalDetokenizer:
         # of byte tokens that the decoder joins.
         self._skipped = vocabulary.special_ids if params.skip_special_tokens else frozenset()
         self._byte_ids = vocabulary.byte_ids
-        self._stops: list[str] = list(params.stop)
+        self._stops = [_StopMatcher(stop) for stop in params.stop]
         self._min_tokens = params.min_tokens
         self._num_tokens = 0
         self._include_stop = params.include_stop_str_in_output
@@ -107,8 +108,7 @@ class IncrementalDetokenizer:
             self._window = self._window[self._read :]
             self._read = len(self._window)
             self._read_text = self._decode(self._window)
-        # Like vLLM, a stop string completed before min_tokens tokens does not count, ever.
-        stop = self._find_stop(start) if self._num_tokens >= self._min_tokens else None
+        stop = self._find_stop(start)
         self._stable_len = len(self._text) if self.finished else len(self._text) - self._held()
         return stop
 
@@ -120,12 +120,15 @@ class IncrementalDetokenizer:
         return not text.endswith(_REPLACEMENT) and self._window[-1] not in self._byte_ids
 
     def _find_stop(self, start: int) -> str | None:
+        """Read the text from `start` on; the first stop string it completes ends the output."""
+        # Like vLLM, a stop string completed before min_tokens tokens does not count, ever.
+        counts = self._num_tokens >= self._min_tokens
         best: tuple[int, int, str] | None = None  # (end, begin, stop): the earliest end wins
-        for stop in self._stops:
-            # Only text from `start` on is new, so a match must end after it.
-            begin = self._text.find(stop, max(0, start - len(stop) + 1))
-            if begin >= 0:
-                candidate = (begin + len(stop), begin, stop)
+        for matcher in self._stops:
+            end = matcher.read(self._text, start, stop_at_match=counts)
+            if end is not None and counts:
+                stop = matcher.stop
+                candidate = (end, end - len(stop), stop)
                 best = candidate if best is None else min(best, candidate)
         if best is None:
             return None
@@ -137,9 +140,54 @@ class IncrementalDetokenizer:
 
     def _held(self) -> int:
         """The length of the longest tail of the text that is a proper prefix of a stop string."""
-        longest = max((len(stop) for stop in self._stops), default=0)
-        for n in range(min(longest - 1, len(self._text)), 0, -1):
-            tail = self._text[-n:]
-            if any(stop.startswith(tail) for stop in self._stops):
-                return n
-        return 0
+        return max((matcher.matched for matcher in self._stops), default=0)
+
+
+class _StopMatcher:
+    """Knuth-Morris-Pratt search for one stop string in a text that grows at its end.
+
+    `matched` is the length of the longest tail of the text read so far that is a proper prefix of
+    the stop string. Each character read moves it in amortised constant time, so reading costs
+    what was appended, not the length of the text or of the stop string.
+    """
+
+    def __init__(self, stop: str) -> None:
+        self.stop = stop
+        self.matched = 0
+        # border[i]: the length of the longest proper prefix of stop[: i + 1] that is also its
+        # suffix, where a failed match falls back to.
+        self._border = [0] * len(stop)
+        k = 0
+        for i in range(1, len(stop)):
+            while k and stop[i] != stop[k]:
+                k = self._border[k - 1]
+            if stop[i] == stop[k]:
+                k += 1
+            self._border[i] = k
+
+    def read(self, text: str, start: int, stop_at_match: bool) -> int | None:
+        """Read text[start:]; the end of the first match in it, or None. With `stop_at_match`
+        reading stops there (the text is cut and read no further); otherwise it goes on."""
+        stop, border, matched = self.stop, self._border, self.matched
+        first_end = None
+        i = start
+        while i < len(text):
+            if not matched:
+                # Nothing pending: skip straight to the next possible start, at C speed.
+                i = text.find(stop[0], i)
+                if i < 0:
+                    break
+            char = text[i]
+            while matched and stop[matched] != char:
+                matched = border[matched - 1]
+            if stop[matched] == char:
+                matched += 1
+            i += 1
+            if matched == len(stop):
+                matched = border[matched - 1]  # the match's own tail may begin the next one
+                if first_end is None:
+                    first_end = i
+                if stop_at_match:
+                    break
+        self.matched = matched
+        return first_end

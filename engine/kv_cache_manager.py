@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from pagedbatch.engine.block_pool import Block, BlockHash, BlockPool, hash_block
+from pagedbatch.engine.block_pool import Block, BlockHash, BlockPool, hash_block, salt_root
 from pagedbatch.engine.request import Request
 
 
@@ -30,7 +30,8 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            hashes.append(hash_block(hashes[-1] if hashes else None, tokens[i * bs : (i + 1) * bs]))
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt)
+            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[Block]:

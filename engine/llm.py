@@ -29,8 +29,10 @@ class LLM:
         sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
+        cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in the prompts' order."""
+        """One finished output per prompt, in the prompts' order. The prompts share prefix-cache
+        blocks with requests of the same `cache_salt` only (see LLMEngine.add_request)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, as text or token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -43,7 +45,11 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
                 prio = priority[i] if priority is not None else 0
-                ids.append(self.engine.add_request(None, prompt, params, priority=prio))
+                ids.append(
+                    self.engine.add_request(
+                        None, prompt, params, priority=prio, cache_salt=cache_salt
+                    )
+                )
         except ValueError:
             for request_id in ids:  # leave the engine as it was
                 self.engine.abort_request(request_id)

@@ -18,12 +18,12 @@ from pagedbatch.engine.metrics import EngineMetrics
 from pagedbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedbatch.engine.ranks import start_runner
 from pagedbatch.engine.request import Request, RequestStatus, TokenLogprob
-from pagedbatch.engine.sampler import Sampler
+from pagedbatch.engine.sampler import Sampler, edits_logits
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.scheduler import Scheduler
 from pagedbatch.engine.stats import EngineStats
 from pagedbatch.engine.stats_logger import Snapshot, StatsLogger
-from pagedbatch.engine.structured_output import GrammarRuntime, GrammarViolation
+from pagedbatch.engine.structured_output import GrammarRuntime
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 
 logger = logging.getLogger(__name__)
@@ -89,16 +89,24 @@ class LLMEngine:
         params: SamplingParams | None = None,
         priority: int = 0,
         timeout: float | None = None,
+        cache_salt: str | None = None,
     ) -> str:
-        """Queue a request; raises ValueError naming the problem if it cannot run."""
+        """Queue a request; raises ValueError naming the problem if it cannot run.
+
+        Requests share prefix-cache blocks only when their `cache_salt`s are equal (None
+        included): a tenant's salt keeps others from learning, through cached_tokens, what it sent.
+        """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self._groups:
             raise ValueError(f"request id {request_id!r} is already in use")
         prompt_ids = self._encode(prompt)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
+        self._check_vocabulary(params)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
+        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         now = time.monotonic()
         children, detoks = [], []
         for i in range(params.n):
@@ -114,6 +122,7 @@ class LLMEngine:
                 arrival_time=now,
                 deadline=now + timeout if timeout is not None else None,
                 max_tokens=max_tokens,
+                cache_salt=cache_salt,
             )
             children.append(child)
             detoks.append(IncrementalDetokenizer(self.tokenizer, child_params))
@@ -135,12 +144,14 @@ class LLMEngine:
             if child.finished:  # aborted or timed out while its grammar compiled
                 continue
             if error is not None:
-                child.error = f"grammar compilation failed: {error}"
-                self.scheduler.finish(child, RequestStatus.FINISHED_ERROR)
-                group.dirty = True
+                self._fail(child, f"grammar compilation failed: {error}")
                 continue
             if group.grammar is not None:
-                self.grammars.start(child.request_id, group.grammar.result())
+                try:
+                    self.grammars.start(child.request_id, group.grammar.result())
+                except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                    self._fail(child, f"grammar failed: {e}", e)
+                    continue
             self.scheduler.add(child)
 
     def _schedule_compiled(self) -> None:
@@ -166,6 +177,17 @@ class LLMEngine:
         if not ids:
             raise ValueError("prompt is empty")
         return ids
+
+    def _check_vocabulary(self, params: SamplingParams) -> None:
+        """Token ids in the params must name rows of the logits (SamplingParams checks the rest)."""
+        vocab = self.model_config.vocab_size
+        named = {"stop_token_ids": params.stop_token_ids, "logit_bias": params.logit_bias}
+        for name, ids in named.items():
+            bad = next((t for t in ids or () if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise ValueError(
+                    f"{name} holds token id {bad}, outside the vocabulary (size {vocab})"
+                )
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
         room = self.max_model_len - prompt_len
@@ -253,26 +275,30 @@ class LLMEngine:
     def _sample(
         self, logits: torch.Tensor, requests: list[Request]
     ) -> list[tuple[int | None, TokenLogprob | None]]:
-        # The sampler edits logits in place; user code (logits processors) may fail half-way.
-        pristine = (
-            logits.clone() if any(r.sampling_params.logits_processors for r in requests) else None
-        )
+        """Sample the batch at once; should that fail (a logits processor, a grammar matcher, a
+        request's settings), sample row by row so that only the rows that fail again are lost:
+        each such request ends with an error, and the engine goes on."""
+        # The sampler edits logits in place and may fail half-way: keep them for the retry.
+        pristine = logits.clone() if edits_logits(requests) else logits
         try:
             return self.sampler(logits, requests)
-        except Exception:
-            if pristine is None:
-                raise
-            # A failing logits processor must fail its own request, not the whole batch.
-            results: list[tuple[int | None, TokenLogprob | None]] = []
-            for i, request in enumerate(requests):
-                try:
-                    results.extend(self.sampler(pristine[i : i + 1].clone(), [request]))
-                except Exception as e:  # noqa: BLE001 - reported to the request's caller
-                    logger.exception("sampling failed for %s", request.request_id)
-                    request.error = f"sampling failed: {e}"
-                    self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
-                    results.append((None, None))
-            return results
+        except Exception:  # noqa: BLE001 - narrowed down to the failing requests below
+            logger.exception("sampling failed; sampling its %d rows one by one", len(requests))
+        results: list[tuple[int | None, TokenLogprob | None]] = []
+        for i, request in enumerate(requests):
+            try:
+                results.extend(self.sampler(pristine[i : i + 1].clone(), [request]))
+            except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                self._fail(request, f"sampling failed: {e}", e)
+                results.append((None, None))
+        return results
+
+    def _fail(self, request: Request, error: str, cause: Exception | None = None) -> None:
+        """End one request with an error; the others, and the engine, go on."""
+        logger.warning("request %s failed: %s", request.request_id, error, exc_info=cause)
+        request.error = error
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        self._child_group[request.request_id].dirty = True
 
     def _append_token(self, request: Request, token: int, logprob: TokenLogprob | None) -> None:
         now = time.monotonic()
@@ -286,12 +312,11 @@ class LLMEngine:
         self.stats.generation_tokens += 1
         group = self._child_group[request.request_id]
         detok = group.detokenizers[group.children.index(request)]
-        stop_string = detok.update([token])
         try:
+            stop_string = detok.update([token])
             grammar_ended = self.grammars.accept(request.request_id, token)
-        except GrammarViolation as e:
-            request.error = str(e)
-            self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+        except Exception as e:  # noqa: BLE001 - e.g. a GrammarViolation; reported to the caller
+            self._fail(request, str(e), e)
             return
         status = self._stop_status(request, token, stop_string, grammar_ended)
         if status is not None:
@@ -344,7 +369,10 @@ class LLMEngine:
         for i, (child, detok) in enumerate(zip(group.children, group.detokenizers, strict=True)):
             params = child.sampling_params
             if child.finished and not detok.finished:
-                detok.update([], final=True)  # release any held-back text
+                try:
+                    detok.update([], final=True)  # release any held-back text
+                except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                    self._fail(child, f"detokenizing failed: {e}", e)
             completions.append(
                 CompletionOutput(
                     index=i,

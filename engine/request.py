@@ -42,6 +42,11 @@ _ALLOWED: dict[RequestStatus, set[RequestStatus]] = {
         RequestStatus.FINISHED_ERROR,
     },
     RequestStatus.RUNNING: {RequestStatus.PREEMPTED} | _FINISHED,
+    # A finished request whose output then cannot be completed (its held-back text fails to
+    # decode) reports the error rather than a text it does not have.
+    RequestStatus.FINISHED_STOPPED: {RequestStatus.FINISHED_ERROR},
+    RequestStatus.FINISHED_LENGTH: {RequestStatus.FINISHED_ERROR},
+    RequestStatus.FINISHED_ABORTED: {RequestStatus.FINISHED_ERROR},
 }
 
 # What the OpenAI API calls each way of finishing.
@@ -77,6 +82,7 @@ class Request:
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic time after which the request is aborted
     max_tokens: int = 0  # resolved by the engine from sampling_params and the context length
+    cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -19,8 +19,8 @@ _MASK64 = (1 << 64) - 1
 class Sampler:
     """Samples every row of a step's logits under its request's SamplingParams.
 
-    Order: raw logprobs are read first; then logits processors, the min_tokens ban on
-    stop tokens and the penalties adjust the logits; greedy rows take the argmax of the result;
+    Order: raw logprobs are read first; then logits processors, logit_bias, the min_tokens ban
+    on stop tokens and the penalties adjust the logits; greedy rows take the argmax of the result;
     the other rows go through temperature, top-k, top-p and min-p and draw with the exponential
     race, `argmax(probs / Exponential(1))`, which needs no normalisation and lets each row use its
     own random numbers. A seeded request's numbers come from (seed, output position) alone, so its
@@ -46,6 +46,7 @@ class Sampler:
         if self.token_masker is not None:
             self.token_masker(logits, requests)
         _apply_row_processors(logits, requests)
+        _apply_bias_and_bans(logits, requests)
         _apply_penalties(logits, requests)
         tokens = _choose(logits, requests)
         logprobs: list[TokenLogprob | None] = [None] * len(requests)
@@ -57,6 +58,11 @@ class Sampler:
         return list(zip(tokens.tolist(), logprobs, strict=True))
 
 
+def edits_logits(requests: Sequence[Request]) -> bool:
+    """Whether sampling these requests changes the logits it is given (in place)."""
+    return not all(_plain_greedy(request) for request in requests)
+
+
 def _plain_greedy(request: Request) -> bool:
     params = request.sampling_params
     return params.greedy and params.logprobs is None and not _adjusts_logits(request)
@@ -66,6 +72,7 @@ def _adjusts_logits(request: Request) -> bool:
     params = request.sampling_params
     return (
         bool(params.logits_processors)
+        or bool(params.logit_bias)
         or params.structured is not None
         or _has_penalties(params)
         or bool(_banned_ids(request))
@@ -93,9 +100,34 @@ def _apply_row_processors(logits: torch.Tensor, requests: Sequence[Request]) -> 
     for i, request in enumerate(requests):
         for processor in request.sampling_params.logits_processors:
             logits[i] = processor(request.output_token_ids, logits[i])
+
+
+def _apply_bias_and_bans(logits: torch.Tensor, requests: Sequence[Request]) -> None:
+    """Add each row's logit_bias, then ban the stop tokens of rows short of min_tokens: one
+    scatter each for the whole batch. A ban wins over any bias (-inf plus a bias stays -inf)."""
+    bias_rows, bias_ids, biases, ban_rows, ban_ids = [], [], [], [], []
+    for i, request in enumerate(requests):
+        bias = request.sampling_params.logit_bias or {}
+        bias_rows += [i] * len(bias)
+        bias_ids += bias.keys()
+        biases += bias.values()
         banned = _banned_ids(request)
-        if banned:
-            logits[i, banned] = float("-inf")
+        ban_rows += [i] * len(banned)
+        ban_ids += banned
+    device = logits.device
+    if bias_rows:
+        values = torch.tensor(biases, dtype=logits.dtype, device=device)
+        logits.index_put_(_index(bias_rows, bias_ids, device), values, accumulate=True)
+    if ban_rows:
+        ban = torch.tensor(float("-inf"), dtype=logits.dtype, device=device)
+        logits.index_put_(_index(ban_rows, ban_ids, device), ban)
+
+
+def _index(rows: list[int], ids: list[int], device: torch.device) -> tuple[torch.Tensor, ...]:
+    return (
+        torch.tensor(rows, dtype=torch.long, device=device),
+        torch.tensor(ids, dtype=torch.long, device=device),
+    )
 
 
 def _apply_penalties(logits: torch.Tensor, requests: Sequence[Request]) -> None:
@@ -147,10 +179,12 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     params = [request.sampling_params for request in requests]
     device = logits.device
     logits /= torch.tensor([p.temperature for p in params], device=device)[:, None]
+    vocab = logits.shape[-1]
+    top_ks = [p.top_k if p.top_k < vocab else 0 for p in params]  # 0: keep every token
     if any(p.top_p < 1.0 for p in params):
-        logits = _top_k_top_p(logits, params)
-    elif any(p.top_k > 0 for p in params):
-        _top_k(logits, params)
+        logits = _top_k_top_p(logits, params, top_ks)
+    elif any(top_ks):
+        _top_k(logits, top_ks)
     probs = logits.softmax(dim=-1)
     if any(p.min_p > 0.0 for p in params):
         min_p = torch.tensor([p.min_p for p in params], device=device)[:, None]
@@ -166,9 +200,8 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     return probs.div_(uniform.log_().neg_()).argmax(dim=-1)
 
 
-def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> None:
-    """Mask all but each row's top_k logits (ties with the k-th are kept); rows with 0 keep all."""
-    ks = [min(p.top_k, logits.shape[-1]) for p in params]
+def _top_k(logits: torch.Tensor, ks: list[int]) -> None:
+    """Mask all but each row's top k logits (ties with the k-th are kept); rows with 0 keep all."""
     widest = max(ks)
     index = torch.tensor([k - 1 if k else widest - 1 for k in ks], device=logits.device)
     kth = logits.topk(widest, dim=-1).values.gather(1, index[:, None])
@@ -176,12 +209,12 @@ def _top_k(logits: torch.Tensor, params: list[SamplingParams]) -> None:
     logits.masked_fill_(logits < kth, float("-inf"))
 
 
-def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams]) -> torch.Tensor:
+def _top_k_top_p(logits: torch.Tensor, params: list[SamplingParams], ks: list[int]) -> torch.Tensor:
     # A stable sort breaks ties by token id, so a row's result does not depend on its batch.
     ordered, order = logits.sort(dim=-1, descending=True, stable=True)
     vocab = logits.shape[-1]
-    if any(p.top_k > 0 for p in params):
-        k = torch.tensor([p.top_k or vocab for p in params], device=logits.device)
+    if any(ks):
+        k = torch.tensor([k or vocab for k in ks], device=logits.device)
         rank = torch.arange(vocab, device=logits.device)
         ordered.masked_fill_(rank >= k[:, None], float("-inf"))
     probs = ordered.softmax(dim=-1)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -19,6 +20,13 @@ LogitsProcessor = Callable[[list[int], torch.Tensor], torch.Tensor]
 # Greedy below this temperature: dividing by ~0 overflows and sampling degenerates anyway.
 GREEDY_EPSILON = 1e-5
 MAX_LOGPROBS = 20
+# Bounds on what one request may ask of the engine, so that no request can make a step slow or
+# large for everyone (the API checks the same limits, importing these).
+MAX_N = 128  # completions per request: each is an engine request with its own KV cache
+MAX_LOGIT_BIAS = 300  # OpenAI's own limit on logit_bias entries
+LOGIT_BIAS_LIMIT = 100.0  # |bias|: OpenAI's range; beyond it a bias only bans or forces a token
+MAX_STOP_STRINGS = 16  # every stop string is matched against every new character
+MAX_STOP_CHARS = 256  # a stop string's length: the text held back while one may be forming
 
 
 @dataclass
@@ -40,6 +48,9 @@ class SamplingParams:
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token; 0 = the sampled token only
     skip_special_tokens: bool = True
+    # Added to the named tokens' logits before sampling (OpenAI's logit_bias); the engine checks
+    # the ids against the model's vocabulary.
+    logit_bias: dict[int, float] | None = None
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     structured: StructuredOutput | None = None  # JSON, JSON Schema or tool calls the output obeys
 
@@ -53,11 +64,17 @@ class SamplingParams:
         self._validate()
 
     def _validate(self) -> None:
-        def bad(name: str, why: str) -> ValueError:
-            return ValueError(f"{name} {why}, got {getattr(self, name)!r}")
+        def bad(name: str, why: str, *got: object) -> ValueError:
+            # `got`: the offending item of a list or dict, rather than all of it.
+            value = got[0] if got else getattr(self, name)
+            return ValueError(f"{name} {why}, got {value!r}")
 
-        if self.n < 1:
-            raise bad("n", "must be at least 1")
+        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
+                raise bad(name, "must be an integer")
+        if not 1 <= self.n <= MAX_N:
+            raise bad("n", f"must be between 1 and {MAX_N}")
         if self.max_tokens is not None and self.max_tokens < 1:
             raise bad("max_tokens", "must be at least 1")
         if self.min_tokens < 0:
@@ -76,14 +93,26 @@ class SamplingParams:
             raise bad("presence_penalty", "must be between -2 and 2")
         if not -2.0 <= self.frequency_penalty <= 2.0:
             raise bad("frequency_penalty", "must be between -2 and 2")
-        if self.repetition_penalty <= 0.0:
-            raise bad("repetition_penalty", "must be positive")
+        if not 0.0 < self.repetition_penalty < math.inf:
+            raise bad("repetition_penalty", "must be positive and finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
-        if any(not isinstance(s, str) or not s for s in self.stop):
-            raise bad("stop", "must hold non-empty strings")
-        if any(not isinstance(t, int) or t < 0 for t in self.stop_token_ids):
-            raise bad("stop_token_ids", "must hold non-negative token ids")
+        if len(self.stop) > MAX_STOP_STRINGS:
+            raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings", len(self.stop))
+        if stops := [s for s in self.stop if not _is_stop(s)]:
+            raise bad("stop", f"must hold strings of 1 to {MAX_STOP_CHARS} characters", stops[0])
+        if tokens := [t for t in self.stop_token_ids if not _is_token_id(t)]:
+            raise bad("stop_token_ids", "must hold non-negative token ids", tokens[0])
+        bias = self.logit_bias
+        if bias is not None:
+            if len(bias) > MAX_LOGIT_BIAS:
+                raise bad("logit_bias", f"must hold at most {MAX_LOGIT_BIAS} entries", len(bias))
+            if tokens := [t for t in bias if not _is_token_id(t)]:
+                raise bad("logit_bias", "must map non-negative token ids to biases", tokens[0])
+            if tokens := [t for t, value in bias.items() if not _is_bias(value)]:
+                limit = LOGIT_BIAS_LIMIT
+                why = f"values must be between {-limit} and {limit}"
+                raise bad("logit_bias", why, {tokens[0]: bias[tokens[0]]})
         if self.structured is not None and self.min_tokens:
             # The grammar decides where the output ends; a floor could leave nothing to sample.
             raise bad("min_tokens", "cannot be combined with structured output")
@@ -91,3 +120,20 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature < GREEDY_EPSILON
+
+
+def _is_stop(value: object) -> bool:
+    return isinstance(value, str) and 1 <= len(value) <= MAX_STOP_CHARS
+
+
+def _is_token_id(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and value >= 0
+
+
+def _is_bias(value: object) -> bool:
+    # The range check also refuses NaN; booleans are not biases.
+    return (
+        isinstance(value, int | float)
+        and not isinstance(value, bool)
+        and -LOGIT_BIAS_LIMIT <= value <= LOGIT_BIAS_LIMIT
+    )

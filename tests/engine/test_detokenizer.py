@@ -1,5 +1,6 @@
 import json
 import random
+import sys
 
 import pytest
 from tokenizers import Tokenizer, decoders, models, normalizers, pre_tokenizers, trainers
@@ -285,3 +286,65 @@ def test_eos_ids_join_the_generation_config_and_the_tokenizer(tokenizer, tmp_pat
     assert eos_token_ids(tmp_path, tokenizer) == {7, tokenizer.eos_token_id}
     (tmp_path / "generation_config.json").write_text(json.dumps({"eos_token_id": [im_end, 5]}))
     assert eos_token_ids(tmp_path, tokenizer) == {im_end, 5, tokenizer.eos_token_id}
+
+
+def held_back(text: str, stops: list[str]) -> int:
+    """The longest tail of `text` that is a proper prefix of a stop string, found the slow way."""
+    return max(
+        (n for stop in stops for n in range(1, len(stop)) if text.endswith(stop[:n])), default=0
+    )
+
+
+def test_hold_back_and_stops_on_self_overlapping_stop_strings(tokenizer):
+    # Stop strings that overlap themselves and each other, over a text of their own letters: a
+    # failed partial match must fall back to the longest prefix that still fits.
+    rng = random.Random(3)
+    stops = ["aabaab", "abaabb", "bbbba", "aaaaab"]
+    for _ in range(300):
+        text = "".join(rng.choice("ab") for _ in range(rng.randint(1, 40)))
+        ids = tokenizer.encode(text)
+        detok = IncrementalDetokenizer(tokenizer, SamplingParams(stop=stops))
+        for token in ids:
+            if detok.update([token]):
+                break
+            assert (
+                detok.stable_text
+                == detok.output_text[: len(detok.output_text) - held_back(detok.output_text, stops)]
+            )
+        found = [(text.find(s) + len(s), text.find(s)) for s in stops if s in text]
+        assert detok.output_text == (text[: min(found)[1]] if found else text)
+        assert detok.stop_string == (text[min(found)[1] : min(found)[0]] if found else None)
+
+
+def lines_run(detok: IncrementalDetokenizer, ids: list[int]) -> list[int]:
+    """How many lines of the detokenizer's module each one-token update runs."""
+    counts = []
+    module = IncrementalDetokenizer.__init__.__code__.co_filename
+
+    def trace(frame, event, _arg):
+        if frame.f_code.co_filename != module:
+            return None
+        if event == "line":
+            counts[-1] += 1
+        return trace
+
+    sys.settrace(trace)
+    try:
+        for token in ids:
+            counts.append(0)
+            detok.update([token])
+    finally:
+        sys.settrace(None)
+    return counts
+
+
+def test_an_update_costs_the_same_however_long_the_text_and_the_stop_strings(tokenizer):
+    # Counted in lines run, not timed: the work of an update must not grow with the text that came
+    # before it, nor with the length of the stop strings it is matched against.
+    rng = random.Random(4)
+    ids = tokenizer.encode("".join(rng.choice(["ab", "ba", "xa", "b x"]) for _ in range(600)))
+    short = lines_run(IncrementalDetokenizer(tokenizer, SamplingParams(stop="abc")), ids)
+    long = lines_run(IncrementalDetokenizer(tokenizer, SamplingParams(stop="ab" * 127 + "c")), ids)
+    assert sum(long) < 1.5 * sum(short)
+    tenth = len(ids) // 10
+    assert sum(long[-tenth:]) < 1.5 * sum(long[:tenth])

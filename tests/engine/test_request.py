@@ -1,7 +1,15 @@
+import math
+
 import pytest
 
 from pagedbatch.engine.request import IllegalTransition, Request, RequestStatus
-from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.sampling_params import (
+    MAX_LOGIT_BIAS,
+    MAX_N,
+    MAX_STOP_CHARS,
+    MAX_STOP_STRINGS,
+    SamplingParams,
+)
 
 
 def make_request() -> Request:
@@ -64,11 +72,36 @@ def test_sort_key_puts_lower_priority_number_then_earlier_arrival_first():
         ({"stop": [""]}, "stop"),
         ({"min_tokens": 5, "max_tokens": 2}, "min_tokens"),
         ({"repetition_penalty": 0.0}, "repetition_penalty"),
+        # Bounds that keep one request from costing everyone: see sampling_params.py.
+        ({"n": MAX_N + 1}, "n"),
+        ({"top_k": 1.5}, "top_k"),
+        ({"seed": "7"}, "seed"),
+        ({"repetition_penalty": math.inf}, "repetition_penalty"),
+        ({"repetition_penalty": math.nan}, "repetition_penalty"),
+        ({"stop": ["x"] * (MAX_STOP_STRINGS + 1)}, "stop"),
+        ({"stop": "x" * (MAX_STOP_CHARS + 1)}, "stop"),
+        ({"logit_bias": {i: 1.0 for i in range(MAX_LOGIT_BIAS + 1)}}, "logit_bias"),
+        ({"logit_bias": {5: 100.5}}, "logit_bias"),
+        ({"logit_bias": {5: math.nan}}, "logit_bias"),
+        ({"logit_bias": {5: -math.inf}}, "logit_bias"),
+        ({"logit_bias": {5: True}}, "logit_bias"),
+        ({"logit_bias": {"5": 1.0}}, "logit_bias"),
+        ({"stop_token_ids": [-1]}, "stop_token_ids"),
     ],
 )
 def test_bad_sampling_values_name_the_field(kwargs, field):
     with pytest.raises(ValueError, match=field):
         SamplingParams(**kwargs)
+
+
+def test_the_bounds_themselves_are_accepted():
+    SamplingParams(
+        n=MAX_N,
+        top_k=2**63,
+        seed=-(2**200),
+        stop=["x" * MAX_STOP_CHARS] * MAX_STOP_STRINGS,
+        logit_bias={i: (-100.0 if i % 2 else 100) for i in range(MAX_LOGIT_BIAS)},
+    )
 
 
 def test_sampling_params_normalise_stop_and_top_k():

@@ -235,3 +235,24 @@ def test_logprobs_are_the_raw_log_softmax_with_ranks_and_top_alternatives():
     assert results[2][0] == 11
     assert results[2][1].rank == 2 and results[2][1].top == []
     assert results[3][1] is None
+
+
+def test_logit_bias_is_added_per_row_and_a_min_tokens_ban_beats_it():
+    logits = torch.zeros(3, 6)
+    reqs = [
+        request(temperature=0.0, logit_bias={4: 2.0, 1: -1.0}),
+        request(temperature=0.0),
+        request(temperature=0.0, logit_bias={2: 100.0}, stop_token_ids=[2], min_tokens=1),
+    ]
+    biased = logits.clone()
+    Sampler()(biased, reqs)
+    assert biased[0].tolist() == [0.0, -1.0, 0.0, 0.0, 2.0, 0.0]
+    assert biased[1].tolist() == [0.0] * 6
+    assert biased[2, 2] == float("-inf")
+    assert tokens(logits, reqs) == [4, 0, 0]
+
+
+def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
+    for top_p in (1.0, 0.99):
+        drawn = draws(LOGITS, top_k=2**63, top_p=top_p)
+        assert drawn[3] > 0.0  # the least likely possible token is still drawn
