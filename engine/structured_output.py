@@ -71,6 +71,12 @@ class OutputLimits:
                 raise ValueError(f"{name} must be at least 1, got {value}")
 
 
+# Compiling a grammar takes time superlinear in its size (2,000 optional properties: minutes),
+# and compiles run one at a time, so one huge schema would hold up every other tenant's.
+# At this bound a compile takes about a second on a 2-core CPU.
+MAX_GRAMMAR_CHARS = 2**20
+
+
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must be: the grammar (xgrammar EBNF) and, for tool calls, the
@@ -369,6 +375,11 @@ def _json_grammar(
 
 @lru_cache(maxsize=512)
 def _check_ebnf(grammar: str) -> None:
+    if len(grammar) > MAX_GRAMMAR_CHARS:
+        raise ValueError(
+            f"the schema or tools are too large to enforce: their grammar has {len(grammar)} "
+            f"characters, over the limit of {MAX_GRAMMAR_CHARS} (about 500 properties)"
+        )
     try:
         xgr.Grammar.from_ebnf(grammar)
     except (RuntimeError, ValidationError) as e:

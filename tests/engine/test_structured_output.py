@@ -16,6 +16,7 @@ from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.structured_output import (
+    MAX_GRAMMAR_CHARS,
     GrammarRuntime,
     OutputLimits,
     StructuredOutput,
@@ -344,6 +345,15 @@ def test_special_tokens_never_appear_inside_json(llm, matcher):
 def test_bad_schemas_are_refused_naming_the_problem(schema, strict, message):
     with pytest.raises(ValueError, match=re.escape(message)):
         StructuredOutput.json_schema(schema, strict=strict)
+
+
+def test_a_schema_too_large_to_compile_quickly_is_refused_before_compiling():
+    def wide(n: int) -> dict:
+        return {"type": "object", "properties": {f"p{i}": {"type": "integer"} for i in range(n)}}
+
+    assert len(StructuredOutput.json_schema(wide(300)).grammar) <= MAX_GRAMMAR_CHARS
+    with pytest.raises(ValueError, match="too large to enforce"):
+        StructuredOutput.json_schema(wide(2000))
 
 
 def test_keywords_the_grammar_cannot_enforce_are_dropped_unless_strict(matcher):
