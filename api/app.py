@@ -21,11 +21,13 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedbatch.api.auth import KeyRing
 from pagedbatch.api.deps import Services
-from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.errors import BodyTooLarge, OpenAIError
 from pagedbatch.api.metrics import install_metrics
+from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
 from pagedbatch.api.routes import api_router, ui
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.settings import Settings
+from pagedbatch.store.retry import is_transient
 
 logger = logging.getLogger(__name__)
 
@@ -44,8 +46,10 @@ def create_app(settings: Settings, services: Services) -> FastAPI:
     app.include_router(api_router)
     app.include_router(ui.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["health"])
+    # Innermost of the middleware, so that its 413s carry request ids and are counted.
+    app.add_middleware(BodyLimitMiddleware, limit=body_limit(services.settings))
     install_error_handling(app)
-    install_metrics(app, services)  # `/metrics`, and the HTTP metrics around everything else
+    install_metrics(app, services, settings)  # `/metrics`, and HTTP metrics around the rest
     return app
 
 
@@ -59,8 +63,19 @@ def install_error_handling(app: FastAPI) -> None:
     app.add_middleware(RequestIdMiddleware)
 
 
-def health() -> dict[str, str]:
-    return {"status": "ok"}
+def health(request: Request) -> JSONResponse:
+    """200 while this process can serve; 503 once its embedded engine has died (a failed step,
+    a lost rank), saying why, so that an orchestrator restarts it."""
+    engine = request.app.state.services.engine
+    if engine is not None and engine.dead_error is not None:
+        error = OpenAIError(
+            f"The engine has stopped: {engine.dead_error}",
+            status_code=503,
+            type="server_error",
+            code="engine_dead",
+        )
+        return JSONResponse({"status": "unavailable", **error.body()}, status_code=503)
+    return JSONResponse({"status": "ok"})
 
 
 class RequestIdMiddleware:
@@ -150,7 +165,9 @@ async def _http_error(request: Request, exc: Exception) -> JSONResponse:
     """Starlette's own errors: unknown routes (404), wrong methods (405) and the like."""
     assert isinstance(exc, HTTPException)
     headers = exc.headers
-    if exc.status_code == 404:
+    if isinstance(exc, BodyTooLarge):
+        error = exc.openai()
+    elif exc.status_code == 404:
         error = OpenAIError(
             f"Invalid URL ({request.method} {request.url.path})",
             status_code=404,
@@ -192,9 +209,21 @@ async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
     # Starlette re-raises after this handler, so the server logs the traceback; this line ties
     # it to the id the client saw.
     logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)
-    error = OpenAIError(
-        "The server had an error while processing your request.",
-        status_code=500,
-        type="server_error",
-    )
-    return _error_response(error, headers={REQUEST_ID_HEADER: request_id})
+    headers = {REQUEST_ID_HEADER: request_id}
+    if is_transient(exc):
+        # The database, broker or S3 is restarting: nothing is wrong with the request, and the
+        # same call will work in a moment (the SDK retries a 503 by itself).
+        error = OpenAIError(
+            "The service is briefly unavailable. Please retry shortly.",
+            status_code=503,
+            type="server_error",
+            code="service_unavailable",
+        )
+        headers["Retry-After"] = "1"
+    else:
+        error = OpenAIError(
+            "The server had an error while processing your request.",
+            status_code=500,
+            type="server_error",
+        )
+    return _error_response(error, headers=headers)

@@ -37,6 +37,9 @@ class Services:
     # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.
     # Uploads beyond this many wait their turn.
     upload_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(32))
+    # Realtime requests are parsed, templated and tokenized on threads, this many at once: a
+    # large one takes seconds of CPU, which must not stall the event loop (and /health).
+    prepare_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(4))
     # The engine's generated tokens per second, as `/v1/engine/stats` reports it.
     generation_rate: TokenRate = field(default_factory=TokenRate)
 

@@ -4,21 +4,22 @@ The API runs no engine. Having checked the request, it picks the least loaded li
 serving the model (from their heartbeats in Redis: workers/engine_registry.py), sends it the body
 and streams its answer back as it comes: status, headers and bytes. The host answers with the
 embedded server's own code (api/realtime.py), so errors, 429s with Retry-After and server-sent
-events are one implementation. A host that cannot be reached, or is full, is passed over for the
-next; with none left the client gets a 503 (or a 429 if they were all full). A client that goes
-away closes the upstream connection, and the engine host then aborts its engine requests.
+events are one implementation; the request's tenant goes along (OWNER_HEADER), so each host
+shares its realtime capacity and its prefix cache by tenant as the embedded server does. A host
+that cannot be reached, or is full, is passed over for the next; with none left the client gets a
+503 (or a 429 if they were all full). A client that goes away, or leaves its response unread for
+`stream_send_timeout_seconds`, closes the upstream connection, and the engine host then aborts
+its engine requests.
 """
 
 from __future__ import annotations
 
 import contextlib
-import json
 import logging
 import math
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Sequence
-from typing import Any
 
 import httpx
 from fastapi import Request
@@ -30,7 +31,10 @@ from starlette.types import Receive, Scope, Send
 from pagedbatch.api.errors import OpenAIError
 from pagedbatch.api.realtime import (
     CLIENT_CLOSED_REQUEST,
-    RETRY_AFTER_SECONDS,
+    OWNER_HEADER,
+    SlowReader,
+    send_within,
+    too_busy,
     unless_disconnected,
 )
 from pagedbatch.api.serving.common import model_not_found
@@ -96,27 +100,34 @@ class EngineProxy:
         return sorted({record.model for record in await self.live()})
 
     async def forward(
-        self, request: Request, model: str, body: Any, configured: Sequence[str]
+        self,
+        request: Request,
+        model: str,
+        body: bytes,
+        configured: Sequence[str],
+        tenant: str,
+        send_timeout: float,
     ) -> Response:
-        """The answer of the least loaded engine host serving `model` to `body`."""
+        """The answer of the least loaded engine host serving `model` to `body` (JSON), sent for
+        `tenant`; `send_timeout` bounds how long the client may leave a piece of it unread."""
         live = await self.live()
         hosts = rank(live, model, self._sent)
         if not hosts:
             if model in configured or any(r.model == model for r in self._records):
                 raise engine_unavailable(model)
             raise model_not_found(model)
-        content = json.dumps(body).encode()
         headers = {
             **self._auth,
             "content-type": "application/json",
             # The host's log lines then carry the id the client sees.
             "x-request-id": request.state.request_id,
+            OWNER_HEADER: tenant,
         }
         full = False
         for host in hosts:
             self._sent[host.id] += 1
             upstream_request = self._client.build_request(
-                "POST", host.address + request.url.path, content=content, headers=headers
+                "POST", host.address + request.url.path, content=body, headers=headers
             )
             try:
                 # A non-streamed answer's headers come only once it is complete: a client that
@@ -143,7 +154,7 @@ class EngineProxy:
                 await upstream.aclose()  # full: another host may have room
                 full = True
                 continue
-            return UpstreamResponse(upstream)
+            return UpstreamResponse(upstream, send_timeout)
         if full:  # and the rest could not be reached
             return all_engines_full(model)
         raise engine_unavailable(model)
@@ -164,15 +175,9 @@ def engine_unavailable(model: str) -> OpenAIError:
 
 
 def all_engines_full(model: str) -> JSONResponse:
-    error = OpenAIError(
-        f"Every engine serving model '{model}' is at its limit of realtime requests at once. "
-        f"Please retry after {RETRY_AFTER_SECONDS} s.",
-        status_code=429,
-        type="requests",
-        code="rate_limit_exceeded",
-    )
-    return JSONResponse(
-        error.body(), status_code=429, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
+    return too_busy(
+        f"Every engine serving model '{model}' is at its limit of realtime sequences at once, "
+        "or you hold your share of them."
     )
 
 
@@ -180,18 +185,21 @@ class UpstreamResponse(StreamingResponse):
     """An engine host's response, passed on as its bytes arrive. However the client's response
     ends, the upstream one is closed then, which ends the engine requests if they still run."""
 
-    def __init__(self, upstream: httpx.Response) -> None:
+    def __init__(self, upstream: httpx.Response, send_timeout: float) -> None:
         headers = {
             name: upstream.headers[name] for name in PASSED_HEADERS if name in upstream.headers
         }
         self._upstream = upstream
         self._relay = _relay(upstream)
+        self._send_timeout = send_timeout
         super().__init__(self._relay, status_code=upstream.status_code, headers=headers)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with contextlib.aclosing(self._relay):
-                await super().__call__(scope, receive, send)
+                await super().__call__(scope, receive, send_within(send, self._send_timeout))
+        except SlowReader:
+            logger.warning("a client read nothing for %s s: dropped", self._send_timeout)
         finally:
             await self._upstream.aclose()
 

@@ -10,6 +10,7 @@ from collections.abc import Mapping, Sequence
 from typing import Any
 
 from pydantic import BaseModel, ValidationError
+from starlette.exceptions import HTTPException
 
 
 class ErrorDetail(BaseModel):
@@ -41,6 +42,17 @@ class OpenAIError(Exception):
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=self.detail).model_dump()
+
+
+class BodyTooLarge(HTTPException):
+    """A request body beyond its route's limit. An HTTPException rather than an OpenAIError, as
+    FastAPI's body parsing turns any other exception into a 400."""
+
+    def __init__(self, limit: int) -> None:
+        super().__init__(413, f"The request body is too large: the limit is {limit} bytes.")
+
+    def openai(self) -> OpenAIError:
+        return OpenAIError(self.detail, status_code=413, code="request_too_large")
 
 
 def from_validation_error(exc: ValidationError, data: Any) -> OpenAIError:

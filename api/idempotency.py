@@ -3,7 +3,8 @@
 The SDK retries a POST whose response it did not get (timeouts, connection errors, 5xx), and
 OpenAI's SDK sends no idempotency header of its own, so without one a retry can create a second
 resource. A client that sends a key gets, on every retry with the same key, the resource the first
-attempt created. Keys are scoped by owner and route and kept for good; the request body is not
+attempt created. Keys are scoped by owner and route and kept for
+`idempotency_key_retention_hours` (upkeep deletes them after); the request body is not
 compared, so a key reused for a different request also gets the first resource.
 """
 

@@ -1,12 +1,18 @@
 """The realtime door's side of the engine: admission, running a request, answering it.
 
-At most `max_realtime_queue` realtime requests are in the engine at once (waiting or running);
-beyond that a client gets a 429 with Retry-After at once, so a burst costs neither memory nor an
-ever longer queue. Admitted requests run at REALTIME_PRIORITY, ahead of batch lines. A client
-that goes away, streaming or not, aborts its engine requests at once, which frees their KV blocks.
+A request is read (at most `max_request_body_bytes`, api/request_body.py), parsed and prepared
+(templated, tokenized) on worker threads, so a large body never stalls the event loop. It is
+then admitted or refused at once: the engine holds at most `max_realtime_queue` realtime
+sequences (each request's prompts × n), shared fairly among tenants (`Admission`), and beyond
+that a client gets a 429 with Retry-After, so a burst costs neither memory nor an ever longer
+queue. Admitted requests run at REALTIME_PRIORITY, ahead of batch lines, with the tenant's
+prefix-cache salt. A request's sequences leave the count when the engine is done with them,
+however slowly its client reads; a client that goes away, or that leaves a stream unread for
+`stream_send_timeout_seconds`, aborts its engine requests at once, which frees their KV blocks.
 
-The distributed API runs no engine: it checks the request and forwards it to a worker's engine
-host (api/engine_proxy.py), which answers it with this same code, and so admits per engine.
+The distributed API runs no engine: it checks the request and forwards it, with its tenant, to
+a worker's engine host (api/engine_proxy.py), which answers it with this same code, and so admits
+per engine.
 """
 
 from __future__ import annotations
@@ -14,15 +20,20 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
+from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from typing import Any, TypeVar, cast
 
+import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
-from starlette.types import Receive, Scope, Send
+from starlette.types import Message, Receive, Scope, Send
 
 from pagedbatch.api.deps import Services, get_services
 from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.request_body import decode_json
 from pagedbatch.api.schemas.common import SamplingRequest
 from pagedbatch.api.serving.common import (
     REALTIME_PRIORITY,
@@ -31,10 +42,12 @@ from pagedbatch.api.serving.common import (
     ServedModel,
     model_not_found,
     parse_request,
+    prefix_cache_salt,
 )
 from pagedbatch.api.serving.streaming import ChunkWriter, StreamEncoder
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.store.models import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)
 
@@ -44,26 +57,78 @@ P = TypeVar("P", bound=Prepared)
 
 RETRY_AFTER_SECONDS = 1  # admitted requests finish in seconds, so their slots free up quickly
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: the client never sees it, logs do
+# The tenant of a request the API forwards to an engine host, which has no API keys of its own
+# and trusts the API (it answers only bearers of the engine secret).
+OWNER_HEADER = "x-pagedbatch-owner"
+# A tenant refused a slot counts as wanting one this long (its SDK retries after Retry-After):
+# meanwhile the others' shares shrink to make room for it.
+DEMAND_SECONDS = 5.0
+
+
+@dataclass
+class Ticket:
+    """One admitted request's sequences; `release` gives them back, once however often called."""
+
+    admission: Admission
+    tenant: str
+    sequences: int
+    released: bool = False
+
+    def release(self) -> None:
+        if not self.released:
+            self.released = True
+            self.admission.leave(self)
 
 
 class Admission:
-    """Counts the realtime requests in the engine against a bound.
+    """Counts the realtime sequences in the engine against `limit`, shared fairly by tenants.
 
-    Routes run on one event loop, so a plain counter is exact.
+    A request of s sequences from tenant T is admitted if the engine then holds at most `limit`
+    and T holds nothing yet or at most its share: `limit × tenant_share`, and at most `limit`
+    split evenly among the active tenants (T, those holding sequences, and those refused in the
+    last DEMAND_SECONDS). Nothing admitted is taken back; but a tenant over its share gets no
+    more until it falls under, so the sequences others free go to the tenants below theirs: a
+    refused tenant gets in as soon as enough is free, however hard another one pushes (max-min
+    fairness as requests come and go, as in a fair scheduler). A tenant holding nothing may
+    always fill the free room, so any request of at most `max_request` sequences gets in
+    eventually; a larger one never can, and is a 400.
+
+    Routes run on one event loop, so plain counters are exact.
     """
 
-    def __init__(self, limit: int) -> None:
+    def __init__(
+        self, limit: int, tenant_share: float = 1.0, clock: Callable[[], float] = time.monotonic
+    ) -> None:
         self.limit = limit
-        self.admitted = 0
+        self.max_request = max(1, int(limit * tenant_share))  # a tenant's most
+        self.held: Counter[str] = Counter()  # tenant -> sequences admitted
+        self._refused: dict[str, float] = {}  # tenant -> when it was last refused
+        self._clock = clock
 
-    def try_enter(self) -> bool:
-        if self.admitted >= self.limit:
-            return False
-        self.admitted += 1
-        return True
+    @property
+    def admitted(self) -> int:
+        return sum(self.held.values())
 
-    def leave(self) -> None:
-        self.admitted -= 1
+    def share(self, tenant: str) -> int:
+        """The most sequences `tenant` may hold now."""
+        now = self._clock()
+        self._refused = {t: at for t, at in self._refused.items() if now - at < DEMAND_SECONDS}
+        active = len(self.held.keys() | self._refused.keys() | {tenant})
+        return max(1, min(self.max_request, self.limit // active))
+
+    def try_enter(self, tenant: str, sequences: int) -> Ticket | None:
+        held = self.held[tenant]
+        fits = self.admitted + sequences <= self.limit
+        if not fits or (held and held + sequences > self.share(tenant)):
+            self._refused[tenant] = self._clock()
+            return None
+        self.held[tenant] = held + sequences
+        return Ticket(self, tenant, sequences)
+
+    def leave(self, ticket: Ticket) -> None:
+        self.held[ticket.tenant] -= ticket.sequences
+        if self.held[ticket.tenant] <= 0:
+            del self.held[ticket.tenant]
 
 
 def _engine_for(services: Services, model: str) -> AsyncLLM:
@@ -85,53 +150,129 @@ def _engine_for(services: Services, model: str) -> AsyncLLM:
 async def answer(
     request: Request,
     services: Services,
-    body: Any,
     schema: type[Body],
     prepare: Callable[[Body, ServedModel], P],
     chunks: Callable[[P], ChunkWriter],
 ) -> Response:
-    """An endpoint's answer to `body`: the whole response, or its events if streamed.
+    """An endpoint's answer to the request: the whole response, or its events if streamed.
 
     The request is checked in full before it comes near the engine, then runs if admitted.
     """
-    params = parse_request(schema, body)
+    raw = await request.body()
+    params = await _off_loop(services, _parse, schema, raw)
+    tenant = _tenant(request)
+    send_timeout = services.settings.stream_send_timeout_seconds
     if services.engines is not None:  # the distributed API: a worker's engine host answers
-        return await services.engines.forward(request, params.model, body, services.served_models)
+        return await services.engines.forward(
+            request, params.model, raw, services.served_models, tenant, send_timeout
+        )
     engine = _engine_for(services, params.model)
-    prepared = prepare(params, engine.engine)
+    prepared = await _off_loop(services, prepare, params, engine.engine)
     admission = _admission(request)
-    if not admission.try_enter():
-        return _queue_full(admission.limit)
+    sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
+    _check_size(sequences, params, admission.max_request)
+    ticket = admission.try_enter(tenant, sequences)
+    if ticket is None:
+        return too_busy(
+            f"The server is at its limit of {admission.limit} realtime sequences at once, or "
+            "you hold your share of them."
+        )
+    salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
+
+    def run() -> AsyncGenerator[list[RequestOutput | None], None]:
+        return _run(engine, prepared.inputs, salt, ticket.release)
+
     if params.stream:
-        events = _events(engine, prepared.inputs, StreamEncoder(chunks(prepared), params))
-        return EventStreamResponse(events, admission.leave)
+        events = _events(run(), StreamEncoder(chunks(prepared), params))
+        return EventStreamResponse(events, ticket.release, send_timeout)
     try:
-        outputs = await unless_disconnected(request, _final_outputs(engine, prepared.inputs))
+        outputs = await unless_disconnected(request, _final_outputs(run()))
     finally:
-        admission.leave()
+        ticket.release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    return JSONResponse(prepared.response(outputs).model_dump(mode="json"))
+    body = await _off_loop(services, lambda: prepared.response(outputs).model_dump_json())
+    return Response(body, media_type="application/json")
+
+
+def _parse(schema: type[Body], raw: bytes) -> Body:
+    return parse_request(schema, decode_json(raw))
+
+
+async def _off_loop(services: Services, work: Callable[..., T], *args: Any) -> T:
+    """`work(*args)` on a worker thread: parsing, templating and tokenizing a large request
+    takes seconds of CPU, which on the event loop would stall every other client."""
+    return await anyio.to_thread.run_sync(work, *args, limiter=services.prepare_threads)
+
+
+def _tenant(request: Request) -> str:
+    """Whose request it is: the owner of its API key, or on an engine host (which has no keys)
+    the tenant the API named."""
+    keys = getattr(request.app.state, "keys", None)
+    if keys is None:
+        return request.headers.get(OWNER_HEADER) or DEFAULT_OWNER
+    return keys.owner(request.headers.get("authorization"))
+
+
+def _check_size(sequences: int, params: SamplingRequest, most: int) -> None:
+    """A 400 for a request too large ever to be admitted, rather than 429s for ever."""
+    if sequences <= most:
+        return
+    param = "n" if params.n > most else "prompt"
+    raise OpenAIError(
+        f"This request needs {sequences} sequences (its prompts times n), and the realtime "
+        f"endpoints run at most {most} of one client's at once. Send fewer prompts or choices, "
+        "or use the Batch API.",
+        param=param,
+        code="too_many_sequences",
+    )
+
+
+class SlowReader(Exception):
+    """The client did not take the next piece of its response within the send timeout."""
+
+
+def send_within(send: Send, seconds: float) -> Send:
+    """`send`, failing with SlowReader when the client keeps it waiting over `seconds`."""
+
+    async def timed(message: Message) -> None:
+        try:
+            async with asyncio.timeout(seconds):
+                await send(message)
+        except TimeoutError:
+            raise SlowReader from None
+
+    return timed
 
 
 class EventStreamResponse(StreamingResponse):
     """Server-sent events that, however the response ends, are closed and then `on_close` runs.
 
     Starlette cancels the sending of a stream whose client has gone, but leaves its generator
-    suspended for the garbage collector; closing it here aborts the engine requests at once.
+    suspended for the garbage collector; closing it here aborts the engine requests at once. A
+    client that leaves a piece unread for `send_timeout` seconds is dropped the same way.
     """
 
     media_type = "text/event-stream"
 
-    def __init__(self, events: AsyncGenerator[bytes, None], on_close: Callable[[], None]) -> None:
+    def __init__(
+        self,
+        events: AsyncGenerator[bytes, None],
+        on_close: Callable[[], None],
+        send_timeout: float,
+    ) -> None:
         super().__init__(events, headers={"Cache-Control": "no-cache"})
         self._events = events
         self._on_close = on_close
+        self._send_timeout = send_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             async with contextlib.aclosing(self._events):
-                await super().__call__(scope, receive, send)
+                await super().__call__(scope, receive, send_within(send, self._send_timeout))
+        except SlowReader:
+            # The server closes the connection of a response left unfinished.
+            logger.warning("a stream's client read nothing for %s s: dropped", self._send_timeout)
         finally:
             self._on_close()
 
@@ -139,14 +280,17 @@ class EventStreamResponse(StreamingResponse):
 def _admission(request: Request) -> Admission:
     state = request.app.state
     if not hasattr(state, "realtime_admission"):  # made on first use: one per app
-        state.realtime_admission = Admission(get_services(request).settings.max_realtime_queue)
+        settings = get_services(request).settings
+        state.realtime_admission = Admission(
+            settings.max_realtime_queue, settings.realtime_tenant_share
+        )
     return state.realtime_admission
 
 
-def _queue_full(limit: int) -> JSONResponse:
+def too_busy(reason: str) -> JSONResponse:
+    """The 429 of a realtime request refused for want of room, embedded or distributed."""
     error = OpenAIError(
-        f"The server is at its limit of {limit} realtime requests at once. "
-        f"Please retry after {RETRY_AFTER_SECONDS} s.",
+        f"{reason} Please retry after {RETRY_AFTER_SECONDS} s.",
         status_code=429,
         type="requests",
         code="rate_limit_exceeded",
@@ -157,10 +301,14 @@ def _queue_full(limit: int) -> JSONResponse:
 
 
 async def _run(
-    engine: AsyncLLM, inputs: Sequence[EngineInput]
+    engine: AsyncLLM,
+    inputs: Sequence[EngineInput],
+    cache_salt: str | None,
+    engine_done: Callable[[], None],
 ) -> AsyncGenerator[list[RequestOutput | None], None]:
     """Runs `inputs` at realtime priority and yields the latest output of each (None before its
     first) whenever one moves, until all have finished. Closing it aborts what still runs.
+    `engine_done` runs once the engine holds none of them, before the caller has seen the end.
 
     A caller slower than the engine gets the steps it missed folded into one: it holds one output
     per engine request, never a backlog of them.
@@ -168,14 +316,17 @@ async def _run(
     latest: list[RequestOutput | None] = [None] * len(inputs)
     moved = asyncio.Event()
     failures: list[Exception] = []
+    following = len(inputs)
 
     async def follow(position: int, engine_input: EngineInput) -> None:
+        nonlocal following
         try:
             async for output in engine.generate(
                 engine_input.prompt_token_ids,
                 engine_input.params,
                 request_id=engine_input.request_id,
                 priority=REALTIME_PRIORITY,
+                cache_salt=cache_salt,
             ):
                 latest[position] = output
                 moved.set()
@@ -184,6 +335,9 @@ async def _run(
         except Exception as exc:
             failures.append(exc)
         finally:
+            following -= 1
+            if not following:
+                engine_done()
             moved.set()  # a failure must wake the caller too
 
     followers = [asyncio.create_task(follow(i, x)) for i, x in enumerate(inputs)]
@@ -203,20 +357,22 @@ async def _run(
         await asyncio.gather(*followers, return_exceptions=True)
 
 
-async def _final_outputs(engine: AsyncLLM, inputs: Sequence[EngineInput]) -> list[RequestOutput]:
+async def _final_outputs(
+    running: AsyncGenerator[list[RequestOutput | None], None],
+) -> list[RequestOutput]:
     final: list[RequestOutput | None] = []
-    async with contextlib.aclosing(_run(engine, inputs)) as running:
+    async with contextlib.aclosing(running):
         async for outputs in running:
             final = outputs
     return cast("list[RequestOutput]", final)  # the last ones, all finished
 
 
 async def _events(
-    engine: AsyncLLM, inputs: Sequence[EngineInput], stream: StreamEncoder
+    running: AsyncGenerator[list[RequestOutput | None], None], stream: StreamEncoder
 ) -> AsyncGenerator[bytes, None]:
     outputs: list[RequestOutput | None] = []
     try:
-        async with contextlib.aclosing(_run(engine, inputs)) as running:
+        async with contextlib.aclosing(running):
             async for outputs in running:
                 if events := stream.events(outputs):
                     yield events

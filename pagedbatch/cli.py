@@ -6,6 +6,8 @@ import argparse
 import sys
 from collections.abc import Sequence
 
+from pagedbatch.addresses import is_loopback
+
 ARCHS = ("llama", "qwen2", "mistral")
 SIZES = ("tiny", "small", "medium")
 
@@ -47,8 +49,15 @@ def add_settings_args(parser: argparse.ArgumentParser) -> None:
     g = parser.add_argument_group("service settings (also PAGEDBATCH_* environment variables)")
     for name, field in Settings.model_fields.items():
         flag = "--" + name.replace("_", "-")
+        # A yes-or-no setting's flag alone means yes (`--allow-unauthenticated`).
+        switch = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
         g.add_argument(
-            flag, dest=f"setting_{name}", default=None, metavar=name.upper(), help=field.description
+            flag,
+            dest=f"setting_{name}",
+            default=None,
+            metavar=name.upper(),
+            help=field.description,
+            **switch,
         )
 
 
@@ -72,12 +81,25 @@ def service_settings(args: argparse.Namespace):
     return settings
 
 
+def check_exposure(settings) -> None:
+    """Refuses to serve beyond loopback without API keys unless told it is on purpose: anyone
+    who reached the port would have the engine and every file and batch."""
+    if settings.api_keys or settings.allow_unauthenticated or is_loopback(settings.host):
+        return
+    raise ValueError(
+        f"refusing to serve on {settings.host}, beyond loopback, without API keys: set "
+        "PAGEDBATCH_API_KEYS (--api-keys), or listen on 127.0.0.1, or if anyone who can reach "
+        "the port may use it, set PAGEDBATCH_ALLOW_UNAUTHENTICATED=true (--allow-unauthenticated)"
+    )
+
+
 def _serve(args: argparse.Namespace) -> int:
     import uvicorn
 
     from pagedbatch import service
 
     settings = service_settings(args)
+    check_exposure(settings)
     # No log_config: uvicorn's loggers then propagate to the handler configured above.
     if settings.distributed:
         app = service.api_only(settings)
@@ -148,7 +170,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.set_defaults(func=_serve)
 
     p = sub.add_parser("worker", help="start a GPU worker of the distributed deployment")
-    p.add_argument("--beat", action="store_true", help="also run the periodic tasks")
+    p.add_argument(
+        "--beat", action="store_true", help="deprecated and ignored: every worker runs upkeep"
+    )
     add_settings_args(p)
     p.set_defaults(func=_worker)
 

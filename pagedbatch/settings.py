@@ -35,6 +35,12 @@ class Settings(BaseSettings):
     port: int = 8000
     # Comma-separated in the environment. Empty: no auth, one shared tenant.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # `pagedbatch serve` refuses to listen beyond loopback without api_keys unless this is on:
+    # an open port would give anyone who reaches it the engine and every file and batch.
+    allow_unauthenticated: bool = False
+    # A JSON request body larger than this is refused with a 413 as it streams in, before it is
+    # parsed (uploads have max_upload_bytes instead); 2 MiB holds far more text than a context.
+    max_request_body_bytes: int = Field(2 * 2**20, ge=2**10, le=2**28)
 
     # Log lines on stderr: "text", or "json" (an object a line, with the request id in requests).
     log_format: LogFormat = "text"
@@ -44,6 +50,12 @@ class Settings(BaseSettings):
     # not at all. The API serves /metrics on its own port.
     stats_log_interval_seconds: float = Field(5.0, ge=0)
     worker_metrics_port: int = Field(8001, ge=0)
+    # The bearer token the API's /metrics requires (Prometheus: `authorization.credentials`).
+    # With api_keys set and no token, /metrics answers 403: it tells of every tenant's work.
+    metrics_token: str | None = None
+    # The job store's figures on /metrics are read at most this often (they are GROUP BYs over
+    # whole tables); scrapes in between get the last reading.
+    metrics_cache_seconds: float = Field(10.0, ge=0, le=300)
 
     # The model; unset: the built-in tiny demo model, made on first start.
     model: str | None = None
@@ -52,9 +64,21 @@ class Settings(BaseSettings):
     # them with CUDA_VISIBLE_DEVICES), or runs this many processes on CPU.
     tensor_parallel_size: int = Field(1, ge=1)
 
-    # Realtime work: requests admitted into the engine at once (waiting or running), per API
-    # process; beyond it clients get a 429 with Retry-After rather than an ever longer wait.
-    max_realtime_queue: int = 256
+    # Realtime work: sequences (prompts × n of each request) admitted into an engine at once,
+    # waiting or running, per engine; beyond it clients get a 429 with Retry-After rather than an
+    # ever longer wait, and a request needing more than a tenant's share can hold is a 400.
+    max_realtime_queue: int = Field(256, ge=1, le=2**20)
+    # Fair share: a tenant may hold at most this fraction of max_realtime_queue, and at most an
+    # equal split among the tenants that hold or lately asked for sequences. Below 1 it keeps
+    # room free for another tenant's first request at once; 1 lends a lone tenant everything.
+    realtime_tenant_share: float = Field(1.0, gt=0, le=1)
+    # A streaming client that takes longer than this to accept the next piece of its stream has
+    # its stream closed and its engine requests aborted: a reader that stalls holds no slot.
+    stream_send_timeout_seconds: float = Field(30.0, gt=0, le=3600)
+    # Off (the default), each tenant's prompts find only its own cached prefixes (the engine's
+    # cache_salt is the tenant): cached_tokens and first-token latency then tell nothing of
+    # other tenants' prompts. On, all tenants share one prefix cache, which saves more compute.
+    share_prefix_cache_across_tenants: bool = False
     # While realtime requests are in an engine, batch lines get at most this many tokens a step
     # (0: no bound but the engine's step budget): the smaller, the shorter the steps realtime
     # requests wait on, and the less batch throughput while they run.
@@ -77,7 +101,26 @@ class Settings(BaseSettings):
     shard_size: int = 256  # requests per shard
     worker_concurrency: int = 2  # shards one engine runs at once (embedded; workers' default)
     lease_seconds: float = 60.0  # a shard's lease; its worker renews it at a third of this
-    reaper_interval_seconds: float = 15.0
+    # The slower upkeep jobs (expiring batches, re-driving stuck finalizations, sweeping
+    # webhooks, deleting expired files) run this often; reaping shards runs every upkeep tick.
+    reaper_interval_seconds: float = Field(15.0, gt=0, le=3600)
+    # Every process that runs tasks (each worker, the embedded server) fires upkeep this often;
+    # a database lock lets one of them do it at a time. Seconds, so a dead worker's shards go
+    # back within a few; the bound keeps the database from being polled in a spin.
+    upkeep_interval_seconds: float = Field(2.0, ge=0.1, le=60)
+    # Each such process writes a heartbeat row this often; one silent for 3 beats is dead and
+    # its shards are re-leased at once, without waiting for their leases to lapse.
+    worker_heartbeat_seconds: float = Field(2.0, ge=0.1, le=60)
+    # A batch `validating` this long has lost its validation task (a broker restart): it is
+    # queued again, then again after as long; a second run builds on the rows the first staged.
+    validation_redrive_seconds: float = Field(600.0, ge=10, le=DAY)
+    # Validation rides out a database or S3 outage this long (retrying with backoff), then
+    # leaves the batch validating for the redrive above: an outage never fails a batch.
+    validation_outage_seconds: float = Field(120.0, ge=0, le=3600)
+    # A shard claimed this many times without finishing (its worker crashed or lost the lease
+    # each time) is not claimed again: its unfinished lines fail with `shard_failed`, so one
+    # poisonous shard cannot crash-loop workers for ever nor hold its batch open.
+    max_shard_attempts: int = Field(5, ge=1, le=100)
     max_upload_bytes: int = 512 * 2**20
     max_batch_file_bytes: int = 200 * 2**20
     max_batch_lines: int = 50_000
@@ -87,11 +130,32 @@ class Settings(BaseSettings):
     webhook_max_attempts: int = Field(24, ge=1)
     webhook_initial_backoff_seconds: float = Field(10.0, gt=0)
     webhook_max_backoff_seconds: float = Field(6 * 3600.0, gt=0)
-    webhook_timeout_seconds: float = Field(15.0, gt=0)  # connect, send and read, per attempt
+    webhook_timeout_seconds: float = Field(15.0, gt=0)  # each of connect, send and read
+    # An attempt's whole exchange, however its receiver trickles bytes under the timeout above;
+    # a delivery thread is never held longer.
+    webhook_attempt_deadline_seconds: float = Field(30.0, gt=0, le=600)
+    # Attempts one tenant may have in flight at once, over all workers: its slow endpoints
+    # cannot take every delivery thread; its other messages wait a second or two.
+    webhook_tenant_concurrency: int = Field(2, ge=1, le=100)
+    # A message due this long with no attempt has lost its task (a crash, a restart) and is
+    # queued again by the sweep; shorter would queue again messages still waiting in a busy
+    # queue.
+    webhook_requeue_after_seconds: float = Field(300.0, ge=0, le=DAY)
+    # Webhook endpoints a tenant may register (400 beyond): each event fans out to all of them.
+    webhook_max_endpoints_per_tenant: int = Field(20, ge=1, le=1000)
     webhook_secret_grace_seconds: int = DAY  # a rotated-out secret keeps signing this long
     # Hosts, addresses or networks (10.0.0.0/8) webhooks may reach although they are loopback,
     # private or link-local; comma-separated in the environment.
     webhook_allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+
+    # Retention, applied by upkeep in bounded chunks; 0 keeps for good. A finished batch's
+    # requests (bodies and results) go this long after it ended: its output and error files
+    # and the batch object stay (they expire on their own terms). Delivered or failed webhook
+    # messages and every delivery attempt go after webhook_retention_days; idempotency keys
+    # after idempotency_key_retention_hours (a retry comes within minutes; OpenAI keeps 24 h).
+    batch_data_retention_days: float = Field(30.0, ge=0, le=3650)
+    webhook_retention_days: float = Field(7.0, ge=0, le=3650)
+    idempotency_key_retention_hours: float = Field(24.0, ge=0, le=24 * 3650)
 
     @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod

@@ -1,11 +1,12 @@
 """A real webhook receiver for tests: an HTTP server on 127.0.0.1 that records every request and
-answers with the statuses a test scripts.
+answers with the statuses a test scripts, at once or a byte at a time.
 
 A module of its own (not conftest.py) so test modules of any package can import it.
 """
 
 from __future__ import annotations
 
+import select
 import threading
 import time
 from collections.abc import Callable
@@ -26,14 +27,25 @@ class Receiver:
     """Answers each request with the next scripted status, then with `then` (200 unless set).
 
     `port=0` takes a free port; stopping and starting again on `receiver.port` brings a receiver
-    that was down back at the same URL.
+    that was down back at the same URL. With `trickle`, the answer goes out a byte at a time, that
+    many seconds apart: each read is quick, the whole answer takes minutes. `peak_in_flight` is
+    the most requests it was answering at once.
     """
 
-    def __init__(self, port: int = 0, statuses: list[int] | None = None, then: int = 200):
+    def __init__(
+        self,
+        port: int = 0,
+        statuses: list[int] | None = None,
+        then: int = 200,
+        trickle: float | None = None,
+    ):
         self._script = list(statuses or [])
         self._then = then
+        self._trickle = trickle
         self._changed = threading.Condition()
         self.received: list[Received] = []
+        self._in_flight = 0
+        self.peak_in_flight = 0
         self._server = ThreadingHTTPServer(("127.0.0.1", port), self._handler())
         self._server.daemon_threads = True
         self.port: int = self._server.server_address[1]
@@ -88,17 +100,44 @@ class Receiver:
                 self._respond("GET")
 
             def _respond(self, method: str) -> None:
+                with receiver._changed:
+                    receiver._in_flight += 1
+                    receiver.peak_in_flight = max(receiver.peak_in_flight, receiver._in_flight)
+                try:
+                    self._answer(method)
+                finally:
+                    with receiver._changed:
+                        receiver._in_flight -= 1
+
+            def _answer(self, method: str) -> None:
                 length = int(self.headers.get("content-length") or 0)
                 body = self.rfile.read(length)
                 headers = {name.lower(): value for name, value in self.headers.items()}
                 status = receiver._answer(method, self.path, headers, body)
                 reply = f"status {status}".encode()
+                if receiver._trickle is not None:
+                    self._trickle(status, reply, receiver._trickle)
+                    return
                 self.send_response(status)
                 if 300 <= status < 400:
                     self.send_header("location", receiver.url("/redirected"))
                 self.send_header("content-length", str(len(reply)))
                 self.end_headers()
                 self.wfile.write(reply)
+
+            def _trickle(self, status: int, reply: bytes, pause: float) -> None:
+                self.close_connection = True
+                head = f"HTTP/1.1 {status} Slow\r\ncontent-length: {len(reply)}\r\n\r\n"
+                for byte in head.encode() + reply:
+                    # The sender sends nothing more: the connection turning readable means it
+                    # was closed, so the answer stops (and stops counting as in flight) at once.
+                    closed, _, _ = select.select([self.connection], [], [], pause)
+                    if closed:
+                        return
+                    try:
+                        self.wfile.write(bytes([byte]))
+                    except OSError:
+                        return
 
             def log_message(self, *_: object) -> None:
                 pass  # the test reports what it needs

@@ -5,7 +5,8 @@ It serves `/v1/chat/completions` and `/v1/completions` with the embedded server'
 request whose client left behave alike in both deployments; the API forwards requests here and
 passes the answers back unchanged (api/engine_proxy.py). `GET /internal/load` tells this engine's
 load. Every heartbeat the host writes its address and load into Redis (workers/engine_registry.py),
-where the API finds it; the record lapses within seconds of the worker dying.
+where the API finds it; the record lapses within seconds of the worker dying, and is deleted at
+the first heartbeat after its engine died.
 
 uvicorn runs it on an event loop of its own, in a thread of the worker process. When
 `engine_secret` is set, every request must bear it (`Authorization: Bearer <secret>`); a host
@@ -18,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import hmac
-import ipaddress
 import logging
 import socket
 import threading
@@ -31,6 +31,7 @@ from fastapi import APIRouter, Depends, FastAPI, Request
 from redis.asyncio import Redis
 from redis.exceptions import RedisError
 
+from pagedbatch.addresses import is_loopback
 from pagedbatch.api.app import install_error_handling
 from pagedbatch.api.deps import Services
 from pagedbatch.api.errors import OpenAIError
@@ -57,7 +58,7 @@ class EngineHost:
         settings = ctx.settings
         if settings.broker_url is None:
             raise ValueError("an engine host registers in the broker's Redis: set a broker URL")
-        if settings.engine_secret is None and not _is_loopback(settings.engine_host):
+        if settings.engine_secret is None and not is_loopback(settings.engine_host):
             raise ValueError(
                 f"the engine host would listen on {settings.engine_host}, beyond loopback, "
                 "without a secret: set PAGEDBATCH_ENGINE_SECRET (the same on the API)"
@@ -108,7 +109,7 @@ def engine_host_app(
 ) -> FastAPI:
     """The host's app; while it runs, it heartbeats its record into the broker's Redis."""
     assert services.engine is not None and settings.broker_url is not None
-    admission = Admission(settings.max_realtime_queue)
+    admission = Admission(settings.max_realtime_queue, settings.realtime_tenant_share)
     engine = services.engine
     model = engine.engine.model_name
     figures: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
@@ -141,7 +142,13 @@ def engine_host_app(
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         redis = Redis.from_url(settings.broker_url)
         heartbeat = asyncio.create_task(
-            _heartbeat(redis, lambda: record(beat=True), settings.engine_heartbeat_seconds)
+            _heartbeat(
+                redis,
+                lambda: record(beat=True),
+                settings.engine_heartbeat_seconds,
+                lambda: engine.dead_error is not None,
+                engine_id,
+            )
         )
         try:
             yield
@@ -171,15 +178,25 @@ def engine_host_app(
 
 
 async def _heartbeat(
-    redis: Redis, record: Callable[[], Awaitable[EngineRecord]], interval: float
+    redis: Redis,
+    record: Callable[[], Awaitable[EngineRecord]],
+    interval: float,
+    engine_died: Callable[[], bool],
+    engine_id: str,
 ) -> None:
     while True:
         started = time.monotonic()
         try:
+            if engine_died():
+                # Its stats would never come, and requests routed here would fail: the API must
+                # stop sending any at once, not when the last record lapses.
+                logger.error("engine host %s withdraws: its engine died", engine_id)
+                await withdraw(redis, engine_id)
+                return
             await publish(redis, await record(), interval)
-        except RedisError:
+        except RedisError as e:
             # The API cannot see this host until Redis is back; the next beat tries again.
-            logger.warning("engine host heartbeat failed", exc_info=True)
+            logger.warning("engine host heartbeat failed (%s); the next beat tries again", e)
         await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
 
 
@@ -198,15 +215,6 @@ def _secret_check(secret: str | None) -> Callable[[Request], None]:
             )
 
     return check
-
-
-def _is_loopback(host: str) -> bool:
-    if host == "localhost":
-        return True
-    try:
-        return ipaddress.ip_address(host).is_loopback
-    except ValueError:  # a name: it may resolve to anything
-        return False
 
 
 def _bind(host: str, port: int) -> socket.socket:

@@ -5,10 +5,19 @@ copies of its task (a retry's countdown and the sweep, or a Celery task delivere
 send it at once, and a claim whose process died lapses for the sweep to find. Every attempt is
 logged. A 2xx delivers; 410 Gone disables the endpoint; anything else (3xx included: redirects
 are not followed) is retried until `webhook_max_attempts`.
+
+Slow receivers are contained: an attempt ends at `webhook_attempt_deadline_seconds` however its
+receiver trickles, and a tenant has at most `webhook_tenant_concurrency` attempts in flight, its
+other messages waiting a moment, so one tenant's endpoints cannot hold every delivery thread.
+
+A pending message's `next_attempt_at` is when its queued task is due: each enqueue sets it. The
+sweep queues again only a message due for `webhook_requeue_after_seconds` with no attempt, whose
+task was lost, so messages waiting in a busy queue are not queued twice over.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
 import logging
 import random
@@ -16,7 +25,8 @@ import time
 from dataclasses import dataclass
 
 import httpx
-from sqlalchemy import or_, select, update
+from sqlalchemy import Select, func, or_, select, update
+from sqlalchemy.orm import Session, aliased
 
 from pagedbatch.ids import new_id, now
 from pagedbatch.settings import Settings
@@ -41,6 +51,11 @@ MAX_RESPONSE_BYTES = 4096  # read of a response, for the log; the rest is never 
 MAX_ERROR_CHARS = 500
 CLOCK_SLACK_SECONDS = 1.0  # a retry whose timer fires a little early still finds its message due
 SWEEP_LIMIT = 1000
+# A claim outlives its attempt (bounded by the deadline) by this much, for recording the result.
+CLAIM_MARGIN_SECONDS = 30.0
+# A message whose tenant has its fill of attempts in flight tries again after this long, times
+# 1 to 2 so deferred messages do not come back in step.
+TENANT_BUSY_DELAY_SECONDS = 1.0
 THROTTLED = {429, 503}  # statuses whose Retry-After is honoured
 
 
@@ -52,6 +67,11 @@ class _Attempt:
     url: str
     signing_secrets: list[str]
     body: bytes
+
+
+@dataclass(frozen=True)
+class _Deferred:
+    delay: float  # seconds until the message's task runs again
 
 
 @dataclass(frozen=True)
@@ -93,19 +113,30 @@ def queue_batch_webhooks(ctx: WorkerContext, batch_id: str) -> None:
 
 
 def sweep_webhooks(ctx: WorkerContext) -> None:
-    """Queue the messages that are due and not being attempted: a lost task, a crashed attempt
-    or a restart loses no delivery."""
+    """Queue the messages whose task was lost: due for `webhook_requeue_after_seconds` and not
+    being attempted. A lost task, a crashed attempt or a restart loses no delivery; a message
+    whose task waits in the queue is left alone."""
     moment = time.time()
-    with ctx.session_factory() as session:
-        message_ids = session.scalars(
+    lost_since = moment - ctx.settings.webhook_requeue_after_seconds
+    lost = (
+        WebhookMessage.status == WebhookMessageStatus.PENDING,
+        WebhookMessage.next_attempt_at <= lost_since,
+        or_(WebhookMessage.claimed_until.is_(None), WebhookMessage.claimed_until < moment),
+    )
+    with transaction(ctx.session_factory) as session:
+        candidates = (
             select(WebhookMessage.id)
-            .where(
-                WebhookMessage.status == WebhookMessageStatus.PENDING,
-                WebhookMessage.next_attempt_at <= moment,
-                or_(WebhookMessage.claimed_until.is_(None), WebhookMessage.claimed_until < moment),
-            )
+            .where(*lost)
             .order_by(WebhookMessage.next_attempt_at)
             .limit(SWEEP_LIMIT)
+        )
+        # Due now, as the task queued below is: a sweep running at the same time, or the next
+        # one, finds the message in the queue and leaves it.
+        message_ids = session.scalars(
+            update(WebhookMessage)
+            .where(WebhookMessage.id.in_(candidates.scalar_subquery()), *lost)
+            .values(next_attempt_at=moment)
+            .returning(WebhookMessage.id)
         ).all()
     for message_id in message_ids:
         ctx.queue.enqueue("deliver_webhook", message_id)
@@ -114,6 +145,9 @@ def sweep_webhooks(ctx: WorkerContext) -> None:
 def deliver_webhook(ctx: WorkerContext, message_id: str) -> None:
     """One attempt at the message, if it is due and nobody else is attempting it."""
     attempt = _claim(ctx, message_id)
+    if isinstance(attempt, _Deferred):
+        ctx.queue.enqueue("deliver_webhook", message_id, delay=attempt.delay)
+        return
     if attempt is None:
         return
     result = _send(ctx.settings, attempt)
@@ -132,23 +166,43 @@ def backoff(settings: Settings, failed_attempts: int, retry_after: float | None 
     return delay
 
 
-def _claim(ctx: WorkerContext, message_id: str) -> _Attempt | None:
+def _claim(ctx: WorkerContext, message_id: str) -> _Attempt | _Deferred | None:
+    """The attempt to make now; or, when the message's tenant has its fill of attempts in
+    flight, how long to wait; None when the message is not due or someone else attempts it."""
+    settings = ctx.settings
     moment = time.time()
-    # Longer than any attempt can take (connect, send, read, each bounded by the timeout).
-    hold = 4 * ctx.settings.webhook_timeout_seconds + 30
+    # Longer than any attempt can take: the deadline bounds it.
+    hold = settings.webhook_attempt_deadline_seconds + CLAIM_MARGIN_SECONDS
+    free = (
+        WebhookMessage.id == message_id,
+        WebhookMessage.status == WebhookMessageStatus.PENDING,
+        WebhookMessage.next_attempt_at <= moment + CLOCK_SLACK_SECONDS,
+        or_(WebhookMessage.claimed_until.is_(None), WebhookMessage.claimed_until < moment),
+    )
     with transaction(ctx.session_factory) as session:
+        owner = session.scalar(
+            select(WebhookEndpoint.owner)
+            .join(WebhookMessage, WebhookMessage.endpoint_id == WebhookEndpoint.id)
+            .where(WebhookMessage.id == message_id)
+        )
+        if owner is None:
+            return None  # its endpoint was deleted, and its messages with it
+        _lock_tenant(session, owner)
         claimed = session.execute(
             update(WebhookMessage)
             .where(
-                WebhookMessage.id == message_id,
-                WebhookMessage.status == WebhookMessageStatus.PENDING,
-                WebhookMessage.next_attempt_at <= moment + CLOCK_SLACK_SECONDS,
-                or_(WebhookMessage.claimed_until.is_(None), WebhookMessage.claimed_until < moment),
+                *free,
+                _in_flight(owner, moment).scalar_subquery() < settings.webhook_tenant_concurrency,
             )
             .values(claimed_until=moment + hold)
         )
         if claimed.rowcount != 1:
-            return None
+            # Free but not claimed: its tenant is busy. Due later, as its task will be.
+            delay = TENANT_BUSY_DELAY_SECONDS * random.uniform(1.0, 2.0)
+            deferred = session.execute(
+                update(WebhookMessage).where(*free).values(next_attempt_at=moment + delay)
+            )
+            return _Deferred(delay) if deferred.rowcount == 1 else None
         message = session.get(WebhookMessage, message_id)
         endpoint = session.get(WebhookEndpoint, message.endpoint_id)
         if endpoint.disabled_at is not None:
@@ -169,6 +223,35 @@ def _claim(ctx: WorkerContext, message_id: str) -> _Attempt | None:
         )
 
 
+def _lock_tenant(session: Session, owner: str) -> None:
+    """Claims of one tenant's messages take turns, so two workers cannot both take its last free
+    slot: PostgreSQL locks the tenant's endpoint rows, in id order, before any message row (as
+    everything that locks both does). NO KEY UPDATE, so inserting a delivery-log row, whose
+    foreign key share-locks its endpoint, does not wait on it. SQLite needs nothing: it writes
+    one transaction at a time, and the claim's count and update are one statement."""
+    session.execute(
+        select(WebhookEndpoint.id)
+        .where(WebhookEndpoint.owner == owner)
+        .order_by(WebhookEndpoint.id)
+        .with_for_update(key_share=True)
+    )
+
+
+def _in_flight(owner: str, moment: float) -> Select[tuple[int]]:
+    """The tenant's messages being attempted at `moment`: those with a live claim."""
+    other = aliased(WebhookMessage)
+    return (
+        select(func.count())
+        .select_from(other)
+        .join(WebhookEndpoint, WebhookEndpoint.id == other.endpoint_id)
+        .where(
+            WebhookEndpoint.owner == owner,
+            other.status == WebhookMessageStatus.PENDING,
+            other.claimed_until >= moment,
+        )
+    )
+
+
 def _send(settings: Settings, attempt: _Attempt) -> _Result:
     try:
         destination = check_url(attempt.url, settings.webhook_allowed_hosts)
@@ -183,22 +266,22 @@ def _send(settings: Settings, attempt: _Attempt) -> _Result:
         **signed_headers(attempt.signing_secrets, attempt.message_id, now(), attempt.body),
     }
     extensions = {"sni_hostname": destination.host} if url.scheme == "https" else {}
+    request = httpx.Request(
+        "POST",
+        url.copy_with(host=str(destination.address)),
+        content=attempt.body,
+        headers=headers,
+        extensions=extensions,
+    )
     started = time.monotonic()
+    deadline = settings.webhook_attempt_deadline_seconds
     try:
-        with (
-            httpx.Client(
-                timeout=settings.webhook_timeout_seconds, follow_redirects=False, trust_env=False
-            ) as client,
-            client.stream(
-                "POST",
-                url.copy_with(host=str(destination.address)),
-                content=attempt.body,
-                headers=headers,
-                extensions=extensions,
-            ) as response,
-        ):
-            latency_ms = _since(started)
-            excerpt = _read_some(response)
+        response, latency_ms, excerpt = asyncio.run(
+            _post(request, settings.webhook_timeout_seconds, deadline, started)
+        )
+    except TimeoutError:
+        error = f"timed out: the receiver did not answer within the {deadline:g} s deadline"
+        return _Result(WebhookOutcome.FAILED, latency_ms=_since(started), error=error)
     except httpx.HTTPError as e:
         return _Result(WebhookOutcome.FAILED, latency_ms=_since(started), error=_describe(e))
     code = response.status_code
@@ -229,6 +312,13 @@ def _record(ctx: WorkerContext, attempt: _Attempt, result: _Result) -> float | N
         retry_in = backoff(settings, attempt.number, result.retry_after)
         values["next_attempt_at"] = time.time() + retry_in
     with transaction(ctx.session_factory) as session:
+        if result.outcome == WebhookOutcome.DISABLED:
+            # The endpoint's row before the message's, the order claims lock them in.
+            session.execute(
+                update(WebhookEndpoint)
+                .where(WebhookEndpoint.id == attempt.endpoint_id)
+                .values(disabled_at=now(), disabled_reason="The receiver answered 410 Gone.")
+            )
         moved = session.execute(
             update(WebhookMessage).where(WebhookMessage.id == attempt.message_id).values(**values)
         )
@@ -247,21 +337,34 @@ def _record(ctx: WorkerContext, attempt: _Attempt, result: _Result) -> float | N
                 created_at=now(),
             )
         )
-        if result.outcome == WebhookOutcome.DISABLED:
-            session.execute(
-                update(WebhookEndpoint)
-                .where(WebhookEndpoint.id == attempt.endpoint_id)
-                .values(disabled_at=now(), disabled_reason="The receiver answered 410 Gone.")
-            )
     if result.outcome != WebhookOutcome.DELIVERED:
         logger.info("webhook %s attempt %d: %s", attempt.message_id, attempt.number, result.error)
     return retry_in
 
 
-def _read_some(response: httpx.Response) -> bytes:
+async def _post(
+    request: httpx.Request, timeout: float, deadline: float, started: float
+) -> tuple[httpx.Response, int, bytes]:
+    """Send `request`; returns the response, the milliseconds until its headers, and the start
+    of its body. httpx's timeouts bound each connect, write and read, which a receiver sending a
+    byte at a time never trips, so the whole exchange is cut off at `deadline` seconds too
+    (raising TimeoutError): cancelling a coroutine stops it wherever it waits."""
+    async with (
+        asyncio.timeout(deadline),
+        httpx.AsyncClient(timeout=timeout, follow_redirects=False, trust_env=False) as client,
+    ):
+        response = await client.send(request, stream=True)
+        try:
+            latency_ms = _since(started)
+            return response, latency_ms, await _read_some(response)
+        finally:
+            await response.aclose()
+
+
+async def _read_some(response: httpx.Response) -> bytes:
     """The start of the body, raw (never decompressed): a receiver cannot make us read much."""
     excerpt = bytearray()
-    for chunk in response.iter_raw():
+    async for chunk in response.aiter_raw():
         excerpt += chunk
         if len(excerpt) >= MAX_RESPONSE_BYTES:
             break

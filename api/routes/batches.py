@@ -8,18 +8,18 @@ from __future__ import annotations
 from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query
-from pydantic import ValidationError
 from sqlalchemy import ColumnElement, select, tuple_
 from sqlalchemy.orm import Session
 
 from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.deps import ServicesDep, SessionDep
-from pagedbatch.api.errors import OpenAIError, from_validation_error
+from pagedbatch.api.errors import OpenAIError
 from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
 from pagedbatch.api.routes.files import get_file
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.api.schemas.batches import SUPPORTED_ENDPOINTS, BatchCreate, BatchObject
 from pagedbatch.api.schemas.lists import ListPage
+from pagedbatch.api.serving.common import parse_request
 from pagedbatch.ids import new_id, now
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
@@ -49,10 +49,7 @@ def create_batch(
     body: Annotated[Any, Body()] = None,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> BatchObject:
-    try:
-        params = BatchCreate.model_validate(body)
-    except ValidationError as e:
-        raise from_validation_error(e, body) from None
+    params = parse_request(BatchCreate, body)
     if params.endpoint not in SUPPORTED_ENDPOINTS:
         raise OpenAIError(
             f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {params.endpoint!r}",

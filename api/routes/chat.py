@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.realtime import answer
@@ -22,7 +20,5 @@ router = APIRouter(prefix="/chat", tags=["chat"])
     responses={**streamed(ChatCompletion), **error_responses(404)},
     openapi_extra=json_body(ChatCompletionRequest),
 )
-async def create_chat_completion(
-    request: Request, services: ServicesDep, body: Annotated[Any, Body()] = None
-) -> Response:
-    return await answer(request, services, body, ChatCompletionRequest, prepare_chat, ChatChunks)
+async def create_chat_completion(request: Request, services: ServicesDep) -> Response:
+    return await answer(request, services, ChatCompletionRequest, prepare_chat, ChatChunks)

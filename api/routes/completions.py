@@ -2,9 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Annotated, Any
-
-from fastapi import APIRouter, Body, Request, Response
+from fastapi import APIRouter, Request, Response
 
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.realtime import answer
@@ -22,9 +20,5 @@ router = APIRouter(prefix="/completions", tags=["completions"])
     responses={**streamed(Completion), **error_responses(404)},
     openapi_extra=json_body(CompletionRequest),
 )
-async def create_completion(
-    request: Request, services: ServicesDep, body: Annotated[Any, Body()] = None
-) -> Response:
-    return await answer(
-        request, services, body, CompletionRequest, prepare_completion, CompletionChunks
-    )
+async def create_completion(request: Request, services: ServicesDep) -> Response:
+    return await answer(request, services, CompletionRequest, prepare_completion, CompletionChunks)

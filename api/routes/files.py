@@ -50,7 +50,11 @@ CREATE_ROUTE = "POST /v1/files"
 BATCH_FILE_EXPIRY_SECONDS = 30 * DAY
 CHUNK_BYTES = 1 << 20  # what blob storage receives per write
 MAX_FIELD_BYTES = 64 << 10  # a form field other than `file`
+# Form fields other than `file`: the form has three (purpose and expires_after's two), and each
+# is held in memory until the upload ends, so their number is bounded too.
+MAX_FORM_FIELDS = 8
 MAX_FILENAME_LENGTH = 512  # File.filename's column
+MAX_BOUNDARY_LENGTH = 70  # RFC 2046's bound on a multipart boundary
 
 
 def get_file(session: Session, owner: str, file_id: str, *, param: str = "file_id") -> File:
@@ -134,9 +138,13 @@ async def create_file(
 
 def _boundary(content_type: str | None) -> bytes:
     kind, options = parse_options_header(content_type)
-    if kind != b"multipart/form-data" or not options.get(b"boundary"):
-        raise OpenAIError("Expected a multipart/form-data body with a boundary.")
-    return options[b"boundary"]
+    boundary = options.get(b"boundary", b"")
+    if kind != b"multipart/form-data" or not 1 <= len(boundary) <= MAX_BOUNDARY_LENGTH:
+        raise OpenAIError(
+            "Expected a multipart/form-data body with a boundary of 1 to "
+            f"{MAX_BOUNDARY_LENGTH} characters."
+        )
+    return boundary
 
 
 async def _drain(body: AsyncIterator[bytes]) -> None:
@@ -318,6 +326,12 @@ class _Upload:
             if event.name in fields or (event.name == "file" and stored is not None):
                 raise OpenAIError(f"'{event.name}' was sent twice.", param=event.name)
             if event.name != "file":
+                if len(fields) == MAX_FORM_FIELDS:
+                    raise OpenAIError(
+                        f"Too many form fields: an upload takes at most {MAX_FORM_FIELDS} besides "
+                        "the file.",
+                        param=event.name,
+                    )
                 fields[event.name] = _field_value(event.name, events)
                 continue
             filename = event.filename or "file"

@@ -10,7 +10,7 @@ from typing import Annotated, Any
 
 from fastapi import APIRouter, Body, Query
 from pydantic import ValidationError
-from sqlalchemy import ColumnElement, select, tuple_
+from sqlalchemy import ColumnElement, func, select, tuple_
 from sqlalchemy.orm import Session
 
 from pagedbatch.api.auth import OwnerDep
@@ -60,6 +60,17 @@ def create_endpoint(
         params = WebhookEndpointCreate.model_validate(body)
     except ValidationError as e:
         raise from_validation_error(e, body) from None
+    limit = services.settings.webhook_max_endpoints_per_tenant
+    registered = session.scalar(
+        select(func.count()).select_from(WebhookEndpoint).where(WebhookEndpoint.owner == owner)
+    )
+    if registered >= limit:
+        # Not 409 or 429: the SDK retries those, and only a deletion can help.
+        raise OpenAIError(
+            f"You have {registered} webhook endpoints, the most allowed is {limit}; "
+            "delete one to add another.",
+            code="too_many_endpoints",
+        )
     try:
         check_url(params.url, services.settings.webhook_allowed_hosts)
     except ForbiddenDestination as e:

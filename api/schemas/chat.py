@@ -10,20 +10,36 @@ from typing import Annotated, Any, Literal
 
 from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
-from pagedbatch.api.schemas.common import SamplingRequest, Usage
+from pagedbatch.api.schemas.common import (
+    INT32_MAX,
+    FreeJSON,
+    Name,
+    SamplingRequest,
+    Text,
+    Usage,
+)
 
 MAX_TOP_LOGPROBS = 20
+# Bounds on what one request may hold (OpenAI's own where it has one: 128 tools, 16 metadata
+# pairs of 64-character keys and 512-character values).
+MAX_MESSAGES = 2048
+MAX_CONTENT_PARTS = 256
+MAX_TOOLS = 128
+MAX_TOOL_CALLS = 128
+MAX_METADATA_PAIRS = 16
+MAX_METADATA_KEY_CHARS = 64
+MAX_METADATA_VALUE_CHARS = 512
 
 # Content parts.
 
 
 class TextPart(BaseModel):
     type: Literal["text"]
-    text: str
+    text: Text
 
 
 class ImageURL(BaseModel):
-    url: str  # http(s) or a data: URL
+    url: Text  # http(s) or a data: URL
     detail: Literal["auto", "low", "high"] = "auto"
 
 
@@ -33,7 +49,7 @@ class ImagePart(BaseModel):
 
 
 class InputAudio(BaseModel):
-    data: str  # base64
+    data: Text  # base64
     format: Literal["wav", "mp3"]
 
 
@@ -43,9 +59,9 @@ class AudioPart(BaseModel):
 
 
 class FileRef(BaseModel):
-    file_id: str | None = None
-    file_data: str | None = None  # base64
-    filename: str | None = None
+    file_id: Name | None = None
+    file_data: Text | None = None  # base64
+    filename: Name | None = None
 
 
 class FilePart(BaseModel):
@@ -55,7 +71,7 @@ class FilePart(BaseModel):
 
 class RefusalPart(BaseModel):
     type: Literal["refusal"]
-    refusal: str
+    refusal: Text
 
 
 UserContentPart = Annotated[
@@ -67,52 +83,54 @@ AssistantContentPart = Annotated[TextPart | RefusalPart, Field(discriminator="ty
 
 
 class FunctionCall(BaseModel):
-    name: str
-    arguments: str  # JSON text, as the model wrote it
+    name: Name
+    arguments: Text  # JSON text, as the model wrote it
 
 
 class ToolCall(BaseModel):
-    id: str
+    id: Name
     type: Literal["function"] = "function"
     function: FunctionCall
 
 
 class AudioRef(BaseModel):
-    id: str
+    id: Name
 
 
 class InstructionMessage(BaseModel):
     role: Literal["developer", "system"]
-    content: str | list[TextPart]
-    name: str | None = None
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    name: Name | None = None
 
 
 class UserMessage(BaseModel):
     role: Literal["user"]
-    content: str | list[UserContentPart]
-    name: str | None = None
+    content: Text | Annotated[list[UserContentPart], Field(max_length=MAX_CONTENT_PARTS)]
+    name: Name | None = None
 
 
 class AssistantMessage(BaseModel):
     role: Literal["assistant"]
-    content: str | list[AssistantContentPart] | None = None
-    refusal: str | None = None
-    name: str | None = None
-    tool_calls: list[ToolCall] | None = None
+    content: (
+        Text | Annotated[list[AssistantContentPart], Field(max_length=MAX_CONTENT_PARTS)] | None
+    ) = None
+    refusal: Text | None = None
+    name: Name | None = None
+    tool_calls: Annotated[list[ToolCall], Field(max_length=MAX_TOOL_CALLS)] | None = None
     function_call: FunctionCall | None = None  # deprecated form of tool_calls
     audio: AudioRef | None = None
 
 
 class ToolMessage(BaseModel):
     role: Literal["tool"]
-    content: str | list[TextPart]
-    tool_call_id: str
+    content: Text | Annotated[list[TextPart], Field(max_length=MAX_CONTENT_PARTS)]
+    tool_call_id: Name
 
 
 class FunctionMessage(BaseModel):  # deprecated form of ToolMessage
     role: Literal["function"]
-    content: str | None
-    name: str
+    content: Text | None
+    name: Name
 
 
 ChatMessage = Annotated[
@@ -124,9 +142,9 @@ ChatMessage = Annotated[
 
 
 class FunctionDefinition(BaseModel):
-    name: str
-    description: str | None = None
-    parameters: dict[str, Any] | None = None  # JSON Schema
+    name: Name
+    description: Text | None = None
+    parameters: FreeJSON | None = None  # JSON Schema
     strict: bool | None = None
 
 
@@ -136,9 +154,9 @@ class FunctionTool(BaseModel):
 
 
 class CustomToolDefinition(BaseModel):
-    name: str
-    description: str | None = None
-    format: dict[str, Any] | None = None
+    name: Name
+    description: Text | None = None
+    format: FreeJSON | None = None
 
 
 class CustomTool(BaseModel):
@@ -150,7 +168,7 @@ Tool = Annotated[FunctionTool | CustomTool, Field(discriminator="type")]
 
 
 class FunctionName(BaseModel):
-    name: str
+    name: Name
 
 
 class NamedToolChoice(BaseModel):
@@ -160,7 +178,7 @@ class NamedToolChoice(BaseModel):
 
 class AllowedTools(BaseModel):
     mode: Literal["auto", "required"]
-    tools: list[dict[str, Any]]
+    tools: Annotated[list[FreeJSON], Field(max_length=MAX_TOOLS)]
 
 
 class AllowedToolsChoice(BaseModel):
@@ -184,9 +202,9 @@ class JSONObjectFormat(BaseModel):
 
 class JSONSchema(BaseModel):
     name: str = Field(pattern=r"^[a-zA-Z0-9_-]{1,64}$")
-    description: str | None = None
+    description: Text | None = None
     # `schema` would shadow a BaseModel attribute.
-    json_schema: dict[str, Any] | None = Field(None, alias="schema")
+    json_schema: FreeJSON | None = Field(None, alias="schema")
     strict: bool | None = None
 
 
@@ -203,30 +221,39 @@ ResponseFormat = Annotated[
 
 
 class ChatCompletionRequest(SamplingRequest):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_completion_tokens: int | None = Field(None, ge=1)
-    max_tokens: int | None = Field(None, ge=1)  # deprecated alias of max_completion_tokens
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    max_completion_tokens: int | None = Field(None, ge=1, le=INT32_MAX)
+    max_tokens: int | None = Field(None, ge=1, le=INT32_MAX)  # deprecated max_completion_tokens
     logprobs: bool = False
     top_logprobs: int | None = Field(None, ge=0, le=MAX_TOP_LOGPROBS)
     response_format: ResponseFormat | None = None
-    tools: list[Tool] | None = None
+    tools: Annotated[list[Tool], Field(max_length=MAX_TOOLS)] | None = None
     tool_choice: ToolChoice | None = None
     parallel_tool_calls: bool = True
-    functions: list[FunctionDefinition] | None = None  # deprecated form of tools
+    functions: Annotated[list[FunctionDefinition], Field(max_length=MAX_TOOLS)] | None = None
     function_call: Literal["none", "auto"] | FunctionName | None = None
-    modalities: list[Literal["text", "audio"]] | None = None
-    audio: dict[str, Any] | None = None
+    modalities: Annotated[list[Literal["text", "audio"]], Field(max_length=2)] | None = None
+    audio: FreeJSON | None = None
 
     # Accepted and not acted on.
-    metadata: dict[str, str] | None = None
+    metadata: (
+        Annotated[
+            dict[
+                Annotated[str, Field(max_length=MAX_METADATA_KEY_CHARS)],
+                Annotated[str, Field(max_length=MAX_METADATA_VALUE_CHARS)],
+            ],
+            Field(max_length=MAX_METADATA_PAIRS),
+        ]
+        | None
+    ) = None
     store: bool | None = None
-    service_tier: str | None = None
-    reasoning_effort: str | None = None
-    verbosity: str | None = None
-    prediction: dict[str, Any] | None = None
-    prompt_cache_key: str | None = None
-    safety_identifier: str | None = None
-    web_search_options: dict[str, Any] | None = None
+    service_tier: Name | None = None
+    reasoning_effort: Name | None = None
+    verbosity: Name | None = None
+    prediction: FreeJSON | None = None
+    prompt_cache_key: Name | None = None
+    safety_identifier: Name | None = None
+    web_search_options: FreeJSON | None = None
 
     @field_validator("top_logprobs")
     @classmethod

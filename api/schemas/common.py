@@ -1,20 +1,74 @@
-"""What the chat and completions endpoints share: request fields and the usage object."""
+"""What the chat and completions endpoints share: request fields and the usage object.
+
+Every field is bounded, so that whatever a client sends costs bounded work before the engine
+sees it, and a value the engine cannot take is a 400 naming the field, never a 500. Batch lines
+are checked with these models too, and unlike a request body they are not bounded in bytes by
+`max_request_body_bytes`, so the text and free-form JSON fields carry bounds of their own.
+"""
 
 from __future__ import annotations
 
 from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator, model_validator
+from pydantic import (
+    AfterValidator,
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationInfo,
+    field_validator,
+    model_validator,
+)
 
-MAX_STOP_SEQUENCES = 4
+from pagedbatch.engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS
 
-StopSequence = Annotated[str, Field(min_length=1)]
+MAX_STOP_SEQUENCES = 4  # OpenAI's bound; the engine's own (MAX_STOP_STRINGS) is looser
+INT32_MAX = 2**31 - 1
+INT64_MIN, INT64_MAX = -(2**63), 2**63 - 1
+# Text a request may carry in one field: more than any model's context holds.
+MAX_TEXT_CHARS = 2**21
+MAX_NAME_CHARS = 256  # names and ids: `user`, message names, tool call ids
+# Free-form JSON (JSON Schemas, tool parameters, ...): compiled into grammars or templated, so
+# its nesting and size are bounded before anything walks it recursively.
+MAX_JSON_DEPTH = 64
+MAX_JSON_VALUES = 20_000
+
+Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
+Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]
+StopSequence = Annotated[str, Field(min_length=1, max_length=MAX_STOP_CHARS)]
+TokenId = Annotated[int, Field(ge=0, le=INT32_MAX)]
+
+
+def _bounded_json(value: Any) -> Any:
+    """`value`, if it nests at most MAX_JSON_DEPTH deep, holds at most MAX_JSON_VALUES values and
+    no NaN or infinity (which Python's JSON parser accepts, and JSON does not have)."""
+    pending = [(value, 1)]
+    count = 0
+    while pending:
+        node, depth = pending.pop()
+        count += 1
+        if count > MAX_JSON_VALUES:
+            raise ValueError(f"it holds more than {MAX_JSON_VALUES} values")
+        if depth > MAX_JSON_DEPTH:
+            raise ValueError(f"it nests deeper than {MAX_JSON_DEPTH} levels")
+        if isinstance(node, float) and not (-float("inf") < node < float("inf")):
+            raise ValueError("it holds NaN or infinity, which JSON does not allow")
+        if isinstance(node, dict):
+            pending.extend((child, depth + 1) for child in node.values())
+        elif isinstance(node, list):
+            pending.extend((child, depth + 1) for child in node)
+    return value
+
+
+# A JSON object of any shape, within the bounds above.
+FreeJSON = Annotated[dict[str, Any], AfterValidator(_bounded_json)]
 
 
 class RequestBody(BaseModel):
     """A request body. Unknown top-level fields are rejected: that catches typos (`max_token`)."""
 
-    model_config = ConfigDict(extra="forbid")
+    # No NaN or infinity in a float field: JSON has neither, though Python's parser accepts them.
+    model_config = ConfigDict(extra="forbid", allow_inf_nan=False)
 
     @model_validator(mode="before")
     @classmethod
@@ -38,24 +92,30 @@ class SamplingRequest(RequestBody):
     model: str
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, ge=0.0, le=1.0)
-    n: int = Field(1, ge=1, le=128)
+    n: int = Field(1, ge=1, le=MAX_N)
     stop: (
         StopSequence | Annotated[list[StopSequence], Field(max_length=MAX_STOP_SEQUENCES)] | None
     ) = None
-    seed: int | None = None
+    seed: int | None = Field(None, ge=INT64_MIN, le=INT64_MAX)  # OpenAI's seed is an int64
     presence_penalty: float = Field(0.0, ge=-2.0, le=2.0)
     frequency_penalty: float = Field(0.0, ge=-2.0, le=2.0)
-    logit_bias: dict[int, Annotated[float, Field(ge=-100.0, le=100.0)]] | None = None
+    logit_bias: (
+        Annotated[
+            dict[TokenId, Annotated[float, Field(ge=-100.0, le=100.0)]],
+            Field(max_length=MAX_LOGIT_BIAS),
+        ]
+        | None
+    ) = None
     stream: bool = False
     stream_options: StreamOptions | None = None
-    user: str | None = None
+    user: Name | None = None
 
     # vLLM's extensions.
-    top_k: int = Field(0, ge=-1)  # 0 or -1: no limit
+    top_k: int = Field(0, ge=-1, le=INT32_MAX)  # 0 or -1: no limit; beyond the vocabulary: none
     min_p: float = Field(0.0, ge=0.0, le=1.0)
-    repetition_penalty: float = Field(1.0, gt=0.0)
+    repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
-    min_tokens: int = Field(0, ge=0)
+    min_tokens: int = Field(0, ge=0, le=INT32_MAX)
 
     @field_validator("stream_options")
     @classmethod

@@ -6,29 +6,32 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from pagedbatch.api.schemas.common import SamplingRequest, Usage
+from pagedbatch.api.schemas.common import INT32_MAX, SamplingRequest, Text, TokenId, Usage
 
 MAX_LOGPROBS = 5
+# Prompts in one request, each run `n` times; realtime admission bounds prompts × n further.
+MAX_PROMPTS = 64
+# Token ids in one prompt: more than any model's context holds.
+MAX_PROMPT_TOKENS = 2**20
 
-TokenId = Annotated[int, Field(ge=0)]
-NonEmpty = Field(min_length=1)
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
 
 # One prompt (text or token ids) or a batch of them; each gets `n` choices.
 Prompt = (
-    str
-    | Annotated[list[str], NonEmpty]
-    | Annotated[list[TokenId], NonEmpty]
-    | Annotated[list[Annotated[list[TokenId], NonEmpty]], NonEmpty]
+    Text
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
 )
 
 
 class CompletionRequest(SamplingRequest):
     prompt: Prompt
-    max_tokens: int = Field(16, ge=1)
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
     logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=20)
-    suffix: str | None = None
+    suffix: Text | None = None
 
 
 class CompletionLogprobs(BaseModel):

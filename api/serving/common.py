@@ -11,7 +11,6 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any, Literal, Protocol, TypeVar
 
-import torch
 from pydantic import BaseModel, ValidationError
 from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
@@ -20,7 +19,7 @@ from transformers.convert_slow_tokenizer import bytes_to_unicode
 from pagedbatch.api.errors import OpenAIError, from_validation_error
 from pagedbatch.api.schemas.common import PromptTokensDetails, SamplingRequest, Usage
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
-from pagedbatch.engine.sampling_params import LogitsProcessor, SamplingParams
+from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.structured_output import StructuredOutput
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 
@@ -61,10 +60,73 @@ class Prepared(Protocol):
 
 def parse_request(schema: type[Body], body: Any) -> Body:
     """`body` (decoded JSON) validated as `schema`; OpenAIError 400 naming the bad field."""
+    _check_unicode(body)
     try:
         return schema.model_validate(body)
     except ValidationError as exc:
         raise from_validation_error(exc, body) from None
+
+
+def _check_unicode(body: Any) -> None:
+    """A 400 naming the first string (or key) that holds a lone surrogate: JSON's `\\ud800`
+    escape decodes to one, and it is no Unicode text, which neither tokenizers nor an error
+    message that quotes it (as UTF-8) can take."""
+    # Each entry: a value and where it is, as (where its parent is, its key or index); the path
+    # is spelled out only for a value at fault.
+    pending: list[tuple[Any, _Where]] = [(body, None)]
+    while pending:
+        node, where = pending.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not _encodable(key):
+                    _bad_text(where)
+                if isinstance(value, dict | list | str):
+                    pending.append((value, (where, key)))
+        elif isinstance(node, list):
+            pending.extend(
+                (item, (where, i))
+                for i, item in enumerate(node)
+                if isinstance(item, dict | list | str)
+            )
+        elif isinstance(node, str) and not _encodable(node):
+            _bad_text(where)
+
+
+_Where = tuple[Any, int | str] | None
+
+
+def _path(where: _Where) -> str | None:
+    steps: list[int | str] = []
+    while where is not None:
+        where, step = where
+        steps.append(step)
+    path: str | None = None
+    for step in reversed(steps):
+        path = (
+            f"{path or ''}[{step}]"
+            if isinstance(step, int)
+            else (step if path is None else f"{path}.{step}")
+        )
+    return path
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_text(where: _Where) -> None:
+    # Keys are checked before what they hold, so a path never holds a surrogate itself.
+    param = _path(where)
+    prefix = "" if param is None else f"Invalid value for '{param}': "
+    raise OpenAIError(
+        f"{prefix}it holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode.",
+        param=param,
+        code="invalid_value",
+    )
 
 
 def check_model(requested: str, served: ServedModel) -> None:
@@ -115,10 +177,14 @@ def sampling_params(
     tokenizer: PreTrainedTokenizerBase,
     structured: StructuredOutput | None = None,
 ) -> SamplingParams:
+    vocab_size = len(tokenizer)
     top_p, top_k = request.top_p, request.top_k
+    if top_k >= vocab_size:  # every token is among the top k: no limit
+        top_k = 0
     if top_p == 0.0:  # OpenAI allows it: only the most likely token is left, which is top-k 1
         top_p, top_k = 1.0, 1
-    processors = [logit_bias(request.logit_bias, len(tokenizer))] if request.logit_bias else []
+    if request.logit_bias:
+        check_vocabulary(request.logit_bias, vocab_size, param="logit_bias")
     try:
         return SamplingParams(
             n=request.n,
@@ -135,23 +201,11 @@ def sampling_params(
             stop=request.stop,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
-            logits_processors=processors,
+            logit_bias=request.logit_bias,
             structured=structured,
         )
     except ValueError as exc:  # combinations the schema does not check, e.g. min_tokens > max
         raise OpenAIError(str(exc), code="invalid_value") from None
-
-
-def logit_bias(bias: dict[int, float], vocab_size: int) -> LogitsProcessor:
-    """A logits processor adding OpenAI's `logit_bias` to the logits of the named tokens."""
-    check_vocabulary(bias, vocab_size, param="logit_bias")
-    ids = torch.tensor(list(bias), dtype=torch.long)
-    values = torch.tensor(list(bias.values()), dtype=torch.float32)
-
-    def apply(_generated: list[int], logits: torch.Tensor) -> torch.Tensor:
-        return logits.index_add_(0, ids.to(logits.device), values.to(logits.device))
-
-    return apply
 
 
 def check_vocabulary(token_ids: Iterable[int], vocab_size: int, *, param: str) -> None:
@@ -163,6 +217,14 @@ def check_vocabulary(token_ids: Iterable[int], vocab_size: int, *, param: str) -
             param=param,
             code="invalid_value",
         )
+
+
+def prefix_cache_salt(share: bool, owner: str) -> str | None:
+    """The engine's `cache_salt` for `owner`'s requests: KV blocks cached for one salt are never
+    found by a request with another, so a tenant cannot tell from its cached_tokens (or from how
+    fast its first token comes) what another tenant's prompts began with. None shares the cache
+    among all (`share_prefix_cache_across_tenants`)."""
+    return None if share else owner
 
 
 def finish_reason(choice: CompletionOutput, output: RequestOutput) -> Literal["stop", "length"]:

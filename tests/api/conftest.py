@@ -89,24 +89,33 @@ def build_app(settings: Settings, served_models: list[str]) -> FastAPI:
 
 
 @contextmanager
-def running(app: FastAPI) -> Iterator[str]:
-    """`app` served by uvicorn in a thread of this process; yields its base URL."""
+def running(app: FastAPI, send_buffer_bytes: int | None = None) -> Iterator[str]:
+    """`app` served by uvicorn in a thread of this process; yields its base URL.
+
+    `send_buffer_bytes` fixes the kernel's send buffer of each connection (else it grows to
+    megabytes), so that a client that stops reading soon holds up the server's sends.
+    """
     server = uvicorn.Server(
         uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning", lifespan="off")
     )
-    thread = threading.Thread(target=server.run, daemon=True)
+    sock = socket.socket()
+    if send_buffer_bytes is not None:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_SNDBUF, send_buffer_bytes)  # inherited
+    sock.bind(("127.0.0.1", 0))
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
     thread.start()
     deadline = time.monotonic() + START_SECONDS
     while not server.started:
         if not thread.is_alive() or time.monotonic() > deadline:
             raise RuntimeError("uvicorn did not start")
         time.sleep(0.01)
-    port = server.servers[0].sockets[0].getsockname()[1]
+    port = sock.getsockname()[1]
     try:
         yield f"http://127.0.0.1:{port}"
     finally:
         server.should_exit = True
         thread.join(START_SECONDS)
+        sock.close()
 
 
 Serve = Callable[..., Server]
@@ -221,12 +230,12 @@ def _wait_for_health(url: str, process: subprocess.Popen[bytes], log: Path) -> N
 
 @pytest.fixture
 def serve_batches(storage: Storage, tiny_llama: Path) -> Iterator[Callable[..., BatchServer]]:
-    """`serve_batches(**settings)`: the whole embedded service (API, task queue and an engine on
-    the tiny checkpoint, served as "tiny") on `storage`. Small shards and short leases, so that
-    tests see several shards and quick recovery."""
+    """`serve_batches(send_buffer_bytes=None, **settings)`: the whole embedded service (API,
+    task queue and an engine on the tiny checkpoint, served as "tiny") on `storage`. Small shards
+    and short leases, so that tests see several shards and quick recovery."""
     with ExitStack() as stack:
 
-        def start(**settings: Any) -> BatchServer:
+        def start(send_buffer_bytes: int | None = None, **settings: Any) -> BatchServer:
             defaults = {
                 "model": str(tiny_llama),
                 "served_model_name": "tiny",
@@ -237,7 +246,7 @@ def serve_batches(storage: Storage, tiny_llama: Path) -> Iterator[Callable[..., 
             config = Settings(**{**storage.settings, **defaults, **settings})
             service = embedded(config)
             stack.callback(service.shutdown)
-            url = stack.enter_context(running(service.app))
+            url = stack.enter_context(running(service.app, send_buffer_bytes))
             return BatchServer(url, config, storage.blob_keys, service)
 
         yield start

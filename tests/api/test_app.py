@@ -2,8 +2,12 @@
 
 from __future__ import annotations
 
+import asyncio
+
 import openai
 import pytest
+
+from pagedbatch.engine import SamplingParams
 
 ERROR_FIELDS = {"message", "type", "param", "code"}
 
@@ -13,6 +17,34 @@ def test_health(server):
         response = http.get("/health")
     assert response.status_code == 200
     assert response.json() == {"status": "ok"}
+
+
+class EngineBug(BaseException):
+    """Not an Exception: what no request's own failure handling catches, as a bug would be."""
+
+
+def test_health_is_a_503_saying_why_once_the_engine_has_died(serve_batches):
+    server = serve_batches()
+    engine = server.embedded.context.engine
+
+    def bug(_ids, _row):
+        raise EngineBug("a step went wrong")
+
+    async def run_into_the_bug() -> None:
+        params = SamplingParams(max_tokens=2, logits_processors=[bug])
+        with pytest.raises(Exception, match="engine has stopped"):
+            async for _ in engine.generate("hello", params):
+                pass
+
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+        asyncio.run(run_into_the_bug())
+        response = http.get("/health")
+    assert response.status_code == 503
+    body = response.json()
+    assert body["status"] == "unavailable"
+    assert body["error"]["code"] == "engine_dead"
+    assert "a step went wrong" in body["error"]["message"]
 
 
 def test_each_response_carries_a_new_request_id(server):

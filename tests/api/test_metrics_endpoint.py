@@ -7,8 +7,10 @@ from __future__ import annotations
 
 import httpx
 import pytest
+from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
-from servers import BatchServer
+from servers import API_KEYS, BatchServer
+from sqlalchemy import event
 from test_batches import chat_line, create, finished, read_lines
 from test_deploy import dashboard_metric_names
 
@@ -48,7 +50,7 @@ def moved(before: Samples, after: Samples, name: str, **labels: str) -> float:
 
 
 def test_a_scrape_shows_what_a_realtime_request_and_a_batch_did(serve_batches):
-    server: BatchServer = serve_batches()
+    server: BatchServer = serve_batches(metrics_cache_seconds=0)  # each scrape reads the store
     client = server.client()
     with server.http() as http:
         before = scrape(http)
@@ -126,3 +128,47 @@ def test_a_scrape_shows_what_a_realtime_request_and_a_batch_did(serve_batches):
     # Every series the dashboard queries is one this process exports.
     exported = {name for name, _ in after}
     assert dashboard_metric_names() <= exported, dashboard_metric_names() - exported
+
+
+# Who may scrape, and what a scrape costs.
+
+
+def test_with_api_keys_metrics_need_their_own_token(serve):
+    server = serve(api_keys=API_KEYS, metrics_token="scraper-secret")
+    for key in (None, API_KEYS[0], "wrong"):  # a tenant's key shows no one else's figures
+        with server.http(key) as http:
+            response = http.get("/metrics")
+        assert response.status_code == 401
+        assert response.json()["error"]["code"] == "invalid_metrics_token"
+    with server.http("scraper-secret") as http:
+        assert "pagedbatch:batches" in http.get("/metrics").text
+
+
+def test_with_api_keys_and_no_metrics_token_metrics_are_refused_saying_why(serve):
+    server = serve(api_keys=API_KEYS)
+    with server.http(API_KEYS[0]) as http:
+        response = http.get("/metrics")
+    assert response.status_code == 403
+    assert "PAGEDBATCH_METRICS_TOKEN" in response.json()["error"]["message"]
+
+
+def test_without_api_keys_metrics_are_open(server):
+    with server.http() as http:
+        assert http.get("/metrics").status_code == 200
+
+
+@pytest.mark.parametrize(("cache_seconds", "queried"), [(60, False), (0, True)])
+def test_scrapes_within_the_cache_time_do_not_query_the_store(serve, cache_seconds, queried):
+    statements: list[str] = []
+
+    def count_statements(app: FastAPI) -> None:
+        engine = app.state.services.session_factory.kw["bind"]
+        event.listen(engine, "before_cursor_execute", lambda *args: statements.append(args[2]))
+
+    server = serve(customize=count_statements, metrics_cache_seconds=cache_seconds)
+    with server.http() as http:
+        scrape(http)
+        statements.clear()
+        samples = scrape(http)
+    assert bool(statements) is queried
+    assert value(samples, "pagedbatch:batches", status="completed") == 0

@@ -87,6 +87,10 @@ REFUSED = [
     ("http://10.0.0.7/hook", "10.0.0.7 is a private address"),
     ("http://169.254.169.254/latest/meta-data", "169.254.169.254 is a cloud metadata address"),
     ("http://[fe80::1]/hook", "fe80::1 is a link-local address"),
+    # IPv6 forms that reach an IPv4 address: NAT64, 6to4, IPv4-compatible.
+    ("http://[64:ff9b::a9fe:a9fe]/hook", "64:ff9b::a9fe:a9fe is a cloud metadata address"),
+    ("http://[2002:a00:1::1]/hook", "2002:a00:1::1 is a private address"),
+    ("http://[::a9fe:a9fe]/hook", "::a9fe:a9fe is a cloud metadata address"),
     ("ftp://example.com/hook", "the URL must start with https:// or http://"),
 ]
 
@@ -134,3 +138,16 @@ def test_endpoints_list_newest_first_in_pages(serve):
     rest = http.get("/v1/webhook_endpoints", params={"limit": 2, "after": first["last_id"]}).json()
     assert [e["id"] for e in rest["data"]] == ids[:1] and not rest["has_more"]
     assert http.get(f"/v1/webhook_endpoints/{ids[0]}/deliveries").json()["data"] == []
+
+
+def test_a_tenant_may_register_only_so_many_endpoints(serve):
+    server = serve(api_keys=API_KEYS, webhook_max_endpoints_per_tenant=2, **LOOPBACK_ALLOWED)
+    mine, theirs = server.http(API_KEYS[0]), server.http(API_KEYS[1])
+    first, _ = create(mine), create(mine)
+    refused = error(mine.post("/v1/webhook_endpoints", json={"url": HOOK}))
+    assert refused["code"] == "too_many_endpoints" and refused["param"] is None
+    assert "the most allowed is 2" in refused["message"]
+    assert len(mine.get("/v1/webhook_endpoints").json()["data"]) == 2
+    create(theirs)  # the limit is each tenant's
+    mine.delete(f"/v1/webhook_endpoints/{first['id']}")
+    create(mine)

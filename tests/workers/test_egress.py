@@ -29,6 +29,36 @@ from pagedbatch.workers.egress import ForbiddenDestination, check_url, forbidden
         ("100.64.0.1", "reserved"),  # carrier-grade NAT
         ("224.0.0.1", "multicast"),
         ("240.0.0.1", "private"),  # reserved, which Python counts as private
+        ("0.0.0.0", "private"),
+        # IPv6 forms that carry an IPv4 address are judged by it: a translator or a tunnel
+        # relay delivers there. NAT64, well-known and local-use prefixes:
+        ("64:ff9b::a9fe:a9fe", "cloud metadata"),
+        ("64:ff9b::7f00:1", "loopback"),
+        ("64:ff9b::a00:1", "private"),
+        ("64:ff9b::808:808", None),  # how an IPv6-only network with DNS64 reaches 8.8.8.8
+        ("64:ff9b:1::a9fe:a9fe", "cloud metadata"),
+        ("64:ff9b:1::808:808", "reserved"),  # a local translator: not clearly global
+        # 6to4, refused even to a public address (deprecated relaying):
+        ("2002:a9fe:a9fe::1", "cloud metadata"),
+        ("2002:c0a8:101::1", "private"),
+        ("2002:808:808::1", "reserved"),
+        # IPv4-compatible (deprecated):
+        ("::a9fe:a9fe", "cloud metadata"),
+        ("::7f00:1", "loopback"),
+        ("::808:808", "reserved"),
+        ("::ffff:a9fe:a9fe", "cloud metadata"),
+        ("::ffff:808:808", None),
+        # Teredo: 2001:0:<server>:<flags>:<port>:<client, inverted>; the client is 10.0.0.1.
+        ("2001:0:4136:e378:8000:63bf:f5ff:fffe", "private"),
+        ("2001:0:4136:e378:8000:63bf:3fff:fdd2", "private"),  # client public: still a tunnel
+        # Not global unicast, though Python's is_global passes them:
+        ("fec0::1", "site-local"),
+        ("3fff::1", "reserved"),  # documentation (RFC 9637)
+        ("5f00::1", "reserved"),  # SRv6 SIDs, outside 2000::/3
+        ("::", "private"),
+        ("100::1", "private"),  # discard-only
+        ("2001:db8::1", "private"),  # documentation
+        ("ff02::1", "multicast"),
     ],
 )
 def test_only_public_addresses_are_fit(address, kind):
@@ -60,11 +90,29 @@ def test_the_allow_list_names_hosts_addresses_or_networks():
         ("http:///path", "has no host"),
         ("http://8.8.8.8:70000/", "not a valid port number"),
         ("http://no-such-host.invalid/", "could not be resolved"),
-        ("http://0x7f.1/", "0x7f.1 resolves to 127.0.0.1, which is a loopback address"),
-        # 127.0.0.1 or ::1, as the machine's hosts file has it.
-        ("http://localhost/", r"localhost resolves to \S+, which is a loopback address"),
+        ("http://[64:ff9b::a9fe:a9fe]/", r"64:ff9b::a9fe:a9fe is a cloud metadata address"),
+        ("http://[2002:a9fe:a9fe::1]:8080/", "2002:a9fe:a9fe::1 is a cloud metadata address"),
+        ("http://[::a9fe:a9fe]/", "::a9fe:a9fe is a cloud metadata address"),
     ],
 )
 def test_other_urls_are_refused_with_the_reason(url, reason):
     with pytest.raises(ForbiddenDestination, match=reason):
         check_url(url, [])
+
+
+@pytest.mark.parametrize(
+    ("url", "address"),
+    [
+        ("http://0x7f.1/", "127.0.0.1"),  # a name to the URL's reader, an address to the resolver
+        ("http://localhost/", "127.0.0.1"),
+        ("http://localhost/", "::1"),  # whichever the machine's hosts file has
+    ],
+)
+def test_a_refused_name_does_not_reveal_what_it_resolves_to(url, address):
+    with pytest.raises(ForbiddenDestination) as refused:
+        check_url(url, [])
+    host = url.removeprefix("http://").rstrip("/")
+    assert str(refused.value) == (
+        f"{host} resolves to a non-public address; webhooks go to public addresses only"
+    )
+    assert address not in str(refused.value) and "loopback" not in str(refused.value)

@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import time
 from collections.abc import Iterator
+from contextlib import ExitStack
 from typing import Any
 
 import openai
 import pytest
+from services import postgres_schema
 from sqlalchemy import select
 from webhook_receiver import Receiver
 
@@ -43,21 +45,24 @@ FAST = {
 
 
 @pytest.fixture
-def make_context(tmp_path) -> Iterator[Any]:
-    """`make_context(**settings)`: a worker context whose queue runs the real tasks."""
-    queues: list[InProcessQueue] = []
+def make_context(tmp_path, request) -> Iterator[Any]:
+    """`make_context(storage="sqlite", **settings)`: a worker context on SQLite or PostgreSQL
+    whose queue runs the real tasks."""
+    with ExitStack() as cleanup:
 
-    def make(**settings: Any) -> WorkerContext:
-        config = Settings(data_dir=tmp_path / "data", **{**FAST, **settings})
-        session_factory, blobs = open_store(config)
-        ctx = WorkerContext(config, session_factory, blobs, queue=None)
-        ctx.queue = InProcessQueue(lambda name, args: run_task(ctx, name, args))
-        queues.append(ctx.queue)
-        return ctx
+        def make(storage: str = "sqlite", **settings: Any) -> WorkerContext:
+            if storage == "postgresql":
+                url = request.getfixturevalue("postgres_url")
+                settings["database_url"] = cleanup.enter_context(postgres_schema(url))
+            config = Settings(data_dir=tmp_path / "data", **{**FAST, **settings})
+            session_factory, blobs = open_store(config)
+            cleanup.callback(session_factory.kw["bind"].dispose)
+            ctx = WorkerContext(config, session_factory, blobs, queue=None)
+            ctx.queue = InProcessQueue(lambda name, args: run_task(ctx, name, args))
+            cleanup.callback(lambda: ctx.queue.shutdown())  # the queue a test left in place
+            return ctx
 
-    yield make
-    for queue in queues:
-        queue.shutdown()
+        yield make
 
 
 def add_endpoint(ctx: WorkerContext, url: str, **values: Any) -> WebhookEndpoint:
@@ -68,14 +73,14 @@ def add_endpoint(ctx: WorkerContext, url: str, **values: Any) -> WebhookEndpoint
     return endpoint
 
 
-def fail_a_batch(ctx: WorkerContext) -> str:
+def fail_a_batch(ctx: WorkerContext, owner: str = "default") -> str:
     """A batch that fails validation, as the validator ends one; returns its id."""
     batch_id = new_id("batch_")
     with transaction(ctx.session_factory) as session:
         session.add(
             Batch(
                 id=batch_id,
-                owner="default",
+                owner=owner,
                 endpoint="/v1/chat/completions",
                 input_file_id="file-x",
                 completion_window="24h",
@@ -208,12 +213,13 @@ def test_the_address_is_checked_again_at_delivery(make_context):
 
 
 def test_the_sweep_delivers_what_a_crash_left_unqueued(make_context):
-    ctx = make_context()
+    ctx = make_context(webhook_requeue_after_seconds=0.2)
     with Receiver() as receiver:
         endpoint = add_endpoint(ctx, receiver.url())
         fail_a_batch(ctx)  # the process died before queueing the delivery
+        sweep_webhooks(ctx)
         time.sleep(0.3)
-        assert receiver.received == []
+        assert receiver.received == []  # not yet: it may be waiting in a busy queue
         sweep_webhooks(ctx)
         [message] = settled(ctx, endpoint.id)
     assert message.status == "delivered"
@@ -268,3 +274,72 @@ def test_backoff_doubles_with_jitter_up_to_the_cap_and_honours_retry_after():
     assert all(backoff(settings, 40) <= 300 for _ in range(100))
     assert backoff(settings, 1, retry_after=120) == 120
     assert backoff(settings, 1, retry_after=10_000) == 300
+
+
+def test_an_attempt_ends_at_its_deadline_however_the_receiver_trickles(make_context):
+    # Each byte comes well within the per-read timeout; the whole answer would take ~20 s.
+    ctx = make_context(
+        webhook_attempt_deadline_seconds=1.0, webhook_timeout_seconds=5.0, webhook_max_attempts=1
+    )
+    with Receiver(trickle=0.3) as receiver:
+        endpoint = add_endpoint(ctx, receiver.url())
+        started = time.monotonic()
+        queue_batch_webhooks(ctx, fail_a_batch(ctx))
+        [message] = settled(ctx, endpoint.id, timeout=4.0)
+        took = time.monotonic() - started
+        assert len(receiver.received) == 1
+
+    assert message.status == "failed" and took < 3.0
+    [attempt] = attempts(ctx, endpoint.id)
+    assert attempt.outcome == "failed" and attempt.status_code is None
+    assert attempt.error == "timed out: the receiver did not answer within the 1 s deadline"
+    assert 1000 <= attempt.latency_ms < 2000
+
+
+@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+def test_a_tenants_slow_endpoints_take_at_most_its_share_of_delivery_threads(make_context, storage):
+    # Four delivery threads (the queue's pool); tenant "slow" has four trickling endpoints.
+    ctx = make_context(
+        storage,
+        webhook_attempt_deadline_seconds=1.5,
+        webhook_tenant_concurrency=2,
+        webhook_max_attempts=1,
+    )
+    with Receiver(trickle=0.3) as slow, Receiver() as fast:
+        slow_endpoints = [add_endpoint(ctx, slow.url(f"/{i}"), owner="slow") for i in range(4)]
+        fast_endpoint = add_endpoint(ctx, fast.url(), owner="fast")
+        queue_batch_webhooks(ctx, fail_a_batch(ctx, owner="slow"))
+        slow.wait_for(lambda received: len(received) == 2, timeout=5.0)
+        started = time.monotonic()
+        queue_batch_webhooks(ctx, fail_a_batch(ctx, owner="fast"))
+        [delivered] = settled(ctx, fast_endpoint.id, timeout=5.0)
+        waited = time.monotonic() - started
+        for endpoint in slow_endpoints:  # the other two had their turn once a slot was free
+            settled(ctx, endpoint.id, timeout=10.0)
+        assert len(slow.received) == 4
+
+    assert delivered.status == "delivered" and waited < 1.0
+    assert slow.peak_in_flight == 2
+    for endpoint in slow_endpoints:
+        [attempt] = attempts(ctx, endpoint.id)  # deferring is not an attempt
+        assert attempt.error.startswith("timed out")
+
+
+@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+def test_the_sweep_leaves_a_message_waiting_in_the_queue_alone(make_context, storage):
+    ctx = make_context(storage, webhook_attempt_deadline_seconds=2.0, webhook_max_attempts=1)
+    ctx.queue.shutdown()  # one delivery thread, so a second message waits for it
+    ctx.queue = InProcessQueue(
+        lambda name, args: run_task(ctx, name, args), lanes={"deliver_webhook": 1}
+    )
+    with Receiver(trickle=0.3) as slow, Receiver() as fast:
+        add_endpoint(ctx, slow.url(), owner="slow")
+        queue_batch_webhooks(ctx, fail_a_batch(ctx, owner="slow"))
+        slow.wait_for(lambda received: len(received) == 1, timeout=5.0)
+        waiting = add_endpoint(ctx, fast.url(), owner="fast")
+        queue_batch_webhooks(ctx, fail_a_batch(ctx, owner="fast"))
+        for _ in range(3):
+            sweep_webhooks(ctx)
+            assert ctx.queue.depths()["deliver_webhook"] == 1
+        [message] = settled(ctx, waiting.id, timeout=5.0)
+        assert message.status == "delivered" and len(fast.received) == 1
