@@ -7,9 +7,9 @@ processes racing (a cancel against the last shard finishing, say) cannot both wi
 from __future__ import annotations
 
 from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session
+from sqlalchemy.orm import Session, load_only
 
-from pagedbatch.ids import now
+from pagedbatch.ids import new_id, now
 from pagedbatch.store.models import (
     TERMINAL,
     Batch,
@@ -105,6 +105,30 @@ def record_result(
         )
     )
     return True
+
+
+def fail_pending(session: Session, batch_id: str, shard_index: int, error: dict[str, str]) -> int:
+    """Record every pending request of one shard as failed, its error-file line carrying `error`
+    (`code` and `message`); returns how many were."""
+    pending = session.scalars(
+        select(BatchRequest)
+        .options(load_only(BatchRequest.id, BatchRequest.batch_id, BatchRequest.custom_id))
+        .where(
+            BatchRequest.batch_id == batch_id,
+            BatchRequest.shard_index == shard_index,
+            BatchRequest.status == RequestStatus.PENDING,
+        )
+    ).all()
+    failed = 0
+    for request in pending:
+        line = {
+            "id": new_id("batch_req_"),
+            "custom_id": request.custom_id,
+            "response": None,
+            "error": error,
+        }
+        failed += record_result(session, request, RequestStatus.FAILED, line)
+    return failed
 
 
 def unfinished_shards(session: Session, batch_id: str) -> int:

@@ -4,6 +4,10 @@ Both stores stream: `put` consumes an iterable of chunks and `open` yields chunk
 ever sits whole in memory. A `put` that fails part-way leaves nothing under its key, and an
 existing object under that key is replaced only by a complete new one.
 
+S3 calls ride out a restart of the S3 server (pagedbatch.store.retry): each request that is safe
+to repeat (a whole PUT, one part, a GET, a HEAD, a DELETE) is retried on its own; a `put` never
+re-reads its chunks, which it may not be able to.
+
 Keys are relative '/'-separated names the service makes up, such as "files/file-abc123"; no name
 in a key may be empty or start with '.'. A missing key makes `open` and `size` raise
 `BlobNotFoundError`, a `FileNotFoundError`; `exists` answers False and `delete` does nothing.
@@ -24,6 +28,7 @@ from botocore.config import Config as BotoConfig
 from botocore.exceptions import BotoCoreError, ClientError
 
 from pagedbatch.settings import Settings
+from pagedbatch.store.retry import retrying
 
 MiB = 1 << 20
 CHUNK_SIZE = MiB  # what a reader yields at a time
@@ -190,13 +195,16 @@ class S3BlobStore:
         self._s3 = boto3.session.Session().client(
             "s3",
             endpoint_url=endpoint_url,
-            config=BotoConfig(s3={"addressing_style": addressing_style}),
+            # One try a call: outages are retried here, for a known while, not also inside boto.
+            config=BotoConfig(
+                s3={"addressing_style": addressing_style}, retries={"total_max_attempts": 1}
+            ),
         )
         self._ensure_bucket()
 
     def _ensure_bucket(self) -> None:
         try:
-            self._s3.head_bucket(Bucket=self.bucket)
+            retrying(lambda: self._s3.head_bucket(Bucket=self.bucket), f"looking for {self.bucket}")
             return
         except ClientError as exc:
             if not _is_missing(exc):
@@ -208,7 +216,10 @@ class S3BlobStore:
             else {"CreateBucketConfiguration": {"LocationConstraint": region}}
         )
         try:
-            self._s3.create_bucket(Bucket=self.bucket, **location)
+            retrying(
+                lambda: self._s3.create_bucket(Bucket=self.bucket, **location),
+                f"creating {self.bucket}",
+            )
         except ClientError as exc:
             # Another replica made it between our look and our create.
             if exc.response["Error"]["Code"] != "BucketAlreadyOwnedByYou":
@@ -219,23 +230,31 @@ class S3BlobStore:
         parts = _parts(chunks, self.part_size)
         part = next(parts, b"")
         if len(part) < self.part_size:  # the whole object: one plain PUT
-            self._s3.put_object(Bucket=self.bucket, Key=key, Body=part)
+            retrying(
+                lambda: self._s3.put_object(Bucket=self.bucket, Key=key, Body=part),
+                f"writing {key}",
+            )
             return len(part)
-        upload_id = self._s3.create_multipart_upload(Bucket=self.bucket, Key=key)["UploadId"]
+        upload_id = retrying(
+            lambda: self._s3.create_multipart_upload(Bucket=self.bucket, Key=key),
+            f"starting to write {key}",
+        )["UploadId"]
         try:
             done: list[dict[str, object]] = []
             written = 0
             while part:
-                number = len(done) + 1
-                response = self._s3.upload_part(
-                    Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=part
-                )
-                done.append({"PartNumber": number, "ETag": response["ETag"]})
+                done.append(self._upload_part(key, upload_id, len(done) + 1, part))
                 written += len(part)
                 part = b""  # free this part before the next one fills
                 part = next(parts, b"")
-            self._s3.complete_multipart_upload(
-                Bucket=self.bucket, Key=key, UploadId=upload_id, MultipartUpload={"Parts": done}
+            retrying(
+                lambda: self._s3.complete_multipart_upload(
+                    Bucket=self.bucket,
+                    Key=key,
+                    UploadId=upload_id,
+                    MultipartUpload={"Parts": done},
+                ),
+                f"finishing writing {key}",
             )
         except BaseException:
             # An unfinished upload is invisible, but its parts take space until aborted. Should
@@ -245,9 +264,22 @@ class S3BlobStore:
             raise
         return written
 
+    def _upload_part(self, key: str, upload_id: str, number: int, part: bytes) -> dict[str, object]:
+        """Upload one part (again, after a failure: the same number replaces it)."""
+        response = retrying(
+            lambda: self._s3.upload_part(
+                Bucket=self.bucket, Key=key, UploadId=upload_id, PartNumber=number, Body=part
+            ),
+            f"writing part {number} of {key}",
+        )
+        return {"PartNumber": number, "ETag": response["ETag"]}
+
     def open(self, key: str) -> BlobReader:
+        _check_key(key)
         try:
-            response = self._s3.get_object(Bucket=self.bucket, Key=_check_key(key))
+            response = retrying(
+                lambda: self._s3.get_object(Bucket=self.bucket, Key=key), f"reading {key}"
+            )
         except ClientError as exc:
             if _is_missing(exc):
                 raise BlobNotFoundError(key) from None
@@ -255,8 +287,11 @@ class S3BlobStore:
         return BlobReader(response["Body"])
 
     def size(self, key: str) -> int:
+        _check_key(key)
         try:
-            response = self._s3.head_object(Bucket=self.bucket, Key=_check_key(key))
+            response = retrying(
+                lambda: self._s3.head_object(Bucket=self.bucket, Key=key), f"looking at {key}"
+            )
         except ClientError as exc:
             if _is_missing(exc):
                 raise BlobNotFoundError(key) from None
@@ -265,7 +300,8 @@ class S3BlobStore:
 
     def delete(self, key: str) -> None:
         # S3 answers a delete of a missing key with success.
-        self._s3.delete_object(Bucket=self.bucket, Key=_check_key(key))
+        _check_key(key)
+        retrying(lambda: self._s3.delete_object(Bucket=self.bucket, Key=key), f"deleting {key}")
 
     def exists(self, key: str) -> bool:
         try:

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 from sqlalchemy import Engine, create_engine, event
 from sqlalchemy.orm import Session, sessionmaker
 
+CONNECT_TIMEOUT_SECONDS = 10
+
 
 def make_engine(url: str) -> Engine:
     if url.startswith("sqlite"):
@@ -25,7 +27,24 @@ def make_engine(url: str) -> Engine:
         return engine
     if url.startswith("postgresql://"):
         url = "postgresql+psycopg://" + url.removeprefix("postgresql://")
-    return create_engine(url, pool_pre_ping=True, pool_size=10, max_overflow=20)
+    # The pre-ping replaces connections a database restart killed. The timeouts make an
+    # unreachable server (a restart, a network partition) an error within seconds rather than a
+    # hang, so that callers can retry (pagedbatch.store.retry) and shards can give up a lease
+    # in time; TCP keepalives notice a peer that vanished during a query.
+    return create_engine(
+        url,
+        pool_pre_ping=True,
+        pool_size=10,
+        max_overflow=20,
+        connect_args={
+            "connect_timeout": CONNECT_TIMEOUT_SECONDS,
+            "keepalives": 1,
+            "keepalives_idle": 10,
+            "keepalives_interval": 5,
+            "keepalives_count": 3,
+            "tcp_user_timeout": 30_000,  # ms: unacknowledged data this long drops the connection
+        },
+    )
 
 
 def make_session_factory(engine: Engine) -> sessionmaker[Session]:

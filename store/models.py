@@ -41,6 +41,7 @@ class ShardStatus(enum.StrEnum):
 
 
 class RequestStatus(enum.StrEnum):
+    STAGED = "staged"  # written by a validation still running: no shard or finalization reads it
     PENDING = "pending"
     SUCCEEDED = "succeeded"  # a line in the output file
     FAILED = "failed"  # a line in the error file: the endpoint refused it
@@ -242,3 +243,12 @@ class WebhookDelivery(Base):
     latency_ms: Mapped[int | None]  # until the response's headers, or the failure
     error: Mapped[str | None] = mapped_column(String(1024))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class WorkerHeartbeat(Base):
+    """A process that runs tasks, alive while `last_seen` is recent (workers/heartbeats.py)."""
+
+    __tablename__ = "worker_heartbeats"
+
+    worker_id: Mapped[str] = mapped_column(String(128), primary_key=True)  # a shard's lease_owner
+    last_seen: Mapped[float] = mapped_column(Float, index=True)  # Unix seconds

@@ -8,12 +8,14 @@ not a well-formed request line, an `error`.
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from pagedbatch.api.errors import OpenAIError
 from pagedbatch.api.schemas.batch_lines import (
+    BatchError,
     BatchOutputLine,
     BatchResponse,
     InputLineChecker,
@@ -27,6 +29,12 @@ from pagedbatch.api.serving.completions import prepare_completion
 from pagedbatch.engine import LLMEngine
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.ids import new_id
+
+logger = logging.getLogger(__name__)
+
+# Error messages quote what the client sent (a bad value, an unknown parameter's name): a
+# megabyte-long value must not be copied whole into the error file, the job store and the logs.
+MAX_ERROR_TEXT = 512
 
 
 def _prepare_chat(body: Any, served: ServedModel) -> Prepared:
@@ -59,8 +67,25 @@ class _Line:
     finished: dict[str, RequestOutput] = field(default_factory=dict)
 
 
+def bounded(text: str | None) -> str | None:
+    """`text` cut to MAX_ERROR_TEXT characters, saying how much was left out."""
+    if text is None or len(text) <= MAX_ERROR_TEXT:
+        return text
+    return f"{text[:MAX_ERROR_TEXT]}... ({len(text) - MAX_ERROR_TEXT} more characters)"
+
+
+def bounded_batch_error(error: BatchError) -> BatchError:
+    """`error` with its echoed text (message and param) bounded, for error lines and
+    `Batch.errors` alike."""
+    return error.model_copy(
+        update={"message": bounded(error.message), "param": bounded(error.param)}
+    )
+
+
 def error_line(exc: InvalidBatchLine) -> BatchOutputLine:
-    return BatchOutputLine(id=new_id("batch_req_"), custom_id=exc.custom_id, error=exc.error)
+    return BatchOutputLine(
+        id=new_id("batch_req_"), custom_id=exc.custom_id, error=bounded_batch_error(exc.error)
+    )
 
 
 def response_line(custom_id: str, status_code: int, body: dict[str, Any]) -> BatchOutputLine:
@@ -72,7 +97,21 @@ def response_line(custom_id: str, status_code: int, body: dict[str, Any]) -> Bat
 
 
 def openai_error_line(custom_id: str, exc: OpenAIError) -> BatchOutputLine:
-    return response_line(custom_id, exc.status_code, exc.body())
+    body = exc.body()
+    detail = body["error"]
+    detail["message"], detail["param"] = bounded(detail["message"]), bounded(detail["param"])
+    return response_line(custom_id, exc.status_code, body)
+
+
+def line_crashed(custom_id: str | None) -> OpenAIError:
+    """The error response of a line whose handling raised something unexpected (a bug, or input
+    nothing checks for yet), logged here with its traceback: the line fails, not its batch."""
+    logger.exception("batch line %r failed unexpectedly", bounded(custom_id))
+    return OpenAIError(
+        "The server had an error while processing this request.",
+        status_code=500,
+        type="server_error",
+    )
 
 
 class BatchRunner:
@@ -144,24 +183,25 @@ class BatchRunner:
         except InvalidBatchLine as exc:
             return error_line(exc)
         custom_id = request_line.custom_id
+        added: list[str] = []
         try:
             prepared = ENDPOINTS[request_line.url](request_line.body, self.engine)
-        except OpenAIError as exc:
-            return openai_error_line(custom_id, exc)
-        added: list[str] = []
-        for engine_input in prepared.inputs:
-            try:
-                self.engine.add_request(
-                    engine_input.request_id,
-                    engine_input.prompt_token_ids,
-                    engine_input.params,
-                    priority=self.priority,
-                )
-            except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
-                for request_id in added:
-                    self.engine.abort_request(request_id)
-                return openai_error_line(custom_id, OpenAIError(str(exc)))
-            added.append(engine_input.request_id)
+            for engine_input in prepared.inputs:
+                try:
+                    self.engine.add_request(
+                        engine_input.request_id,
+                        engine_input.prompt_token_ids,
+                        engine_input.params,
+                        priority=self.priority,
+                    )
+                except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
+                    raise OpenAIError(str(exc)) from None
+                added.append(engine_input.request_id)
+        except Exception as exc:  # noqa: BLE001 - whatever it is, it is this line's failure
+            for request_id in added:
+                self.engine.abort_request(request_id)
+            failure = exc if isinstance(exc, OpenAIError) else line_crashed(custom_id)
+            return openai_error_line(custom_id, failure)
         line = _Line(custom_id, prepared)
         owners.update(dict.fromkeys(added, line))
         return None
@@ -172,4 +212,6 @@ class BatchRunner:
             body = line.prepared.response(outputs).model_dump(mode="json")
         except OpenAIError as exc:
             return openai_error_line(line.custom_id, exc)
+        except Exception:  # noqa: BLE001 - this line's failure, not the batch's
+            return openai_error_line(line.custom_id, line_crashed(line.custom_id))
         return response_line(line.custom_id, 200, body)

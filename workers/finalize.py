@@ -3,7 +3,8 @@
 Every input line ends in exactly one of the two files. A finished request is written as it was
 recorded; one that never ran gets `batch_cancelled` or `batch_expired`. Files are streamed from
 the database to storage, never held whole. Finalization is idempotent: file ids and storage keys
-derive from the batch id, so a retry after a crash rewrites the same files.
+derive from the batch id, so a retry after a crash or an outage rewrites the same files, and the
+batch records them only as it enters its final state.
 """
 
 from __future__ import annotations
@@ -30,6 +31,7 @@ from pagedbatch.store.models import (
     Shard,
     ShardStatus,
 )
+from pagedbatch.store.retry import is_transient, retrying
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.webhooks import queue_batch_webhooks
 
@@ -51,16 +53,46 @@ NEVER_RAN = {
 
 
 def finalize_batch(ctx: WorkerContext, batch_id: str) -> None:
+    """Write the batch's files and end it. Database and storage outages are ridden out; should
+    one last too long, the batch stays where it was (finalizing, cancelling, or in_progress past
+    its window) with no file recorded, and upkeep drives its finalization again."""
+    if not retrying(lambda: _ready(ctx, batch_id), f"looking at batch {batch_id}"):
+        return
+    claimed_at = retrying(lambda: _claim(ctx, batch_id), f"claiming batch {batch_id}")
+    if claimed_at is None:
+        return
+    try:
+        leftover = retrying(lambda: _close(ctx, batch_id), f"closing batch {batch_id}")
+        output_id, error_id = _write_files(ctx, batch_id)
+        retrying(
+            lambda: _end(ctx, batch_id, leftover, output_id, error_id),
+            f"ending batch {batch_id}",
+        )
+    except BaseException:
+        _release(ctx, batch_id, claimed_at)
+        raise
+    try:
+        queue_batch_webhooks(ctx, batch_id)
+    except Exception as e:
+        if not is_transient(e):
+            raise
+        logger.warning("batch %s: webhooks left to the sweep (%s)", batch_id, e)
+    logger.info("batch %s finalized", batch_id)
+
+
+def _ready(ctx: WorkerContext, batch_id: str) -> bool:
     with ctx.session_factory() as session:
         batch = session.get(Batch, batch_id)
         if batch is None or batch.status in TERMINAL:
-            return
+            return False
         if _shards_still_running(session, batch_id):
-            return  # the last one to stop enqueues finalization again
-        if batch.status == BatchStatus.VALIDATING:
-            return  # validation ends in failure, in_progress or (cancelled) a new finalization
-    if not _claim(ctx, batch_id):
-        return
+            return False  # the last one to stop enqueues finalization again
+        # Validation ends in failure, in_progress or (cancelled) a new finalization.
+        return batch.status != BatchStatus.VALIDATING
+
+
+def _close(ctx: WorkerContext, batch_id: str) -> RequestStatus | None:
+    """Close the requests that never ran; returns what they became (None: every one ran)."""
     with transaction(ctx.session_factory) as session:
         batch = session.get(Batch, batch_id)
         leftover = _leftover_status(session, batch)
@@ -68,7 +100,16 @@ def finalize_batch(ctx: WorkerContext, batch_id: str) -> None:
             _close_pending(session, batch_id, leftover)
         if batch.status == BatchStatus.IN_PROGRESS and leftover is None:
             transition(session, batch_id, BatchStatus.FINALIZING)
-    output_id, error_id = _write_files(ctx, batch_id)
+        return leftover
+
+
+def _end(
+    ctx: WorkerContext,
+    batch_id: str,
+    leftover: RequestStatus | None,
+    output_id: str | None,
+    error_id: str | None,
+) -> None:
     with transaction(ctx.session_factory) as session:
         files = {"output_file_id": output_id, "error_file_id": error_id}
         batch = session.get(Batch, batch_id)
@@ -81,8 +122,6 @@ def finalize_batch(ctx: WorkerContext, batch_id: str) -> None:
         if not transition(session, batch_id, target, **files):
             # Cancelled while the files were written: they hold every result, so keep them.
             transition(session, batch_id, BatchStatus.CANCELLED, **files)
-    queue_batch_webhooks(ctx, batch_id)
-    logger.info("batch %s finalized", batch_id)
 
 
 def _shards_still_running(session: Session, batch_id: str) -> bool:
@@ -98,8 +137,10 @@ def _shards_still_running(session: Session, batch_id: str) -> bool:
     return live is not None
 
 
-def _claim(ctx: WorkerContext, batch_id: str) -> bool:
-    """One finalization at a time; a stale one (its process died) is taken over."""
+def _claim(ctx: WorkerContext, batch_id: str) -> int | None:
+    """One finalization at a time; a stale one (its process died) is taken over. Returns the
+    claim's time, None if another finalization holds it."""
+    moment = now()
     with transaction(ctx.session_factory) as session:
         claimed = session.execute(
             update(Batch)
@@ -108,12 +149,26 @@ def _claim(ctx: WorkerContext, batch_id: str) -> bool:
                 Batch.status.not_in([s.value for s in TERMINAL]),
                 or_(
                     Batch.finalize_claimed_at.is_(None),
-                    Batch.finalize_claimed_at < now() - STALE_FINALIZATION_SECONDS,
+                    Batch.finalize_claimed_at < moment - STALE_FINALIZATION_SECONDS,
                 ),
             )
-            .values(finalize_claimed_at=now())
+            .values(finalize_claimed_at=moment)
         )
-        return claimed.rowcount == 1
+        return moment if claimed.rowcount == 1 else None
+
+
+def _release(ctx: WorkerContext, batch_id: str, claimed_at: int) -> None:
+    """Give up a failed finalization's claim, so that the next try need not wait for it to go
+    stale; if the database is what failed, the claim goes stale instead."""
+    try:
+        with transaction(ctx.session_factory) as session:
+            session.execute(
+                update(Batch)
+                .where(Batch.id == batch_id, Batch.finalize_claimed_at == claimed_at)
+                .values(finalize_claimed_at=None)
+            )
+    except Exception:  # noqa: BLE001 - the failure being raised is the one to report
+        logger.warning("could not release the finalization claim of %s", batch_id, exc_info=True)
 
 
 def _leftover_status(session: Session, batch: Batch) -> RequestStatus | None:
@@ -152,38 +207,52 @@ def _file_id(batch_id: str, kind: str) -> str:
 
 def _write_files(ctx: WorkerContext, batch_id: str) -> tuple[str | None, str | None]:
     """Write the output and error files; returns their ids (None where a file has no line)."""
-    ids = []
-    for kind, statuses in (
-        ("output", [RequestStatus.SUCCEEDED]),
-        ("error", [RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.EXPIRED]),
-    ):
-        key = f"batches/{batch_id}/{kind}.jsonl"
-        counter = {"lines": 0}
-        size = ctx.blobs.put(key, _lines(ctx, batch_id, statuses, counter))
-        if counter["lines"] == 0:
-            ctx.blobs.delete(key)
-            ids.append(None)
-            continue
-        file_id = _file_id(batch_id, kind)
-        with transaction(ctx.session_factory) as session:
-            batch = session.get(Batch, batch_id)
-            created = now()
-            expires = batch.output_expires_after_seconds
-            session.merge(
-                File(
-                    id=file_id,
-                    owner=batch.owner,
-                    filename=f"{batch_id}_{kind}.jsonl",
-                    purpose="batch_output",
-                    bytes=size,
-                    created_at=created,
-                    expires_at=created + expires if expires else None,
-                    status="processed",
-                    storage_key=key,
-                )
+    output_id = retrying(
+        lambda: _write_file(ctx, batch_id, "output", [RequestStatus.SUCCEEDED]),
+        f"writing the output file of {batch_id}",
+    )
+    error_id = retrying(
+        lambda: _write_file(
+            ctx,
+            batch_id,
+            "error",
+            [RequestStatus.FAILED, RequestStatus.CANCELLED, RequestStatus.EXPIRED],
+        ),
+        f"writing the error file of {batch_id}",
+    )
+    return output_id, error_id
+
+
+def _write_file(
+    ctx: WorkerContext, batch_id: str, kind: str, statuses: list[RequestStatus]
+) -> str | None:
+    """Write one file whole, from the start: safe to retry, as a `put` that fails leaves nothing
+    and the file's id and key derive from the batch."""
+    key = f"batches/{batch_id}/{kind}.jsonl"
+    counter = {"lines": 0}
+    size = ctx.blobs.put(key, _lines(ctx, batch_id, statuses, counter))
+    if counter["lines"] == 0:
+        ctx.blobs.delete(key)
+        return None
+    file_id = _file_id(batch_id, kind)
+    with transaction(ctx.session_factory) as session:
+        batch = session.get(Batch, batch_id)
+        created = now()
+        expires = batch.output_expires_after_seconds
+        session.merge(
+            File(
+                id=file_id,
+                owner=batch.owner,
+                filename=f"{batch_id}_{kind}.jsonl",
+                purpose="batch_output",
+                bytes=size,
+                created_at=created,
+                expires_at=created + expires if expires else None,
+                status="processed",
+                storage_key=key,
             )
-        ids.append(file_id)
-    return ids[0], ids[1]
+        )
+    return file_id
 
 
 def _lines(
