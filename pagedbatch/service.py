@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import logging
 import os
+import threading
+import time
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -27,10 +29,11 @@ from pagedbatch.store.migrate import upgrade
 from pagedbatch.workers.celery_app import CeleryQueue, make_celery
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.engine_host import EngineHost
+from pagedbatch.workers.heartbeats import declare_dead
 from pagedbatch.workers.metrics import serve_metrics
 from pagedbatch.workers.queue import InProcessQueue
 from pagedbatch.workers.recovery import resume_work
-from pagedbatch.workers.tasks import PERIODIC, run_task
+from pagedbatch.workers.tasks import run_task, start_timers
 from pagedbatch.workers.webhooks import DELIVERY_THREADS
 
 logger = logging.getLogger(__name__)
@@ -95,8 +98,7 @@ def embedded(settings: Settings) -> Embedded:
         lanes={"run_shard": settings.worker_concurrency, "deliver_webhook": DELIVERY_THREADS},
     )
     ctx.queue = queue
-    for task in PERIODIC:
-        queue.every(settings.reaper_interval_seconds, task)
+    start_timers(queue, settings)
     resume_work(ctx)
     services = Services(
         settings=settings,
@@ -132,15 +134,25 @@ def _not_here(name: str, args: tuple) -> None:
     raise RuntimeError(f"task {name} was sent to the API process, which runs no tasks")
 
 
-def run_worker(settings: Settings, beat: bool) -> None:
+def run_worker(settings: Settings, beat: bool = False) -> None:
     """A Celery worker with one engine, shared by the `worker_concurrency` shards it runs at
-    once, so continuous batching spans shards and batches."""
+    once, so continuous batching spans shards and batches. It also heartbeats and runs upkeep
+    on timers of its own (every worker does; `beat` is accepted and ignored), and exits with
+    ENGINE_DIED_EXIT_CODE if its engine dies, for its supervisor to start it again."""
+    if beat:
+        logger.warning("--beat is deprecated and does nothing: every worker runs upkeep")
     session_factory, blobs = open_store(settings)
     ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=start_engine(settings))
-    app = make_celery(settings, run=lambda name, args: run_task(ctx, name, args))
+
+    def run(name: str, args: tuple) -> None:
+        run_task(ctx, name, args)
+
+    app = make_celery(settings, run=run)
     # Celery would replace the root logger's handler, and with it the configured log format.
     app.conf.worker_hijack_root_logger = False
     ctx.queue = CeleryQueue(app)
+    timers = InProcessQueue(run, max_workers=1)
+    start_timers(timers, settings)
     resume_work(ctx)
     if settings.worker_metrics_port:
         try:
@@ -163,11 +175,36 @@ def run_worker(settings: Settings, beat: bool) -> None:
         "--without-gossip",
         "--without-mingle",
     ]
-    if beat:
-        argv += ["--beat", f"--schedule={settings.data_dir / 'celerybeat-schedule'}"]
     host = EngineHost(ctx)
     host.start()
+    threading.Thread(
+        target=_exit_when_engine_dies, args=(ctx, host), name="engine-watch", daemon=True
+    ).start()
     try:
         app.worker_main(argv)
     finally:
         host.stop()
+        timers.shutdown()
+
+
+ENGINE_DIED_EXIT_CODE = 70  # EX_SOFTWARE
+ENGINE_WATCH_SECONDS = 0.2
+
+
+def _exit_when_engine_dies(ctx: WorkerContext, host: EngineHost) -> None:
+    """Once the engine thread has died, nothing this process runs can succeed: stop taking
+    realtime requests, tell the others its shards are free, and exit for a fresh start. Exiting
+    at once (not through Celery's warm shutdown) leaves the tasks it held to redelivery; its
+    shards are re-leased by the other workers' upkeep."""
+    assert ctx.engine is not None
+    while ctx.engine.dead_error is None:
+        time.sleep(ENGINE_WATCH_SECONDS)
+    logger.critical("the engine died (%s): this worker exits", ctx.engine.dead_error)
+    try:
+        declare_dead(ctx)
+        host.stop()
+    except Exception:  # noqa: BLE001 - the exit must not wait on an outage
+        logger.exception("could not withdraw this worker before exiting")
+    finally:
+        logging.shutdown()
+        os._exit(ENGINE_DIED_EXIT_CODE)

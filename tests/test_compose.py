@@ -131,10 +131,10 @@ def test_the_api_is_published_on_the_port_it_listens_on(compose: dict[str, Any])
     assert mapping.rsplit(":", 1)[1] == image_port
 
 
-def test_one_worker_has_a_gpu_and_runs_beat(compose: dict[str, Any]) -> None:
+def test_the_worker_has_a_gpu_and_no_singleton_role(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    beats = [name for name, service in services.items() if "--beat" in service.get("command", [])]
-    assert beats == ["worker"]
+    # Every worker runs upkeep under a database lock: none may be special, so any can be copied.
+    assert services["worker"]["command"] == ["worker"]
     (device,) = services["worker"]["deploy"]["resources"]["reservations"]["devices"]
     assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
 

@@ -1,8 +1,9 @@
 """The Celery app of the distributed deployment: the same task functions, on Redis.
 
 Crash recovery does not rest on `acks_late` alone (Redis redelivers an unacknowledged task only
-after its visibility timeout): shards hold leases in the job store and the `reap_leases` beat
-task re-queues those whose worker died.
+after its visibility timeout), nor on the broker keeping its queue: shards hold leases in the job
+store, and each worker's upkeep (workers/upkeep.py, on timers of its own, not Celery beat)
+re-queues the shards of dead workers and the work a restarted broker lost.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import redis
 from celery import Celery
 
 from pagedbatch.settings import Settings
-from pagedbatch.workers.tasks import PERIODIC, TASKS
+from pagedbatch.workers.tasks import TASKS
 
 QUEUE = "pagedbatch"
 # A scrape of the queue depth waits no longer than this for Redis.
@@ -51,9 +52,6 @@ def make_celery(settings: Settings, run: Callable[[str, tuple[Any, ...]], None])
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
-        beat_schedule={
-            name: {"task": name, "schedule": settings.reaper_interval_seconds} for name in PERIODIC
-        },
     )
     for name in TASKS:
         app.task(name=name, ignore_result=True)(_bind(run, name))

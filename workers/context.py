@@ -21,6 +21,16 @@ def default_worker_id() -> str:
 
 
 @dataclass
+class Liveness:
+    """What this process knows of its own upkeep: its heartbeats (workers/heartbeats.py) and
+    when each upkeep job last ran here (workers/upkeep.py)."""
+
+    # Monotonic; None until a heartbeat goes through, and again after one fails.
+    beating_since: float | None = None
+    last_runs: dict[str, float] = field(default_factory=dict)  # job name -> monotonic time
+
+
+@dataclass
 class WorkerContext:
     settings: Settings
     session_factory: sessionmaker[Session]
@@ -29,6 +39,7 @@ class WorkerContext:
     engine: AsyncLLM | None = None  # only processes that run shards have one
     worker_id: str = field(default_factory=default_worker_id)
     shard_slots: threading.BoundedSemaphore = field(init=False)
+    liveness: Liveness = field(default_factory=Liveness)
 
     def __post_init__(self) -> None:
         # However many task threads the queue has, this engine runs this many shards at once.

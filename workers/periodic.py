@@ -1,7 +1,7 @@
-"""Periodic upkeep: expiring batches, re-running shards whose worker died, deleting expired files.
+"""Periodic upkeep jobs: expiring batches, re-leasing shards whose worker died, deleting expired
+files. workers/upkeep.py runs them (and those of recovery.py, retention.py and webhooks.py).
 
-Each runs on a timer (Celery beat, or the embedded queue's timers) and is safe to run anywhere,
-any number of times at once.
+Each is safe to run anywhere, any number of times at once.
 """
 
 from __future__ import annotations
@@ -9,12 +9,13 @@ from __future__ import annotations
 import logging
 import time
 
-from sqlalchemy import select, update
+from sqlalchemy import or_, select, update
 
 from pagedbatch.ids import now
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchStatus, File, Shard, ShardStatus
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.heartbeats import dead_workers, trusts_heartbeats
 
 logger = logging.getLogger(__name__)
 
@@ -33,27 +34,20 @@ def expire_batches(ctx: WorkerContext) -> None:
 
 
 def reap_leases(ctx: WorkerContext) -> None:
-    """Shards whose worker stopped renewing its lease go back to pending and run again,
-    skipping the requests already recorded."""
+    """Shards whose worker died go back to pending and run again, skipping the requests already
+    recorded: those whose worker's heartbeats stopped, and any whose lease lapsed."""
+    abandoned = Shard.lease_expires_at < time.time()
+    if trusts_heartbeats(ctx):
+        abandoned = or_(abandoned, Shard.lease_owner.in_(dead_workers(ctx.settings)))
     with transaction(ctx.session_factory) as session:
-        lapsed = session.scalars(
-            select(Shard.id).where(
-                Shard.status == ShardStatus.RUNNING, Shard.lease_expires_at < time.time()
-            )
-        ).all()
-        reclaimed = 0
-        for shard_id in lapsed:
-            reclaimed += session.execute(
-                update(Shard)
-                .where(
-                    Shard.id == shard_id,
-                    Shard.status == ShardStatus.RUNNING,
-                    Shard.lease_expires_at < time.time(),
-                )
-                .values(status=ShardStatus.PENDING, lease_owner=None, lease_expires_at=None)
-            ).rowcount
+        reclaimed = session.execute(
+            update(Shard)
+            .where(Shard.status == ShardStatus.RUNNING, abandoned)
+            .values(status=ShardStatus.PENDING, lease_owner=None, lease_expires_at=None)
+            .execution_options(synchronize_session=False)
+        ).rowcount
     if reclaimed:
-        logger.warning("re-queued %d shard(s) whose lease lapsed", reclaimed)
+        logger.warning("re-queued %d shard(s) whose worker died", reclaimed)
     for _ in range(reclaimed):
         ctx.queue.enqueue("run_shard")
 

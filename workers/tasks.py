@@ -1,30 +1,37 @@
-"""The task table: every task by name, as both queues run them."""
+"""The task table: every task by name, as both queues run them, and the timers every process
+that runs tasks keeps."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from typing import Any
 
+from pagedbatch.settings import Settings
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.finalize import finalize_batch
-from pagedbatch.workers.periodic import delete_expired_files, expire_batches, reap_leases
+from pagedbatch.workers.heartbeats import heartbeat
+from pagedbatch.workers.queue import InProcessQueue
 from pagedbatch.workers.shards import run_shard
+from pagedbatch.workers.upkeep import tick_seconds, upkeep
 from pagedbatch.workers.validation import validate_batch
-from pagedbatch.workers.webhooks import deliver_webhook, sweep_webhooks
+from pagedbatch.workers.webhooks import deliver_webhook
 
 TASKS: dict[str, Callable[..., None]] = {
     "validate_batch": validate_batch,
     "run_shard": run_shard,
     "finalize_batch": finalize_batch,
-    "expire_batches": expire_batches,
-    "reap_leases": reap_leases,
-    "delete_expired_files": delete_expired_files,
     "deliver_webhook": deliver_webhook,
-    "sweep_webhooks": sweep_webhooks,
+    # Run by each process's own timers (start_timers), never sent through a broker.
+    "heartbeat": heartbeat,
+    "upkeep": upkeep,
 }
 
-# Run every `reaper_interval_seconds` by Celery beat or the embedded queue's timers.
-PERIODIC = ("expire_batches", "reap_leases", "delete_expired_files", "sweep_webhooks")
+
+def start_timers(timers: InProcessQueue, settings: Settings) -> None:
+    """The heartbeat and upkeep, on `timers`' threads: in the embedded server its task queue, in
+    a worker a queue of its own beside Celery's."""
+    timers.every(settings.worker_heartbeat_seconds, "heartbeat")
+    timers.every(tick_seconds(settings), "upkeep")
 
 
 def run_task(ctx: WorkerContext, name: str, args: tuple[Any, ...]) -> None:

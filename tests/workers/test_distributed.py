@@ -4,56 +4,18 @@ loses nothing and duplicates nothing."""
 
 from __future__ import annotations
 
-import json
 import os
 import random
-import signal
-import socket
-import subprocess
-import sys
-import time
 from collections.abc import Iterator
-from dataclasses import dataclass
-from pathlib import Path
 
 import httpx
-import openai
 import pytest
 import redis
+from servers import Deployment, chat_lines, free_port, kill, output_ids, wait_for_batch
 from services import postgres_schema
 from webhook_receiver import Receiver
 
 REDIS = "redis://127.0.0.1:6379"
-START_SECONDS = 60
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
-@dataclass
-class Deployment:
-    url: str
-    env: dict[str, str]
-    tmp: Path
-    processes: list[subprocess.Popen]
-
-    def client(self) -> openai.OpenAI:
-        return openai.OpenAI(base_url=f"{self.url}/v1", api_key="unused", max_retries=0)
-
-    def start_worker(self, name: str) -> subprocess.Popen:
-        log = (self.tmp / f"{name}.log").open("wb")
-        process = subprocess.Popen(
-            [sys.executable, "-m", "pagedbatch.cli", "worker", "--beat"],
-            env=self.env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        self.processes.append(process)
-        return process
 
 
 @pytest.fixture
@@ -78,86 +40,23 @@ def deployment(tmp_path, tiny_llama, postgres_url, s3_settings_env) -> Iterator[
             "PAGEDBATCH_WEBHOOK_INITIAL_BACKOFF_SECONDS": "0.3",
             "OMP_NUM_THREADS": "1",
         }
-        deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp_path, [])
-        log = (tmp_path / "api.log").open("wb")
-        api = subprocess.Popen(
-            [sys.executable, "-m", "pagedbatch.cli", "serve"],
-            env=env,
-            stdout=log,
-            stderr=subprocess.STDOUT,
-            start_new_session=True,
-        )
-        deployment.processes.append(api)
+        deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp_path)
         try:
-            wait_for_health(deployment.url, api, tmp_path / "api.log")
+            deployment.start_api()
             yield deployment
         finally:
-            for process in deployment.processes:
-                if process.poll() is None:
-                    os.killpg(process.pid, signal.SIGTERM)
-            for process in deployment.processes:
-                try:
-                    process.wait(15)
-                except subprocess.TimeoutExpired:
-                    os.killpg(process.pid, signal.SIGKILL)
+            deployment.stop()
             redis.Redis.from_url(broker).flushdb()
-
-
-def wait_for_health(url: str, process: subprocess.Popen, log: Path) -> None:
-    deadline = time.monotonic() + START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise RuntimeError(f"no answer in {START_SECONDS} s:\n{log.read_text()}")
-
-
-def lines(n: int, max_tokens: int) -> bytes:
-    return "\n".join(
-        json.dumps(
-            {
-                "custom_id": f"r{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "tiny",
-                    "max_tokens": max_tokens,
-                    "ignore_eos": True,
-                    "messages": [{"role": "user", "content": f"Question {i}"}],
-                },
-            }
-        )
-        for i in range(n)
-    ).encode()
-
-
-def wait_for(client, batch_id, done, timeout=180.0):
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if done(batch):
-            return batch
-        time.sleep(0.2)
-    raise AssertionError(f"batch stuck: {batch}")
-
-
-def output_ids(client, file_id) -> list[str]:
-    text = client.files.content(file_id).text
-    return [json.loads(line)["custom_id"] for line in text.splitlines()]
 
 
 def test_a_worker_process_runs_batches_from_the_api(deployment):
     deployment.start_worker("worker")
     client = deployment.client()
-    file_id = client.files.create(file=("in.jsonl", lines(7, 6)), purpose="batch").id
+    file_id = client.files.create(file=("in.jsonl", chat_lines(7, 6)), purpose="batch").id
     batch = client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    batch = wait_for(client, batch.id, lambda b: b.status in {"completed", "failed"})
+    batch = wait_for_batch(client, batch.id, lambda b: b.status in {"completed", "failed"})
     assert batch.status == "completed", batch
     assert sorted(output_ids(client, batch.output_file_id)) == sorted(f"r{i}" for i in range(7))
     assert batch.error_file_id is None
@@ -170,7 +69,7 @@ def test_a_worker_delivers_the_batch_webhook_retrying_through_celery(deployment)
         endpoint = httpx.post(
             f"{deployment.url}/v1/webhook_endpoints", json={"url": receiver.url()}
         ).json()
-        file_id = client.files.create(file=("in.jsonl", lines(2, 4)), purpose="batch").id
+        file_id = client.files.create(file=("in.jsonl", chat_lines(2, 4)), purpose="batch").id
         batch = client.batches.create(
             input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
         )
@@ -183,18 +82,17 @@ def test_a_worker_delivers_the_batch_webhook_retrying_through_celery(deployment)
 def test_killing_a_worker_mid_batch_loses_and_duplicates_nothing(deployment):
     first = deployment.start_worker("first")
     client = deployment.client()
-    file_id = client.files.create(file=("in.jsonl", lines(30, 48)), purpose="batch").id
+    file_id = client.files.create(file=("in.jsonl", chat_lines(30, 48)), purpose="batch").id
     batch = client.batches.create(
         input_file_id=file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
-    wait_for(client, batch.id, lambda b: b.request_counts.completed >= 3)
-    os.killpg(first.pid, signal.SIGKILL)
-    first.wait()
+    wait_for_batch(client, batch.id, lambda b: b.request_counts.completed >= 3)
+    kill(first)
     killed_at = client.batches.retrieve(batch.id).request_counts.completed
     assert killed_at < 30, "the batch finished before the kill; make it longer"
 
     deployment.start_worker("second")
-    batch = wait_for(client, batch.id, lambda b: b.status in {"completed", "failed"})
+    batch = wait_for_batch(client, batch.id, lambda b: b.status in {"completed", "failed"})
     assert batch.status == "completed", batch
     ids = output_ids(client, batch.output_file_id)
     assert sorted(ids) == sorted(f"r{i}" for i in range(30))  # each exactly once

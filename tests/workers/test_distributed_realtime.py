@@ -13,7 +13,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from test_distributed import START_SECONDS, Deployment, deployment  # noqa: F401 - a fixture
+from servers import PROCESS_START_SECONDS, Deployment
+from test_distributed import deployment  # noqa: F401 - a fixture
 from test_engine_host import eventually, records
 
 from pagedbatch.engine import LLM, SamplingParams
@@ -36,7 +37,7 @@ def until_served(client: openai.OpenAI) -> None:
             return False
         return True
 
-    eventually(served, timeout=START_SECONDS)
+    eventually(served, timeout=PROCESS_START_SECONDS)
 
 
 def assert_unavailable(call: Callable[[], Any]) -> None:

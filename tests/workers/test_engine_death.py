@@ -1,0 +1,87 @@
+"""A worker whose engine dies leaves at once: its engine host withdraws from the registry, its
+heartbeat says it is dead, and the process exits non-zero for its supervisor to restart it."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import textwrap
+import time
+from pathlib import Path
+
+import httpx
+import pytest
+from sqlalchemy import select
+from test_distributed import deployment  # noqa: F401 - a fixture
+from test_engine_host import eventually, records
+
+from pagedbatch.service import ENGINE_DIED_EXIT_CODE
+from pagedbatch.store.db import make_engine, make_session_factory
+from pagedbatch.store.models import WorkerHeartbeat
+from pagedbatch.workers.heartbeats import DEAD
+
+
+@pytest.fixture
+def dying_model(tiny_llama: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """(checkpoint, plugin dir): the tiny model, as a plugin architecture whose first step
+    raises, as a bug in a model would: the engine thread dies of it."""
+    plugins = tmp_path / "plugins"
+    plugins.mkdir()
+    (plugins / "dying_plugin.py").write_text(
+        textwrap.dedent("""
+        from pagedbatch.engine.models.llama import LlamaForCausalLM
+
+        class DyingForCausalLM(LlamaForCausalLM):
+            def forward(self, *args, **kwargs):
+                raise RuntimeError("injected: this model dies at its first step")
+    """)
+    )
+    dist = plugins / "dying_plugin-1.0.dist-info"
+    dist.mkdir()
+    (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dying-plugin\nVersion: 1.0\n")
+    (dist / "entry_points.txt").write_text(
+        "[pagedbatch.models]\nDyingForCausalLM = dying_plugin:DyingForCausalLM\n"
+    )
+    model = tmp_path / "dying"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["DyingForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    return model, plugins
+
+
+def heartbeats(database_url: str) -> dict[str, float]:
+    engine = make_engine(database_url)
+    try:
+        with make_session_factory(engine)() as session:
+            rows = session.execute(select(WorkerHeartbeat.worker_id, WorkerHeartbeat.last_seen))
+            return dict(rows.all())
+    finally:
+        engine.dispose()
+
+
+def test_a_worker_whose_engine_dies_withdraws_and_exits(deployment, dying_model):  # noqa: F811
+    model, plugins = dying_model
+    python_path = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    worker = deployment.start_worker("worker", PAGEDBATCH_MODEL=str(model), PYTHONPATH=python_path)
+    broker, database_url = (
+        deployment.env["PAGEDBATCH_BROKER_URL"],
+        deployment.env["PAGEDBATCH_DATABASE_URL"],
+    )
+    eventually(lambda: len(records(broker)) == 1, timeout=60)
+    eventually(lambda: len(heartbeats(database_url)) == 1)
+    (host,) = records(broker)
+
+    # A request makes the engine step, and die.
+    httpx.post(
+        f"{host.address}/v1/completions",
+        json={"model": "tiny", "prompt": "Hi", "max_tokens": 2},
+        timeout=30,
+    )
+    died = time.monotonic()
+    assert worker.wait(15) == ENGINE_DIED_EXIT_CODE, deployment.log("worker")
+    assert time.monotonic() - died < 5
+    assert records(broker) == []  # withdrawn, not left to lapse
+    assert list(heartbeats(database_url).values()) == [DEAD]  # its shards go at the next reap
+    assert "the engine died" in deployment.log("worker")

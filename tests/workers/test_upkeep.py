@@ -1,0 +1,351 @@
+"""Upkeep on a real job store: one process at a time, dead workers found by their heartbeats, lost
+work queued again, old data purged, outages ridden out."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from services import postgres_schema
+from sqlalchemy import func, select
+
+from pagedbatch.ids import now
+from pagedbatch.service import open_store
+from pagedbatch.settings import Settings
+from pagedbatch.store.db import make_engine, make_session_factory, transaction
+from pagedbatch.store.models import (
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    File,
+    IdempotencyKey,
+    RequestStatus,
+    Shard,
+    ShardStatus,
+    WebhookDelivery,
+    WebhookEndpoint,
+    WebhookEvent,
+    WebhookMessage,
+    WebhookMessageStatus,
+    WorkerHeartbeat,
+)
+from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.heartbeats import heartbeat
+from pagedbatch.workers.queue import InProcessQueue
+from pagedbatch.workers.retention import apply_retention
+from pagedbatch.workers.upkeep import upkeep, upkeep_lock
+
+DAY = 24 * 3600
+
+
+class Recorder:
+    """A real in-process queue whose tasks record themselves; `run_shard` ones wait for `release`,
+    so they sit in the queue as a busy worker's would."""
+
+    def __init__(self) -> None:
+        self.ran: list[tuple[str, tuple]] = []
+        self.release = threading.Event()
+        self.queue = InProcessQueue(self._run, lanes={"run_shard": 1})
+
+    def _run(self, name: str, args: tuple) -> None:
+        if name == "run_shard":
+            self.release.wait()
+        self.ran.append((name, args))
+
+    def names(self) -> list[str]:
+        return sorted(name for name, _ in self.ran)
+
+    def stop(self) -> None:
+        self.release.set()
+        self.queue.shutdown()
+
+
+@pytest.fixture(params=["sqlite", "postgresql"])
+def database_url(request: pytest.FixtureRequest, tmp_path: Path) -> Iterator[str | None]:
+    if request.param == "sqlite":
+        yield None  # open_store's default: SQLite in the data directory
+        return
+    with postgres_schema(request.getfixturevalue("postgres_url")) as url:
+        yield url
+
+
+@pytest.fixture
+def make_ctx(tmp_path: Path, database_url: str | None) -> Iterator:
+    made: list[tuple[WorkerContext, Recorder]] = []
+
+    def make(worker_id: str = "me", **settings: object) -> tuple[WorkerContext, Recorder]:
+        config = Settings(data_dir=tmp_path / "data", database_url=database_url, **settings)
+        session_factory, blobs = open_store(config)
+        recorder = Recorder()
+        ctx = WorkerContext(config, session_factory, blobs, recorder.queue, worker_id=worker_id)
+        made.append((ctx, recorder))
+        return ctx, recorder
+
+    yield make
+    for ctx, recorder in made:
+        recorder.stop()
+        ctx.session_factory.kw["bind"].dispose()
+
+
+def add_batch(ctx: WorkerContext, batch_id: str, status: BatchStatus, **values: object) -> None:
+    with transaction(ctx.session_factory) as session:
+        session.add(
+            Batch(
+                id=batch_id,
+                owner="default",
+                endpoint="/v1/completions",
+                input_file_id="file-x",
+                completion_window="24h",
+                status=status,
+                **values,
+            )
+        )
+
+
+def add_shard(ctx: WorkerContext, batch_id: str, index: int, **values: object) -> None:
+    with transaction(ctx.session_factory) as session:
+        session.add(Shard(batch_id=batch_id, owner="default", index=index, **values))
+
+
+def shard_states(ctx: WorkerContext) -> dict[int, str]:
+    with ctx.session_factory() as session:
+        return dict(session.execute(select(Shard.index, Shard.status)).all())
+
+
+def set_last_seen(ctx: WorkerContext, worker_id: str, last_seen: float) -> None:
+    with transaction(ctx.session_factory) as session:
+        session.merge(WorkerHeartbeat(worker_id=worker_id, last_seen=last_seen))
+
+
+def test_a_dead_workers_shards_are_re_leased_before_their_lease_lapses(make_ctx):
+    ctx, recorder = make_ctx(worker_heartbeat_seconds=0.2, upkeep_interval_seconds=0.2)
+    add_batch(ctx, "batch_x", BatchStatus.IN_PROGRESS)
+    lease = {"status": ShardStatus.RUNNING, "lease_expires_at": time.time() + 60}
+    add_shard(ctx, "batch_x", 0, lease_owner="dead", **lease)
+    add_shard(ctx, "batch_x", 1, lease_owner="alive", **lease)
+    add_shard(ctx, "batch_x", 2, lease_owner="never-beat", **lease)  # an older worker: its lease
+    set_last_seen(ctx, "dead", time.time() - 1)  # five beats missed
+
+    heartbeat(ctx)  # this process's first beat: it cannot yet tell an outage from a death
+    set_last_seen(ctx, "alive", time.time())
+    upkeep(ctx)
+    assert shard_states(ctx) == {i: ShardStatus.RUNNING for i in range(3)}
+
+    time.sleep(0.65)  # three beats of its own, as the live worker's
+    heartbeat(ctx)
+    set_last_seen(ctx, "alive", time.time())
+    upkeep(ctx)
+    assert shard_states(ctx) == {
+        0: ShardStatus.PENDING,
+        1: ShardStatus.RUNNING,
+        2: ShardStatus.RUNNING,
+    }
+    recorder.stop()
+    assert "run_shard" in recorder.names()  # the re-leased shard is queued
+
+
+def test_upkeep_queues_again_the_work_a_broker_restart_lost(make_ctx):
+    ctx, recorder = make_ctx(validation_redrive_seconds=60)
+    add_batch(ctx, "batch_run", BatchStatus.IN_PROGRESS)
+    for index in range(3):
+        add_shard(ctx, "batch_run", index)  # pending, their tasks gone with the broker
+    add_shard(ctx, "batch_run", 3, status=ShardStatus.DONE)
+    add_batch(ctx, "batch_fin", BatchStatus.FINALIZING)
+    add_batch(ctx, "batch_cancel", BatchStatus.CANCELLING)
+    add_batch(ctx, "batch_done", BatchStatus.IN_PROGRESS)
+    add_shard(ctx, "batch_done", 0, status=ShardStatus.DONE)
+    add_batch(ctx, "batch_stuck", BatchStatus.VALIDATING, created_at=now() - 120)
+    add_batch(ctx, "batch_new", BatchStatus.VALIDATING)  # its validation may well be running
+
+    upkeep(ctx)
+    time.sleep(0.2)  # the run_shard tasks start (one) and wait in their lane (two)
+    assert sorted(recorder.ran) == sorted(
+        [
+            ("finalize_batch", ("batch_fin",)),
+            ("finalize_batch", ("batch_cancel",)),
+            ("finalize_batch", ("batch_done",)),
+            ("validate_batch", ("batch_stuck",)),
+        ]
+    )
+    assert recorder.queue.depths()["run_shard"] == 2  # and the third started
+    # Queued shard runs are counted: however often upkeep runs, the queue never holds more
+    # than there are pending shards.
+    for _ in range(5):
+        ctx.liveness.last_runs.clear()
+        upkeep(ctx)
+    assert recorder.queue.depths()["run_shard"] == 3
+
+
+def test_one_process_at_a_time_runs_upkeep(make_ctx):
+    first, first_queue = make_ctx("first")
+    second, second_queue = make_ctx("second")
+    add_batch(first, "batch_fin", BatchStatus.FINALIZING)
+    with upkeep_lock(first.session_factory) as held:
+        assert held
+        upkeep(second)  # the lock is taken: nothing runs
+        time.sleep(0.1)
+        assert second_queue.ran == []
+    upkeep(second)
+    time.sleep(0.1)
+    assert second_queue.ran == [("finalize_batch", ("batch_fin",))]
+
+
+@pytest.mark.parametrize("database_url", ["postgresql"], indirect=True)
+def test_the_upkeep_lock_is_free_as_soon_as_its_holders_connection_drops(make_ctx):
+    # A holder killed mid-round: PostgreSQL ends its session, and the lock with it.
+    ctx, recorder = make_ctx()
+    other = make_engine(ctx.settings.resolved_database_url)
+    try:
+        dead = other.connect()
+        dead.execute(select(func.pg_try_advisory_lock(0x7570_6B65_6570)))
+        with upkeep_lock(ctx.session_factory) as held:
+            assert not held
+        dead.invalidate()  # closes the socket, as a killed process's kernel does
+        dead.close()
+        with upkeep_lock(ctx.session_factory) as held:
+            assert held
+    finally:
+        other.dispose()
+
+
+def test_a_failing_job_is_logged_and_the_others_still_run(make_ctx, caplog):
+    ctx, _ = make_ctx()
+    # An expired file whose storage key blob storage refuses: deleting it fails every time.
+    with transaction(ctx.session_factory) as session:
+        session.add(
+            File(
+                id="file-bad",
+                owner="default",
+                filename="a",
+                purpose="batch",
+                bytes=1,
+                expires_at=now() - 1,
+                storage_key="files/.bad",
+            )
+        )
+        session.add(
+            IdempotencyKey(
+                owner="default",
+                route="batches",
+                key="k",
+                resource_id="x",
+                created_at=now() - 2 * DAY,
+            )
+        )
+    upkeep(ctx)
+    assert "upkeep job delete_expired_files failed" in caplog.text
+    with ctx.session_factory() as session:  # retention, which runs after it, ran
+        assert session.scalar(select(func.count()).select_from(IdempotencyKey)) == 0
+
+
+def test_upkeep_and_heartbeats_ride_out_a_database_outage(tmp_path, caplog):
+    # A database that does not answer: a port nothing listens on.
+    settings = Settings(
+        data_dir=tmp_path, database_url="postgresql+psycopg://nobody@127.0.0.1:9/none"
+    )
+    factory = make_session_factory(make_engine(settings.resolved_database_url))
+    recorder = Recorder()
+    ctx = WorkerContext(settings, factory, blobs=None, queue=recorder.queue, worker_id="w1")
+    ctx.liveness.beating_since = time.monotonic()
+    try:
+        heartbeat(ctx)
+        upkeep(ctx)
+        upkeep(ctx)  # and again: nothing was held over from the failed round
+    finally:
+        recorder.stop()
+    assert ctx.liveness.beating_since is None  # so it trusts no heartbeat until it beats again
+    assert "heartbeat of w1 failed" in caplog.text
+    assert "upkeep skipped a round" in caplog.text
+
+
+def test_retention_deletes_old_data_and_keeps_the_rest(make_ctx):
+    ctx, _ = make_ctx()
+    old, recent = now() - 31 * DAY, now() - 29 * DAY
+    add_batch(ctx, "batch_old", BatchStatus.COMPLETED, completed_at=old)
+    add_batch(ctx, "batch_recent", BatchStatus.COMPLETED, completed_at=recent)
+    add_batch(ctx, "batch_running", BatchStatus.IN_PROGRESS, created_at=old)
+    with transaction(ctx.session_factory) as session:
+        for batch_id in ("batch_old", "batch_recent", "batch_running"):
+            session.add_all(
+                BatchRequest(
+                    batch_id=batch_id,
+                    line=line,
+                    custom_id=f"r{line}",
+                    shard_index=0,
+                    body={},
+                    status=RequestStatus.SUCCEEDED,
+                )
+                for line in range(3)
+            )
+        session.add(WebhookEndpoint(id="we_1", owner="default", url="https://x", secret="s"))
+        for name, created, status in [
+            ("old", now() - 8 * DAY, WebhookMessageStatus.DELIVERED),
+            ("pending", now() - 8 * DAY, WebhookMessageStatus.PENDING),
+            ("recent", now() - 6 * DAY, WebhookMessageStatus.DELIVERED),
+        ]:
+            batch_id = f"batch_{name}_hook"
+            session.add(
+                Batch(
+                    id=batch_id,
+                    owner="default",
+                    endpoint="/v1/completions",
+                    input_file_id="f",
+                    completion_window="24h",
+                    status=BatchStatus.COMPLETED,
+                    completed_at=now(),
+                )
+            )
+            session.flush()
+            session.add(
+                WebhookEvent(
+                    id=f"evt_{name}",
+                    owner="default",
+                    type="batch.completed",
+                    batch_id=batch_id,
+                    created_at=created,
+                )
+            )
+            session.flush()
+            session.add(
+                WebhookMessage(
+                    id=f"wh_{name}",
+                    event_id=f"evt_{name}",
+                    endpoint_id="we_1",
+                    status=status,
+                    next_attempt_at=0,
+                )
+            )
+            session.flush()
+            session.add(
+                WebhookDelivery(
+                    id=f"whd_{name}",
+                    message_id=f"wh_{name}",
+                    endpoint_id="we_1",
+                    attempt=1,
+                    outcome="failed",
+                    created_at=created,
+                )
+            )
+        for key, created in [("old", now() - 25 * 3600), ("recent", now() - 23 * 3600)]:
+            session.add(
+                IdempotencyKey(
+                    owner="default", route="batches", key=key, resource_id="x", created_at=created
+                )
+            )
+
+    apply_retention(ctx)
+
+    with ctx.session_factory() as session:
+        requests = session.execute(
+            select(BatchRequest.batch_id, func.count()).group_by(BatchRequest.batch_id)
+        ).all()
+        assert dict(requests) == {"batch_recent": 3, "batch_running": 3}
+        assert session.get(Batch, "batch_old") is not None  # the batch object stays
+        assert set(session.scalars(select(WebhookEvent.id))) == {"evt_pending", "evt_recent"}
+        assert set(session.scalars(select(WebhookMessage.id))) == {"wh_pending", "wh_recent"}
+        # A pending message's old attempts go; its message stays, for its next attempt.
+        assert set(session.scalars(select(WebhookDelivery.id))) == {"whd_recent"}
+        assert set(session.scalars(select(IdempotencyKey.key))) == {"recent"}
