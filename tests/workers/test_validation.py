@@ -24,10 +24,10 @@ from pagedbatch.service import open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
-from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, Shard
+from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, RequestStatus, Shard
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.queue import InProcessQueue
-from pagedbatch.workers.validation import STAGED, validate_batch
+from pagedbatch.workers.validation import validate_batch
 
 
 class Validator:
@@ -239,7 +239,7 @@ def test_a_rerun_after_a_crash_builds_on_the_staged_rows(make_validator):
                     "custom_id": f"r{i}",
                     "shard_index": i // 1000,
                     "body": line(f"r{i}")["body"],
-                    "status": STAGED,
+                    "status": RequestStatus.STAGED,
                 }
                 for i in range(1500)
             ],
