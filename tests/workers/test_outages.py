@@ -26,7 +26,7 @@ from pagedbatch.store.db import make_engine, make_session_factory
 from pagedbatch.store.models import Shard, ShardStatus, WorkerHeartbeat
 
 LINES = 90
-MAX_TOKENS = 100  # long enough that the batch outlasts the outages
+MAX_TOKENS = 400  # long enough that the batch outlasts the outages on an idle machine too
 BACK_WITHIN_SECONDS = 5.0  # the API answers again this soon after a service restarts
 RESUME_WITHIN_SECONDS = 10.0  # a replacement worker re-leases a dead one's shards, once it is up
 
@@ -71,7 +71,10 @@ def deployment(services: Services, tmp_path: Path, tiny_llama: Path) -> Iterator
         "PAGEDBATCH_MODEL": str(tiny_llama),
         "PAGEDBATCH_SERVED_MODEL_NAME": "tiny",
         "PAGEDBATCH_PORT": str(port),
+        # A shard of 10 lines at a time: the batch moves in nine steps, and is still running when
+        # the last outage is over, however fast the machine.
         "PAGEDBATCH_SHARD_SIZE": "10",
+        "PAGEDBATCH_WORKER_CONCURRENCY": "1",
         # Leases as long as in production: a dead worker's shards must come back through its
         # heartbeats, not through a lease lapsing.
         "PAGEDBATCH_LEASE_SECONDS": "60",
