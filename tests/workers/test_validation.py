@@ -8,16 +8,16 @@ The checks of single lines through the whole service are in tests/api/test_batch
 from __future__ import annotations
 
 import json
-import socket
 import threading
 import time
 from collections.abc import Iterator
-from contextlib import ExitStack
+from contextlib import ExitStack, closing
 from typing import Any
 
 import pytest
 from services import postgres_schema
 from sqlalchemy import func, make_url, select, text
+from tcp_proxy import TcpProxy
 
 from pagedbatch.ids import new_id, now
 from pagedbatch.service import open_store
@@ -249,60 +249,12 @@ def test_a_rerun_after_a_crash_builds_on_the_staged_rows(make_validator):
     assert validator.requests(batch_id) == {"pending": 3000}
 
 
-class Relay:
-    """A TCP relay on loopback to a real server, that can be cut: open connections are dropped
-    and new ones closed at once, as in a network outage, until it is `up` again."""
-
-    def __init__(self, target: tuple[str, int]):
-        self._target = target
-        self._listener = socket.create_server(("127.0.0.1", 0))
-        self.port: int = self._listener.getsockname()[1]
-        self.up = True
-        self._open: list[socket.socket] = []
-        threading.Thread(target=self._accept, daemon=True).start()
-
-    def __enter__(self) -> Relay:
-        return self
-
-    def __exit__(self, *_: object) -> None:
-        self.cut()
-        self._listener.close()
-
-    def cut(self) -> None:
-        self.up = False
-        for end in self._open:
-            end.close()
-        self._open.clear()
-
-    def _accept(self) -> None:
-        while True:
-            try:
-                client, _ = self._listener.accept()
-            except OSError:
-                return  # closed
-            if not self.up:
-                client.close()
-                continue
-            server = socket.create_connection(self._target)
-            self._open += [client, server]
-            for source, sink in ((client, server), (server, client)):
-                threading.Thread(target=self._pipe, args=(source, sink), daemon=True).start()
-
-    @staticmethod
-    def _pipe(source: socket.socket, sink: socket.socket) -> None:
-        try:
-            while data := source.recv(65536):
-                sink.sendall(data)
-        except OSError:
-            pass
-        finally:
-            source.close()
-            sink.close()
-
-
 def test_a_database_outage_never_fails_the_batch(postgres_url, tmp_path):
     url = make_url(postgres_url)
-    with postgres_schema(postgres_url) as schema_url, Relay((url.host, url.port)) as relay:
+    with (
+        postgres_schema(postgres_url) as schema_url,
+        closing(TcpProxy(url.host, url.port)) as relay,
+    ):
         relayed = make_url(schema_url).set(host="127.0.0.1", port=relay.port)
         validator = Validator(
             Settings(
@@ -315,7 +267,7 @@ def test_a_database_outage_never_fails_the_batch(postgres_url, tmp_path):
             batch_id = validator.batch([line(f"r{i}") for i in range(10)])
             relay.cut()
             validate_batch(validator.ctx, batch_id)
-            relay.up = True
+            relay.restore()
             # The outage outlasted the retries: left for upkeep to queue again, not failed.
             assert validator.get(batch_id).status == "validating"
 
@@ -324,7 +276,7 @@ def test_a_database_outage_never_fails_the_batch(postgres_url, tmp_path):
             validating = threading.Thread(target=validate_batch, args=(validator.ctx, batch_id))
             validating.start()
             time.sleep(0.3)
-            relay.up = True
+            relay.restore()
             validating.join()
             assert validator.get(batch_id).status == "in_progress"
             assert validator.requests(batch_id) == {"pending": 10}
