@@ -52,6 +52,7 @@ from batch_service import (  # noqa: E402 - the sibling script's helpers
 )
 
 SERVED_NAME = "soak"
+KV_CACHE_GIB = 0.125
 START_TIMEOUT_S = 120.0
 REQUEST_TIMEOUT_S = 120.0  # one request; a realtime request of the tiny model takes well under 1 s
 BATCH_TIMEOUT_S = 600.0  # one batch, from creation to its end
@@ -349,6 +350,11 @@ def start_server(stack: contextlib.ExitStack, tmp: Path, model_dir: Path) -> tup
         str(model_dir),
         "--served-model-name",
         SERVED_NAME,
+        # A KV cache the load cycles through within the warm-up: its pages are committed as
+        # blocks are first used (the free queue hands out the least recently used), so a larger
+        # one would look like growth for as long as it takes to touch it all.
+        "--kv-cache-memory-gib",
+        str(KV_CACHE_GIB),
     ]
     # Only the flags above configure it, whatever this shell exports.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDBATCH_")}

@@ -64,6 +64,7 @@ def start_engine(settings: Settings) -> AsyncLLM:
         served_model_name=served_model_name(settings),
         stats_log_interval_seconds=settings.stats_log_interval_seconds,
         tensor_parallel_size=settings.tensor_parallel_size,
+        kv_cache_memory_gib=settings.kv_cache_memory_gib,
         low_priority_token_budget=settings.batch_tokens_under_realtime or None,
     )
 

@@ -63,6 +63,10 @@ class Settings(BaseSettings):
     # Ranks the model is split across: a worker's engine claims this many GPUs (cuda:0 on; pick
     # them with CUDA_VISIBLE_DEVICES), or runs this many processes on CPU.
     tensor_parallel_size: int = Field(1, ge=1)
+    # Memory for the engine's KV cache; unset: the engine's default (all free GPU memory but a
+    # margin; 2 GiB on CPU). On CPU the cache is reserved at start but its pages are committed
+    # as blocks are first used, so the process's RSS grows to this much and then stays.
+    kv_cache_memory_gib: float | None = Field(None, gt=0, le=4096)
 
     # Realtime work: sequences (prompts × n of each request) admitted into an engine at once,
     # waiting or running, per engine; beyond it clients get a 429 with Retry-After rather than an
