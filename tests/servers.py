@@ -163,8 +163,8 @@ def wait_for_batch(
         batch = client.batches.retrieve(batch_id)
         if done(batch):
             return batch
-        time.sleep(0.2)
-    raise AssertionError(f"batch stuck: {batch}")
+        time.sleep(0.1)
+    raise AssertionError(f"batch {batch_id} stuck in {batch.status}: {batch}")
 
 
 def output_ids(client: openai.OpenAI, file_id: str) -> list[str]:

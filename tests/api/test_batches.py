@@ -6,11 +6,10 @@ from __future__ import annotations
 
 import json
 import time
-from collections.abc import Callable
 
 import openai
 import pytest
-from servers import STORAGES, BatchServer
+from servers import STORAGES, BatchServer, wait_for_batch
 
 from pagedbatch.workers import shards
 
@@ -47,23 +46,8 @@ def create(client: openai.OpenAI, lines: list[dict | str], **kwargs) -> openai.t
     )
 
 
-def wait_until(
-    client: openai.OpenAI,
-    batch_id: str,
-    done: Callable[[openai.types.Batch], bool],
-    timeout: float = 120.0,
-) -> openai.types.Batch:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        batch = client.batches.retrieve(batch_id)
-        if done(batch):
-            return batch
-        time.sleep(0.1)
-    raise AssertionError(f"batch {batch_id} stuck in {batch.status}: {batch}")
-
-
 def finished(client, batch_id, timeout=120.0):
-    return wait_until(client, batch_id, lambda b: b.status in TERMINAL, timeout)
+    return wait_for_batch(client, batch_id, lambda b: b.status in TERMINAL, timeout)
 
 
 def read_lines(client: openai.OpenAI, file_id: str | None) -> list[dict]:
@@ -298,7 +282,7 @@ def test_cancel_mid_run_keeps_partial_results_and_frees_the_engine(serve_batches
     client = server.client()
     lines = [chat_line(f"r{i}", max_tokens=200, ignore_eos=True) for i in range(40)]
     batch = create(client, lines)
-    wait_until(client, batch.id, lambda b: b.request_counts.completed >= 2)
+    wait_for_batch(client, batch.id, lambda b: b.request_counts.completed >= 2, timeout=120.0)
     cancelling = client.batches.cancel(batch.id)
     assert cancelling.status == "cancelling" and cancelling.cancelling_at
     batch = finished(client, batch.id)
@@ -321,7 +305,7 @@ def test_a_shard_that_ends_before_it_sees_the_cancel_still_finalizes(serve_batch
     client = server.client()
     lines = [chat_line(f"r{i}", max_tokens=150, ignore_eos=True) for i in range(8)]
     batch = create(client, lines)
-    wait_until(client, batch.id, lambda b: b.request_counts.completed >= 2)
+    wait_for_batch(client, batch.id, lambda b: b.request_counts.completed >= 2, timeout=120.0)
     client.batches.cancel(batch.id)  # its finalization finds a shard running, and leaves it
     batch = finished(client, batch.id, timeout=60)
     assert batch.status == "cancelled"
@@ -354,7 +338,7 @@ def test_a_small_batch_is_not_stuck_behind_another_tenants_large_one(serve_batch
     server = serve_batches(api_keys=["alice", "bob"], shard_size=2)
     alice, bob = server.client("alice"), server.client("bob")
     large = create(alice, [chat_line(f"a{i}", max_tokens=64, ignore_eos=True) for i in range(40)])
-    wait_until(alice, large.id, lambda b: b.status == "in_progress")
+    wait_for_batch(alice, large.id, lambda b: b.status == "in_progress", timeout=120.0)
     small = create(bob, [chat_line(f"b{i}", max_tokens=8) for i in range(2)])
     small = finished(bob, small.id)
     large_now = alice.batches.retrieve(large.id)
