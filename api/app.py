@@ -21,11 +21,12 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedbatch.api.auth import KeyRing
 from pagedbatch.api.deps import Services
-from pagedbatch.api.errors import BodyTooLarge, OpenAIError
+from pagedbatch.api.errors import BodyTooLarge
 from pagedbatch.api.metrics import install_metrics
 from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
 from pagedbatch.api.routes import api_router, ui
 from pagedbatch.logs import request_id as current_request_id
+from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 from pagedbatch.store.retry import is_transient
 

@@ -14,7 +14,7 @@ from typing import Annotated
 
 from fastapi import Depends, Request
 
-from pagedbatch.api.errors import OpenAIError
+from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.store.models import DEFAULT_OWNER
 
 

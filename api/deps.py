@@ -15,7 +15,7 @@ from pagedbatch.engine import AsyncLLM
 from pagedbatch.ids import now
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
-from pagedbatch.workers.queue import TaskQueue
+from pagedbatch.store.queue import TaskQueue
 
 if TYPE_CHECKING:  # it serves the realtime routes, which use this module
     from pagedbatch.api.engine_proxy import EngineProxy

@@ -1,7 +1,7 @@
 """The distributed API's realtime door: each request forwarded to a worker's engine host.
 
 The API runs no engine. Having checked the request, it picks the least loaded live engine host
-serving the model (from their heartbeats in Redis: workers/engine_registry.py), sends it the body
+serving the model (from their heartbeats in Redis: store/engine_registry.py), sends it the body
 and streams its answer back as it comes: status, headers and bytes. The host answers with the
 embedded server's own code (api/realtime.py), so errors, 429s with Retry-After and server-sent
 events are one implementation; the request's tenant goes along (OWNER_HEADER), so each host
@@ -28,7 +28,6 @@ from redis.asyncio import Redis
 from redis.exceptions import RedisError
 from starlette.types import Receive, Scope, Send
 
-from pagedbatch.api.errors import OpenAIError
 from pagedbatch.api.realtime import (
     CLIENT_CLOSED_REQUEST,
     OWNER_HEADER,
@@ -37,9 +36,10 @@ from pagedbatch.api.realtime import (
     too_busy,
     unless_disconnected,
 )
-from pagedbatch.api.serving.common import model_not_found
-from pagedbatch.api.serving.streaming import StreamEncoder
-from pagedbatch.workers.engine_registry import EngineRecord, live_engines, record_ttl_seconds
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.serving.common import model_not_found
+from pagedbatch.protocol.serving.streaming import StreamEncoder
+from pagedbatch.store.engine_registry import EngineRecord, live_engines, record_ttl_seconds
 
 logger = logging.getLogger(__name__)
 

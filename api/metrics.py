@@ -34,10 +34,10 @@ from prometheus_client.registry import Collector
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedbatch.api.deps import Services
-from pagedbatch.api.errors import OpenAIError
+from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 from pagedbatch.store.metrics import StoreCollector
-from pagedbatch.workers.metrics import QueueDepthCollector
+from pagedbatch.store.queue import QueueDepthCollector
 
 PREFIX = "pagedbatch:"
 # Labels stay bounded whatever clients send: routes are templates, odd methods are "other".

@@ -32,10 +32,12 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from pagedbatch.api.deps import Services, get_services
-from pagedbatch.api.errors import OpenAIError
 from pagedbatch.api.request_body import decode_json
-from pagedbatch.api.schemas.common import SamplingRequest
-from pagedbatch.api.serving.common import (
+from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.common import SamplingRequest
+from pagedbatch.protocol.serving.common import (
     REALTIME_PRIORITY,
     EngineInput,
     Prepared,
@@ -44,9 +46,7 @@ from pagedbatch.api.serving.common import (
     parse_request,
     prefix_cache_salt,
 )
-from pagedbatch.api.serving.streaming import ChunkWriter, StreamEncoder
-from pagedbatch.engine import AsyncLLM
-from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
 from pagedbatch.store.models import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)

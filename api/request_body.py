@@ -18,7 +18,8 @@ from collections.abc import Callable
 from starlette.datastructures import Headers
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from pagedbatch.api.errors import BodyTooLarge, OpenAIError
+from pagedbatch.api.errors import BodyTooLarge
+from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 
 UPLOAD_PATH = "/v1/files"

@@ -7,9 +7,9 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedbatch.api.schemas.batch_lines import BatchOutputLine
 from pagedbatch.engine import EngineArgs, LLMEngine
-from pagedbatch.workers.batch_runner import BatchProgress, BatchRunner
+from pagedbatch.protocol.batch_lines import BatchOutputLine
+from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
 
 # tqdm's ETA comes from the rate lines finish at; the postfix adds tokens/s and failures.
 BAR_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} lines [{elapsed} elapsed, ETA {remaining}{postfix}]"

@@ -20,18 +20,18 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pagedbatch.api.app import create_app
 from pagedbatch.api.deps import Services
+from pagedbatch.api.engine_host import EngineHost
 from pagedbatch.api.engine_proxy import EngineProxy
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore, make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
 from pagedbatch.store.migrate import upgrade
+from pagedbatch.store.queue import InProcessQueue
 from pagedbatch.workers.celery_app import CeleryQueue, make_celery
 from pagedbatch.workers.context import WorkerContext
-from pagedbatch.workers.engine_host import EngineHost
 from pagedbatch.workers.heartbeats import declare_dead
 from pagedbatch.workers.metrics import serve_metrics
-from pagedbatch.workers.queue import InProcessQueue
 from pagedbatch.workers.recovery import resume_work
 from pagedbatch.workers.tasks import run_task, start_timers
 from pagedbatch.workers.webhooks import DELIVERY_THREADS
@@ -176,7 +176,7 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
         "--without-gossip",
         "--without-mingle",
     ]
-    host = EngineHost(ctx)
+    host = engine_host_of(ctx)
     host.start()
     threading.Thread(
         target=_exit_when_engine_dies, args=(ctx, host), name="engine-watch", daemon=True
@@ -186,6 +186,20 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
     finally:
         host.stop()
         timers.shutdown()
+
+
+def engine_host_of(ctx: WorkerContext) -> EngineHost:
+    """The engine host of a worker with an engine: its realtime door, on the worker's store."""
+    if ctx.engine is None:
+        raise RuntimeError("an engine host needs a worker with an engine")
+    services = Services(
+        settings=ctx.settings,
+        session_factory=ctx.session_factory,
+        blobs=ctx.blobs,
+        served_models=[ctx.engine.engine.model_name],
+        engine=ctx.engine,
+    )
+    return EngineHost(services, ctx.worker_id)
 
 
 ENGINE_DIED_EXIT_CODE = 70  # EX_SOFTWARE

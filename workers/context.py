@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
-from pagedbatch.workers.queue import TaskQueue
+from pagedbatch.store.queue import TaskQueue
 
 
 def default_worker_id() -> str:

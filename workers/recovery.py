@@ -72,7 +72,7 @@ def redrive_finalization(ctx: WorkerContext) -> None:
 def redrive_validation(ctx: WorkerContext) -> None:
     """Queue validation again for batches validating longer than `validation_redrive_seconds`:
     their task was lost, or an outage outlasted its retries. Validation builds on what an earlier
-    run left, so one queued beside a run still going is harmless (workers/validation.py)."""
+    run left, so one queued beside a run still going is harmless (workers/batches/validation.py)."""
     cutoff = now() - ctx.settings.validation_redrive_seconds
     with ctx.session_factory() as session:
         stuck = validations_older_than(session, cutoff)

@@ -7,13 +7,13 @@ from collections.abc import Callable
 from typing import Any
 
 from pagedbatch.settings import Settings
+from pagedbatch.store.queue import InProcessQueue
+from pagedbatch.workers.batches.finalize import finalize_batch
+from pagedbatch.workers.batches.shards import run_shard
+from pagedbatch.workers.batches.validation import validate_batch
 from pagedbatch.workers.context import WorkerContext
-from pagedbatch.workers.finalize import finalize_batch
 from pagedbatch.workers.heartbeats import heartbeat
-from pagedbatch.workers.queue import InProcessQueue
-from pagedbatch.workers.shards import run_shard
 from pagedbatch.workers.upkeep import tick_seconds, upkeep
-from pagedbatch.workers.validation import validate_batch
 from pagedbatch.workers.webhooks import deliver_webhook
 
 TASKS: dict[str, Callable[..., None]] = {

@@ -28,7 +28,9 @@ import httpx
 from sqlalchemy import Select, func, or_, select, update
 from sqlalchemy.orm import Session, aliased
 
+from pagedbatch.egress import ForbiddenDestination, check_url
 from pagedbatch.ids import new_id, now
+from pagedbatch.protocol.webhook_signing import signed_headers
 from pagedbatch.settings import Settings
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import (
@@ -40,8 +42,6 @@ from pagedbatch.store.models import (
     WebhookOutcome,
 )
 from pagedbatch.workers.context import WorkerContext
-from pagedbatch.workers.egress import ForbiddenDestination, check_url
-from pagedbatch.workers.webhook_signing import signed_headers
 
 logger = logging.getLogger(__name__)
 

@@ -5,17 +5,12 @@ from __future__ import annotations
 from fastapi import APIRouter, Depends, Request
 
 from pagedbatch.api.auth import get_owner
-from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.routes import (
-    batches,
-    chat,
-    completions,
-    engine,
-    files,
-    models,
-    webhook_endpoints,
-)
+from pagedbatch.api.batches import routes as batches
+from pagedbatch.api.files import routes as files
+from pagedbatch.api.routes import chat, completions, engine, models
 from pagedbatch.api.routes.openapi import error_responses
+from pagedbatch.api.webhooks import routes as webhooks
+from pagedbatch.protocol.errors import OpenAIError
 
 
 def reject_nul(request: Request) -> None:
@@ -41,4 +36,4 @@ api_router.include_router(completions.router)
 api_router.include_router(engine.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)
-api_router.include_router(webhook_endpoints.router)
+api_router.include_router(webhooks.router)

@@ -7,9 +7,9 @@ from fastapi import APIRouter, Request, Response
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.realtime import answer
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
-from pagedbatch.api.schemas.chat import ChatCompletion, ChatCompletionRequest
-from pagedbatch.api.serving.chat import prepare_chat
-from pagedbatch.api.serving.streaming import ChatChunks
+from pagedbatch.protocol.schemas.chat import ChatCompletion, ChatCompletionRequest
+from pagedbatch.protocol.serving.chat import prepare_chat
+from pagedbatch.protocol.serving.streaming import ChatChunks
 
 router = APIRouter(prefix="/chat", tags=["chat"])
 

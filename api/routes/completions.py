@@ -7,9 +7,9 @@ from fastapi import APIRouter, Request, Response
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.realtime import answer
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
-from pagedbatch.api.schemas.completions import Completion, CompletionRequest
-from pagedbatch.api.serving.completions import prepare_completion
-from pagedbatch.api.serving.streaming import CompletionChunks
+from pagedbatch.protocol.schemas.completions import Completion, CompletionRequest
+from pagedbatch.protocol.serving.completions import prepare_completion
+from pagedbatch.protocol.serving.streaming import CompletionChunks
 
 router = APIRouter(prefix="/completions", tags=["completions"])
 

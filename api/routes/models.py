@@ -9,9 +9,9 @@ from fastapi import APIRouter
 from pydantic import BaseModel
 
 from pagedbatch.api.deps import ServicesDep
-from pagedbatch.api.errors import OpenAIError
+from pagedbatch.api.lists import ListPage
 from pagedbatch.api.routes.openapi import error_responses
-from pagedbatch.api.schemas.lists import ListPage
+from pagedbatch.protocol.errors import OpenAIError
 
 router = APIRouter(prefix="/models", tags=["models"])
 

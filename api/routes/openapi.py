@@ -11,7 +11,7 @@ from typing import Any
 
 from pydantic import BaseModel
 
-from pagedbatch.api.errors import ErrorResponse
+from pagedbatch.protocol.errors import ErrorResponse
 
 _ERROR_DESCRIPTIONS: dict[int | str, str] = {
     400: "The request is invalid: a parameter is missing, malformed or out of range.",

@@ -11,7 +11,7 @@ from pathlib import Path
 from fastapi import APIRouter
 from fastapi.responses import FileResponse
 
-from pagedbatch.api.errors import OpenAIError
+from pagedbatch.protocol.errors import OpenAIError
 
 router = APIRouter(include_in_schema=False)
 

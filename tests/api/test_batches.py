@@ -11,7 +11,7 @@ import openai
 import pytest
 from servers import STORAGES, BatchServer, wait_for_batch
 
-from pagedbatch.workers import shards
+from pagedbatch.workers.batches import shards
 
 pytestmark = pytest.mark.parametrize("storage", STORAGES, indirect=True)
 

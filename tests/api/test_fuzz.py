@@ -44,16 +44,16 @@ from schemathesis import Case
 from schemathesis.schemas import APIOperation
 from servers import BatchServer
 
-from pagedbatch.api.errors import ErrorResponse
-from pagedbatch.api.schemas.batch_lines import BatchOutputLine
-from pagedbatch.api.schemas.batches import BatchCreate, BatchObject
-from pagedbatch.api.schemas.chat import (
+from pagedbatch.api.batches.schemas import BatchCreate, BatchObject
+from pagedbatch.api.files.schemas import FileObject
+from pagedbatch.protocol.batch_lines import BatchOutputLine
+from pagedbatch.protocol.errors import ErrorResponse
+from pagedbatch.protocol.schemas.chat import (
     ChatCompletion,
     ChatCompletionChunk,
     ChatCompletionRequest,
 )
-from pagedbatch.api.schemas.completions import Completion, CompletionRequest
-from pagedbatch.api.schemas.files import FileObject
+from pagedbatch.protocol.schemas.completions import Completion, CompletionRequest
 
 MODEL = "tiny"
 REQUEST_TIMEOUT_SECONDS = 60.0  # a request the tiny model cannot answer in this is a hang

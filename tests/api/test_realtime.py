@@ -19,13 +19,13 @@ import pytest
 from servers import BatchServer
 from test_batches import chat_line, create, finished, read_lines
 
-from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.schemas.chat import ChatCompletionRequest
-from pagedbatch.api.serving.chat import prepare_chat
-from pagedbatch.api.serving.common import parse_request
-from pagedbatch.api.serving.streaming import ChatChunks, StreamEncoder
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
+from pagedbatch.protocol.serving.chat import prepare_chat
+from pagedbatch.protocol.serving.common import parse_request
+from pagedbatch.protocol.serving.streaming import ChatChunks, StreamEncoder
 
 pytestmark = pytest.mark.parametrize("storage", ["embedded"], indirect=True)
 

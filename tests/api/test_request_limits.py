@@ -17,10 +17,10 @@ import pytest
 from servers import BatchServer
 from test_realtime import MESSAGES, chat_body, completion_body, stats
 
-from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.schemas.chat import ChatCompletionRequest
-from pagedbatch.api.schemas.completions import CompletionRequest
-from pagedbatch.api.serving.common import parse_request
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
+from pagedbatch.protocol.schemas.completions import CompletionRequest
+from pagedbatch.protocol.serving.common import parse_request
 
 MiB = 1 << 20
 

@@ -7,17 +7,17 @@ from typing import Any
 
 import pytest
 
-from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.schemas.batch_lines import InputLineChecker, InvalidBatchLine
-from pagedbatch.api.schemas.chat import (
+from pagedbatch.protocol.batch_lines import InputLineChecker, InvalidBatchLine
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import (
     AssistantMessage,
     ChatCompletionRequest,
     ImagePart,
     JSONSchemaFormat,
     ToolMessage,
 )
-from pagedbatch.api.schemas.completions import CompletionRequest
-from pagedbatch.api.serving.common import parse_request
+from pagedbatch.protocol.schemas.completions import CompletionRequest
+from pagedbatch.protocol.serving.common import parse_request
 
 USER = {"role": "user", "content": "Hi"}
 

@@ -6,14 +6,14 @@ from typing import Any
 
 import pytest
 
-from pagedbatch.api.errors import OpenAIError
-from pagedbatch.api.schemas.chat import ChatCompletionRequest
-from pagedbatch.api.schemas.completions import CompletionRequest
-from pagedbatch.api.serving.chat import prepare_chat
-from pagedbatch.api.serving.common import Prepared, parse_request
-from pagedbatch.api.serving.completions import prepare_completion
 from pagedbatch.engine import LLMEngine
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
+from pagedbatch.protocol.schemas.completions import CompletionRequest
+from pagedbatch.protocol.serving.chat import prepare_chat
+from pagedbatch.protocol.serving.common import Prepared, parse_request
+from pagedbatch.protocol.serving.completions import prepare_completion
 
 
 def chat(engine: LLMEngine, **fields: Any):

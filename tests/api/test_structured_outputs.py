@@ -19,9 +19,9 @@ from test_batches import chat_line, create, finished, read_lines
 from test_realtime import MESSAGES, chat_prompt_ids, idle, stats
 from test_serving import chat, generate
 
-from pagedbatch.api.errors import OpenAIError
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.structured_output import from_openai, parse_tool_calls
+from pagedbatch.protocol.errors import OpenAIError
 
 PERSON = {
     "type": "object",

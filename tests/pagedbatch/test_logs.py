@@ -22,7 +22,7 @@ from pagedbatch.settings import Settings
 
 def record(message: str = "shard %s done", exc_info: object = None) -> logging.LogRecord:
     return logging.LogRecord(
-        "pagedbatch.workers.shards", logging.INFO, __file__, 1, message, ("s1",), exc_info
+        "pagedbatch.workers.batches.shards", logging.INFO, __file__, 1, message, ("s1",), exc_info
     )
 
 
@@ -30,7 +30,7 @@ def test_a_json_line_has_time_level_logger_and_message():
     line = json.loads(JsonFormatter().format(record()))
     assert set(line) == {"time", "level", "logger", "message"}
     assert line["level"] == "INFO"
-    assert line["logger"] == "pagedbatch.workers.shards"
+    assert line["logger"] == "pagedbatch.workers.batches.shards"
     assert line["message"] == "shard s1 done"
     assert line["time"].endswith("+00:00")  # ISO 8601, UTC
     assert abs(time.time() - datetime.fromisoformat(line["time"]).timestamp()) < 60

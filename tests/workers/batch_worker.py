@@ -24,11 +24,11 @@ from pagedbatch.store.models import (
     Shard,
     ShardStatus,
 )
+from pagedbatch.store.queue import InProcessQueue
+from pagedbatch.workers.batches.finalize import finalize_batch
+from pagedbatch.workers.batches.shards import run_shard
+from pagedbatch.workers.batches.validation import validate_batch
 from pagedbatch.workers.context import WorkerContext
-from pagedbatch.workers.finalize import finalize_batch
-from pagedbatch.workers.queue import InProcessQueue
-from pagedbatch.workers.shards import run_shard
-from pagedbatch.workers.validation import validate_batch
 
 CHAT = "/v1/chat/completions"
 MODEL = "tiny"

@@ -11,9 +11,9 @@ from pagedbatch.service import open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchStatus, File, Shard, ShardStatus
+from pagedbatch.store.queue import InProcessQueue
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.periodic import delete_expired_files, reap_leases
-from pagedbatch.workers.queue import InProcessQueue
 
 
 def make_context(tmp_path, ran: list) -> WorkerContext:

@@ -32,9 +32,9 @@ from pagedbatch.store.models import (
     WebhookMessageStatus,
     WorkerHeartbeat,
 )
+from pagedbatch.store.queue import InProcessQueue
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import heartbeat
-from pagedbatch.workers.queue import InProcessQueue
 from pagedbatch.workers.retention import apply_retention
 from pagedbatch.workers.upkeep import upkeep, upkeep_lock
 

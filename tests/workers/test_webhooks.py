@@ -19,6 +19,7 @@ from sqlalchemy import select
 from webhook_receiver import Receiver
 
 from pagedbatch.ids import new_id, now
+from pagedbatch.protocol.webhook_signing import new_secret
 from pagedbatch.service import open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.batches import transition
@@ -30,10 +31,9 @@ from pagedbatch.store.models import (
     WebhookEndpoint,
     WebhookMessage,
 )
+from pagedbatch.store.queue import InProcessQueue
 from pagedbatch.workers.context import WorkerContext
-from pagedbatch.workers.queue import InProcessQueue
 from pagedbatch.workers.tasks import run_task
-from pagedbatch.workers.webhook_signing import new_secret
 from pagedbatch.workers.webhooks import backoff, queue_batch_webhooks, sweep_webhooks
 
 FAST = {

@@ -16,9 +16,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pagedbatch.engine.metrics import PREFIX
 from pagedbatch.settings import Settings
+from pagedbatch.store.queue import InProcessQueue, QueueDepthCollector, TaskQueue
 from pagedbatch.workers.celery_app import QUEUE, CeleryQueue, make_celery
-from pagedbatch.workers.metrics import QueueDepthCollector, serve_metrics
-from pagedbatch.workers.queue import InProcessQueue, TaskQueue
+from pagedbatch.workers.metrics import serve_metrics
 
 REDIS = "redis://127.0.0.1:6379"
 

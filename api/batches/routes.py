@@ -1,0 +1,142 @@
+"""The Batches API: create, retrieve, cancel and list batches.
+
+Creating a batch only records it and queues its validation; the work happens on workers.
+"""
+
+from __future__ import annotations
+
+from typing import Annotated, Any
+
+from fastapi import APIRouter, Body, Query
+from sqlalchemy import ColumnElement, select, tuple_
+from sqlalchemy.orm import Session
+
+from pagedbatch.api.auth import OwnerDep
+from pagedbatch.api.batches.schemas import SUPPORTED_ENDPOINTS, BatchCreate, BatchObject
+from pagedbatch.api.deps import ServicesDep, SessionDep
+from pagedbatch.api.files.routes import get_file
+from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
+from pagedbatch.api.lists import ListPage
+from pagedbatch.api.routes.openapi import error_responses, json_body
+from pagedbatch.ids import new_id, now
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.serving.common import parse_request
+from pagedbatch.store.batches import transition
+from pagedbatch.store.db import transaction
+from pagedbatch.store.models import TERMINAL, Batch, BatchStatus
+
+router = APIRouter(prefix="/batches", tags=["batches"])
+
+CREATE_ROUTE = "POST /v1/batches"
+
+
+def get_batch(session: Session, owner: str, batch_id: str) -> Batch:
+    row = session.scalar(select(Batch).where(Batch.id == batch_id, Batch.owner == owner))
+    if row is None:
+        raise OpenAIError(
+            f"No such Batch object: {batch_id}",
+            status_code=404,
+            param="batch_id",
+            code="not_found",
+        )
+    return row
+
+
+@router.post("", responses=error_responses(404), openapi_extra=json_body(BatchCreate))
+def create_batch(
+    services: ServicesDep,
+    owner: OwnerDep,
+    body: Annotated[Any, Body()] = None,
+    idempotency_key: IdempotencyKeyHeader = None,
+) -> BatchObject:
+    params = parse_request(BatchCreate, body)
+    if params.endpoint not in SUPPORTED_ENDPOINTS:
+        raise OpenAIError(
+            f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {params.endpoint!r}",
+            param="endpoint",
+            code="invalid_value",
+        )
+
+    def create(session: Session) -> str:
+        input_file = get_file(session, owner, params.input_file_id, param="input_file_id")
+        if input_file.purpose != "batch":
+            raise OpenAIError(
+                f"File {input_file.id} has purpose {input_file.purpose!r}; a batch needs a file "
+                "uploaded with purpose 'batch'.",
+                param="input_file_id",
+                code="invalid_value",
+            )
+        created = now()
+        batch = Batch(
+            id=new_id("batch_"),
+            owner=owner,
+            endpoint=params.endpoint,
+            input_file_id=input_file.id,
+            completion_window=params.completion_window,
+            status=BatchStatus.VALIDATING,
+            metadata_=params.metadata,
+            output_expires_after_seconds=(
+                params.output_expires_after.seconds if params.output_expires_after else None
+            ),
+            created_at=created,
+            expires_at=created + services.settings.completion_window_seconds,
+        )
+        session.add(batch)
+        return batch.id
+
+    batch_id, created = create_once(
+        services.session_factory,
+        owner=owner,
+        route=CREATE_ROUTE,
+        key=idempotency_key,
+        create=create,
+    )
+    if created:
+        services.queue.enqueue("validate_batch", batch_id)
+    with services.session_factory() as session:
+        return BatchObject.from_row(get_batch(session, owner, batch_id))
+
+
+@router.get("/{batch_id}", responses=error_responses(404))
+def retrieve_batch(batch_id: str, session: SessionDep, owner: OwnerDep) -> BatchObject:
+    return BatchObject.from_row(get_batch(session, owner, batch_id))
+
+
+@router.post("/{batch_id}/cancel", responses=error_responses(404))
+def cancel_batch(batch_id: str, services: ServicesDep, owner: OwnerDep) -> BatchObject:
+    with transaction(services.session_factory) as session:
+        batch = get_batch(session, owner, batch_id)
+        if batch.status in TERMINAL:
+            # Not 409: the SDK retries those, and retrying cannot help.
+            raise OpenAIError(
+                f"Batch {batch_id} is already {batch.status} and cannot be cancelled.",
+                param="batch_id",
+                code="batch_not_cancellable",
+            )
+        moved = transition(session, batch_id, BatchStatus.CANCELLING)
+    if moved:
+        services.queue.enqueue("finalize_batch", batch_id)
+    with services.session_factory() as session:
+        return BatchObject.from_row(get_batch(session, owner, batch_id))
+
+
+@router.get("", responses=error_responses(404))
+def list_batches(
+    session: SessionDep,
+    owner: OwnerDep,
+    limit: Annotated[int, Query(ge=1, le=100)] = 20,
+    after: str | None = None,
+) -> ListPage[BatchObject]:
+    """Newest first; ties on the one-second created_at broken by id."""
+    query = select(Batch).where(Batch.owner == owner)
+    if after is not None:
+        query = query.where(_older_than(session, owner, after))
+    rows = session.scalars(
+        query.order_by(Batch.created_at.desc(), Batch.id.desc()).limit(limit + 1)
+    ).all()
+    return ListPage[BatchObject].from_rows(rows, limit, BatchObject.from_row)
+
+
+def _older_than(session: Session, owner: str, after: str) -> ColumnElement[bool]:
+    cursor = get_batch(session, owner, after)
+    return tuple_(Batch.created_at, Batch.id) < tuple_(cursor.created_at, cursor.id)

@@ -1,0 +1,188 @@
+"""Lines of batch files: an input line, an output (or error-file) line, and the input line checks.
+
+The check codes are the ones a batch validation reports in `errors.data` (`code`, `line`,
+`param`, `message`); a body the endpoint would refuse is not a line error but a response with the
+endpoint's status and error body.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+from collections.abc import Callable, Collection
+from typing import Any
+
+from pydantic import BaseModel, StrictStr, ValidationError
+
+from pagedbatch.ids import new_id
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
+from pagedbatch.protocol.schemas.completions import CompletionRequest
+from pagedbatch.protocol.serving.chat import prepare_chat
+from pagedbatch.protocol.serving.common import Prepared, ServedModel, parse_request
+from pagedbatch.protocol.serving.completions import prepare_completion
+
+logger = logging.getLogger(__name__)
+
+
+class BatchInputLine(BaseModel):
+    custom_id: StrictStr
+    method: StrictStr
+    url: StrictStr
+    body: dict[str, Any]
+
+
+class BatchResponse(BaseModel):
+    status_code: int
+    request_id: str
+    body: dict[str, Any]
+
+
+class BatchError(BaseModel):
+    code: str
+    message: str
+    param: str | None = None
+    line: int | None = None  # 1-based line of the input file
+
+
+class BatchOutputLine(BaseModel):
+    id: str
+    custom_id: str | None  # null only when the input line had none
+    response: BatchResponse | None = None
+    error: BatchError | None = None
+
+
+class InvalidBatchLine(Exception):
+    def __init__(
+        self,
+        code: str,
+        message: str,
+        *,
+        line: int,
+        param: str | None = None,
+        custom_id: str | None = None,
+    ) -> None:
+        super().__init__(message)
+        self.custom_id = custom_id
+        self.error = BatchError(code=code, message=message, param=param, line=line)
+
+
+class InputLineChecker:
+    """Checks input lines one at a time, remembering custom_ids to catch repeats."""
+
+    def __init__(self, urls: Collection[str]) -> None:
+        self.urls = urls
+        self._seen: set[str] = set()
+
+    def check(self, raw: str | bytes, line: int) -> BatchInputLine:
+        """The parsed line, or `InvalidBatchLine` saying what is wrong with it."""
+        try:
+            data = json.loads(raw)
+        except ValueError as exc:
+            raise InvalidBatchLine("invalid_json_line", f"Invalid JSON: {exc}", line=line) from None
+        if not isinstance(data, dict):
+            raise InvalidBatchLine("invalid_json_line", "A line must be a JSON object.", line=line)
+        custom_id = data.get("custom_id") if isinstance(data.get("custom_id"), str) else None
+
+        def invalid(code: str, message: str, param: str) -> InvalidBatchLine:
+            return InvalidBatchLine(code, message, line=line, param=param, custom_id=custom_id)
+
+        try:
+            parsed = BatchInputLine.model_validate(data)
+        except ValidationError as exc:
+            error = exc.errors()[0]
+            param = ".".join(str(step) for step in error["loc"])
+            if error["type"] == "missing":
+                raise invalid(
+                    "missing_required_parameter", f"Missing required parameter: '{param}'.", param
+                ) from None
+            raise invalid(
+                "invalid_type", f"Invalid type for '{param}': {error['msg']}.", param
+            ) from None
+        if parsed.method != "POST":
+            raise invalid(
+                "invalid_method", f"method must be POST, got {parsed.method!r}.", "method"
+            )
+        if parsed.url not in self.urls:
+            allowed = ", ".join(sorted(self.urls))
+            raise invalid(
+                "invalid_url", f"url must be one of {allowed}, got {parsed.url!r}.", "url"
+            )
+        if parsed.body.get("stream") is True:
+            raise invalid(
+                "stream_not_supported", "Streaming is not supported in a batch.", "body.stream"
+            )
+        if parsed.custom_id in self._seen:
+            raise invalid(
+                "duplicate_custom_id",
+                f"custom_id {parsed.custom_id!r} is used by an earlier line.",
+                "custom_id",
+            )
+        self._seen.add(parsed.custom_id)
+        return parsed
+
+
+# Error messages quote what the client sent (a bad value, an unknown parameter's name): a
+# megabyte-long value must not be copied whole into the error file, the job store and the logs.
+MAX_ERROR_TEXT = 512
+
+
+def _prepare_chat(body: Any, served: ServedModel) -> Prepared:
+    return prepare_chat(parse_request(ChatCompletionRequest, body), served)
+
+
+def _prepare_completion(body: Any, served: ServedModel) -> Prepared:
+    return prepare_completion(parse_request(CompletionRequest, body), served)
+
+
+ENDPOINTS: dict[str, Callable[[Any, ServedModel], Prepared]] = {
+    "/v1/chat/completions": _prepare_chat,
+    "/v1/completions": _prepare_completion,
+}
+
+
+def bounded(text: str | None) -> str | None:
+    """`text` cut to MAX_ERROR_TEXT characters, saying how much was left out."""
+    if text is None or len(text) <= MAX_ERROR_TEXT:
+        return text
+    return f"{text[:MAX_ERROR_TEXT]}... ({len(text) - MAX_ERROR_TEXT} more characters)"
+
+
+def bounded_batch_error(error: BatchError) -> BatchError:
+    """`error` with its echoed text (message and param) bounded, for error lines and
+    `Batch.errors` alike."""
+    return error.model_copy(
+        update={"message": bounded(error.message), "param": bounded(error.param)}
+    )
+
+
+def error_line(exc: InvalidBatchLine) -> BatchOutputLine:
+    return BatchOutputLine(
+        id=new_id("batch_req_"), custom_id=exc.custom_id, error=bounded_batch_error(exc.error)
+    )
+
+
+def response_line(custom_id: str, status_code: int, body: dict[str, Any]) -> BatchOutputLine:
+    return BatchOutputLine(
+        id=new_id("batch_req_"),
+        custom_id=custom_id,
+        response=BatchResponse(status_code=status_code, request_id=new_id("req_"), body=body),
+    )
+
+
+def openai_error_line(custom_id: str, exc: OpenAIError) -> BatchOutputLine:
+    body = exc.body()
+    detail = body["error"]
+    detail["message"], detail["param"] = bounded(detail["message"]), bounded(detail["param"])
+    return response_line(custom_id, exc.status_code, body)
+
+
+def line_crashed(custom_id: str | None) -> OpenAIError:
+    """The error response of a line whose handling raised something unexpected (a bug, or input
+    nothing checks for yet), logged here with its traceback: the line fails, not its batch."""
+    logger.exception("batch line %r failed unexpectedly", bounded(custom_id))
+    return OpenAIError(
+        "The server had an error while processing this request.",
+        status_code=500,
+        type="server_error",
+    )

@@ -1,0 +1,58 @@
+"""`POST /v1/completions` (legacy): the request body and the response object."""
+
+from __future__ import annotations
+
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, Field
+
+from pagedbatch.protocol.schemas.common import INT32_MAX, SamplingRequest, Text, TokenId, Usage
+
+MAX_LOGPROBS = 5
+# Prompts in one request, each run `n` times; realtime admission bounds prompts × n further.
+MAX_PROMPTS = 64
+# Token ids in one prompt: more than any model's context holds.
+MAX_PROMPT_TOKENS = 2**20
+
+TokenIds = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
+
+# One prompt (text or token ids) or a batch of them; each gets `n` choices.
+Prompt = (
+    Text
+    | Annotated[list[Text], Field(min_length=1, max_length=MAX_PROMPTS)]
+    | TokenIds
+    | Annotated[list[TokenIds], Field(min_length=1, max_length=MAX_PROMPTS)]
+)
+
+
+class CompletionRequest(SamplingRequest):
+    prompt: Prompt
+    max_tokens: int = Field(16, ge=1, le=INT32_MAX)
+    logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    echo: bool = False
+    best_of: int | None = Field(None, ge=1, le=20)
+    suffix: Text | None = None
+
+
+class CompletionLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float | None]
+    top_logprobs: list[dict[str, float] | None]
+    text_offset: list[int]
+
+
+class CompletionChoice(BaseModel):
+    index: int
+    text: str
+    finish_reason: Literal["stop", "length", "content_filter"] | None  # null until a stream ends
+    logprobs: CompletionLogprobs | None = None
+
+
+class Completion(BaseModel):
+    id: str
+    object: Literal["text_completion"] = "text_completion"
+    created: int
+    model: str
+    choices: list[CompletionChoice]
+    usage: Usage | None = None
+    system_fingerprint: str | None = None

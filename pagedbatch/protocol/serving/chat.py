@@ -1,0 +1,256 @@
+"""`/v1/chat/completions`: messages in through the model's chat template, a ChatCompletion out.
+
+`response_format`, `tools` and `tool_choice` become a grammar the engine enforces token by token
+(engine/structured_output.py), so JSON and tool calls are well-formed whatever the model; tool
+calls come back out of the text as `tool_calls`.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass
+from functools import cached_property, lru_cache
+from typing import Any, Literal
+
+from jinja2 import TemplateError
+from transformers import PreTrainedTokenizerBase
+
+from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.request import TokenLogprob
+from pagedbatch.engine.structured_output import StructuredOutput, from_openai, parse_tool_calls
+from pagedbatch.engine.structured_output import ToolCall as ToolCallText
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import (
+    ChatCompletion,
+    ChatCompletionMessage,
+    ChatCompletionRequest,
+    ChatCompletionTokenLogprob,
+    ChatMessage,
+    Choice,
+    ChoiceLogprobs,
+    FunctionCall,
+    RefusalPart,
+    TextPart,
+    ToolCall,
+    TopLogprob,
+)
+from pagedbatch.protocol.serving.common import (
+    EngineInput,
+    ServedModel,
+    TokenPieces,
+    check_context_length,
+    check_model,
+    finish_reason,
+    new_id,
+    not_supported,
+    now,
+    sampling_params,
+    usage,
+)
+
+GRAMMAR_SPECS_CACHED = 256  # batch lines repeat their schema and tools: build each grammar once
+
+
+@dataclass
+class PreparedChat:
+    request: ChatCompletionRequest
+    id: str
+    created: int
+    model: str
+    tokenizer: PreTrainedTokenizerBase
+    inputs: list[EngineInput]
+    calls_tools: bool = False  # the output may hold tool calls, to be returned as `tool_calls`
+
+    def response(self, outputs: Sequence[RequestOutput]) -> ChatCompletion:
+        (output,) = outputs
+        choices = []
+        for choice in output.outputs:
+            content, calls = self.split(choice.text)
+            choices.append(
+                Choice(
+                    index=choice.index,
+                    message=ChatCompletionMessage(
+                        content=content, tool_calls=[new_tool_call(c) for c in calls] or None
+                    ),
+                    finish_reason=self.finish_reason(choice, output, bool(calls)),
+                    logprobs=self.logprobs(choice.logprobs or []),
+                )
+            )
+        return ChatCompletion(
+            id=self.id,
+            created=self.created,
+            model=self.model,
+            choices=choices,
+            usage=usage(outputs),
+        )
+
+    def split(self, text: str, complete: bool = True) -> tuple[str | None, list[ToolCallText]]:
+        """A choice's text as (content, tool calls); see `parse_tool_calls` for `complete`."""
+        if not self.calls_tools:
+            return text, []
+        return parse_tool_calls(text, complete)
+
+    @staticmethod
+    def finish_reason(
+        choice: CompletionOutput, output: RequestOutput, called: bool
+    ) -> Literal["stop", "length", "tool_calls"]:
+        return tool_calls_finish(finish_reason(choice, output), called)
+
+    @cached_property
+    def pieces(self) -> TokenPieces:
+        return TokenPieces(self.tokenizer)
+
+    def logprobs(self, token_logprobs: Sequence[TokenLogprob]) -> ChoiceLogprobs | None:
+        """The logprobs of these tokens of a choice, if the request asked for them."""
+        if not self.request.logprobs:
+            return None
+        pieces = self.pieces
+
+        def entry(token_id: int, logprob: float) -> dict[str, Any]:
+            return {
+                "token": pieces.text(token_id),
+                "logprob": logprob,
+                "bytes": list(pieces.bytes(token_id)),
+            }
+
+        return ChoiceLogprobs(
+            content=[
+                ChatCompletionTokenLogprob(
+                    **entry(lp.token_id, lp.logprob),
+                    top_logprobs=[TopLogprob(**entry(t, v)) for t, v in lp.top],
+                )
+                for lp in token_logprobs
+            ]
+        )
+
+
+def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> PreparedChat:
+    """The engine request for `request`; OpenAIError if it cannot be served."""
+    check_model(request.model, served)
+    _refuse_unsupported(request)
+    structured = structured_output(request)
+    tokenizer = served.tokenizer
+    tools = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or []]
+    text = render_chat(request.messages, tokenizer, tools)
+    prompt = tokenizer.encode(text, add_special_tokens=False)
+    max_tokens = request.max_completion_tokens or request.max_tokens  # None: up to the context
+    check_context_length(len(prompt), max_tokens, served, param="messages")
+    params = sampling_params(
+        request,
+        max_tokens=max_tokens,
+        logprobs=(request.top_logprobs or 0) if request.logprobs else None,
+        tokenizer=tokenizer,
+        structured=structured,
+    )
+    chat_id = new_id("chatcmpl-")
+    return PreparedChat(
+        request=request,
+        id=chat_id,
+        created=now(),
+        model=served.model_name,
+        tokenizer=tokenizer,
+        inputs=[EngineInput(chat_id, prompt, params)],
+        calls_tools=structured is not None and bool(structured.tool_names),
+    )
+
+
+def tool_calls_finish(
+    reason: Literal["stop", "length"], called: bool
+) -> Literal["stop", "length", "tool_calls"]:
+    """A choice that made calls and stopped by itself ends for them, as OpenAI reports it."""
+    return "tool_calls" if called and reason == "stop" else reason
+
+
+def new_tool_call(call: ToolCallText) -> ToolCall:
+    return ToolCall(
+        id=new_id("call_"), function=FunctionCall(name=call.name, arguments=call.arguments)
+    )
+
+
+def structured_output(request: ChatCompletionRequest) -> StructuredOutput | None:
+    """The grammar the request's output must follow, or None; 400 naming the field at fault."""
+    response_format = (
+        None
+        if request.response_format is None
+        else request.response_format.model_dump(mode="json", by_alias=True, exclude_none=True)
+    )
+    tools = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or []]
+    choice = request.tool_choice
+    if choice is not None and not isinstance(choice, str):
+        choice = choice.model_dump(mode="json", exclude_none=True)
+    try:
+        # Checked apart first, so that a bad schema is blamed on response_format, not on tools.
+        _grammar(json.dumps([response_format, None, None, True]))
+    except ValueError as e:
+        raise _invalid("response_format", e) from None
+    try:
+        return _grammar(
+            json.dumps([response_format, tools or None, choice, request.parallel_tool_calls])
+        )
+    except ValueError as e:
+        raise _invalid("tool_choice" if str(e).startswith("tool_choice") else "tools", e) from None
+
+
+@lru_cache(maxsize=GRAMMAR_SPECS_CACHED)
+def _grammar(spec: str) -> StructuredOutput | None:
+    response_format, tools, choice, parallel = json.loads(spec)
+    return from_openai(response_format, tools, choice, parallel)
+
+
+def _invalid(param: str, error: ValueError) -> OpenAIError:
+    return OpenAIError(f"Invalid '{param}': {error}.", param=param, code="invalid_value")
+
+
+def render_chat(
+    messages: Sequence[ChatMessage],
+    tokenizer: PreTrainedTokenizerBase,
+    tools: Sequence[dict[str, Any]] = (),
+) -> str:
+    """The prompt text: the messages (and the tools on offer) through the chat template, ready
+    for the assistant's turn."""
+    conversation = [_template_message(i, message) for i, message in enumerate(messages)]
+    try:
+        return tokenizer.apply_chat_template(
+            conversation, tools=list(tools) or None, tokenize=False, add_generation_prompt=True
+        )
+    except TemplateError as exc:  # templates reject e.g. roles out of order
+        raise OpenAIError(
+            f"The model's chat template rejected these messages: {exc}", param="messages"
+        ) from None
+
+
+def _template_message(index: int, message: ChatMessage) -> dict[str, Any]:
+    # Chat templates expect content as one string; text parts are joined as vLLM does.
+    rendered = message.model_dump(exclude_none=True)
+    content = message.content
+    if content is None:
+        rendered["content"] = ""
+    elif not isinstance(content, str):
+        texts = []
+        for j, part in enumerate(content):
+            if isinstance(part, TextPart):
+                texts.append(part.text)
+            elif isinstance(part, RefusalPart):
+                texts.append(part.refusal)
+            else:
+                raise OpenAIError(
+                    f"Content parts of type '{part.type}' are not supported: this model reads "
+                    "text only.",
+                    param=f"messages[{index}].content[{j}]",
+                    code="unsupported_content_type",
+                )
+        rendered["content"] = "\n".join(texts)
+    return rendered
+
+
+def _refuse_unsupported(request: ChatCompletionRequest) -> None:
+    for i, tool in enumerate(request.tools or []):
+        if tool.type != "function":
+            raise not_supported(f"Tools of type '{tool.type}'", f"tools[{i}]")
+    if request.functions or request.function_call is not None:
+        raise not_supported("The deprecated `functions` (use `tools`)", "functions")
+    if request.audio is not None:
+        raise not_supported("Audio output", "audio")
+    if "audio" in (request.modalities or []):
+        raise not_supported("Audio output", "modalities")

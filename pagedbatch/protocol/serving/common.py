@@ -1,0 +1,292 @@
+"""What the chat and completions endpoints do alike, free of any web framework.
+
+An endpoint turns a validated request into `Prepared`: the engine requests to run (`inputs`) and
+a way to turn their final outputs into the response body. The realtime router and the batch
+runner drive the engine themselves and meet only this interface.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol, TypeVar
+
+from pydantic import BaseModel, ValidationError
+from tokenizers import decoders
+from transformers import PreTrainedTokenizerBase
+from transformers.convert_slow_tokenizer import bytes_to_unicode
+
+from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.structured_output import StructuredOutput
+from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
+from pagedbatch.protocol.errors import OpenAIError, from_validation_error
+from pagedbatch.protocol.schemas.common import PromptTokensDetails, SamplingRequest, Usage
+
+Body = TypeVar("Body", bound=BaseModel)
+
+# Engine priorities, lower first: realtime requests go ahead of batch lines, and batch lines are
+# the ones preempted when realtime traffic needs KV blocks or batch slots.
+REALTIME_PRIORITY = 0
+BATCH_PRIORITY = 10
+
+
+class ServedModel(Protocol):
+    """What serving needs to know of the engine it prepares requests for."""
+
+    tokenizer: PreTrainedTokenizerBase
+    max_model_len: int
+    model_name: str
+
+
+@dataclass
+class EngineInput:
+    """One engine request: `engine.add_request(request_id, prompt_token_ids, params)`."""
+
+    request_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+
+
+class Prepared(Protocol):
+    inputs: list[EngineInput]
+
+    def response(self, outputs: Sequence[RequestOutput]) -> BaseModel:
+        """The response body from the final output of each of `inputs`, in the same order.
+
+        Raises OpenAIError if a request ended in an error or was aborted.
+        """
+
+
+def parse_request(schema: type[Body], body: Any) -> Body:
+    """`body` (decoded JSON) validated as `schema`; OpenAIError 400 naming the bad field."""
+    _check_unicode(body)
+    try:
+        return schema.model_validate(body)
+    except ValidationError as exc:
+        raise from_validation_error(exc, body) from None
+
+
+def _check_unicode(body: Any) -> None:
+    """A 400 naming the first string (or key) that holds a lone surrogate: JSON's `\\ud800`
+    escape decodes to one, and it is no Unicode text, which neither tokenizers nor an error
+    message that quotes it (as UTF-8) can take."""
+    # Each entry: a value and where it is, as (where its parent is, its key or index); the path
+    # is spelled out only for a value at fault.
+    pending: list[tuple[Any, _Where]] = [(body, None)]
+    while pending:
+        node, where = pending.pop()
+        if isinstance(node, dict):
+            for key, value in node.items():
+                if not _encodable(key):
+                    _bad_text(where)
+                if isinstance(value, dict | list | str):
+                    pending.append((value, (where, key)))
+        elif isinstance(node, list):
+            pending.extend(
+                (item, (where, i))
+                for i, item in enumerate(node)
+                if isinstance(item, dict | list | str)
+            )
+        elif isinstance(node, str) and not _encodable(node):
+            _bad_text(where)
+
+
+_Where = tuple[Any, int | str] | None
+
+
+def _path(where: _Where) -> str | None:
+    steps: list[int | str] = []
+    while where is not None:
+        where, step = where
+        steps.append(step)
+    path: str | None = None
+    for step in reversed(steps):
+        path = (
+            f"{path or ''}[{step}]"
+            if isinstance(step, int)
+            else (step if path is None else f"{path}.{step}")
+        )
+    return path
+
+
+def _encodable(text: str) -> bool:
+    try:
+        text.encode()
+    except UnicodeEncodeError:
+        return False
+    return True
+
+
+def _bad_text(where: _Where) -> None:
+    # Keys are checked before what they hold, so a path never holds a surrogate itself.
+    param = _path(where)
+    prefix = "" if param is None else f"Invalid value for '{param}': "
+    raise OpenAIError(
+        f"{prefix}it holds a lone UTF-16 surrogate (such as \\ud800), which is not valid Unicode.",
+        param=param,
+        code="invalid_value",
+    )
+
+
+def check_model(requested: str, served: ServedModel) -> None:
+    if requested != served.model_name:
+        raise model_not_found(requested)
+
+
+def model_not_found(requested: str) -> OpenAIError:
+    return OpenAIError(
+        f"The model `{requested}` does not exist or you do not have access to it.",
+        status_code=404,
+        param="model",
+        code="model_not_found",
+    )
+
+
+def not_supported(what: str, param: str) -> OpenAIError:
+    return OpenAIError(f"{what} is not supported yet.", param=param, code="unsupported_parameter")
+
+
+def check_context_length(
+    prompt_tokens: int, max_tokens: int | None, served: ServedModel, *, param: str
+) -> None:
+    """400 `context_length_exceeded` unless the prompt leaves room for `max_tokens` (or one)."""
+    limit = served.max_model_len
+    if max_tokens is None and prompt_tokens >= limit:
+        detail = f"your {param} resulted in {prompt_tokens} tokens, leaving none for the completion"
+    elif max_tokens is not None and prompt_tokens + max_tokens > limit:
+        detail = (
+            f"you requested {prompt_tokens + max_tokens} tokens "
+            f"({prompt_tokens} in the {param}, {max_tokens} in the completion)"
+        )
+    else:
+        return
+    raise OpenAIError(
+        f"This model's maximum context length is {limit} tokens. However, {detail}. "
+        f"Please reduce the length of the {param} or completion.",
+        param=param,
+        code="context_length_exceeded",
+    )
+
+
+def sampling_params(
+    request: SamplingRequest,
+    *,
+    max_tokens: int | None,
+    logprobs: int | None,
+    tokenizer: PreTrainedTokenizerBase,
+    structured: StructuredOutput | None = None,
+) -> SamplingParams:
+    vocab_size = len(tokenizer)
+    top_p, top_k = request.top_p, request.top_k
+    if top_k >= vocab_size:  # every token is among the top k: no limit
+        top_k = 0
+    if top_p == 0.0:  # OpenAI allows it: only the most likely token is left, which is top-k 1
+        top_p, top_k = 1.0, 1
+    if request.logit_bias:
+        check_vocabulary(request.logit_bias, vocab_size, param="logit_bias")
+    try:
+        return SamplingParams(
+            n=request.n,
+            max_tokens=max_tokens,
+            min_tokens=request.min_tokens,
+            temperature=request.temperature,
+            top_p=top_p,
+            top_k=top_k,
+            min_p=request.min_p,
+            seed=request.seed,
+            presence_penalty=request.presence_penalty,
+            frequency_penalty=request.frequency_penalty,
+            repetition_penalty=request.repetition_penalty,
+            stop=request.stop,
+            ignore_eos=request.ignore_eos,
+            logprobs=logprobs,
+            logit_bias=request.logit_bias,
+            structured=structured,
+        )
+    except ValueError as exc:  # combinations the schema does not check, e.g. min_tokens > max
+        raise OpenAIError(str(exc), code="invalid_value") from None
+
+
+def check_vocabulary(token_ids: Iterable[int], vocab_size: int, *, param: str) -> None:
+    unknown = sorted({t for t in token_ids if t >= vocab_size})
+    if unknown:
+        raise OpenAIError(
+            f"Invalid value for '{param}': token ids {unknown[:5]} are outside the vocabulary "
+            f"(size {vocab_size}).",
+            param=param,
+            code="invalid_value",
+        )
+
+
+def prefix_cache_salt(share: bool, owner: str) -> str | None:
+    """The engine's `cache_salt` for `owner`'s requests: KV blocks cached for one salt are never
+    found by a request with another, so a tenant cannot tell from its cached_tokens (or from how
+    fast its first token comes) what another tenant's prompts began with. None shares the cache
+    among all (`share_prefix_cache_across_tenants`)."""
+    return None if share else owner
+
+
+def finish_reason(choice: CompletionOutput, output: RequestOutput) -> Literal["stop", "length"]:
+    """OpenAI's finish_reason; an aborted or failed request is an error response instead."""
+    if choice.finish_reason in ("stop", "length"):
+        return choice.finish_reason
+    if choice.finish_reason == "abort":
+        raise OpenAIError(
+            "The request was aborted before it finished.",
+            status_code=503,
+            type="server_error",
+            code="request_aborted",
+        )
+    raise OpenAIError(
+        f"The request failed in the engine: {output.error or 'no reason given'}.",
+        status_code=500,
+        type="server_error",
+    )
+
+
+def usage(outputs: Sequence[RequestOutput]) -> Usage:
+    prompt = sum(len(o.prompt_token_ids) for o in outputs)
+    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    return Usage(
+        prompt_tokens=prompt,
+        completion_tokens=completion,
+        total_tokens=prompt + completion,
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=sum(o.num_cached_tokens for o in outputs)
+        ),
+    )
+
+
+# Byte-level BPE spells each byte as one printable character; this maps it back.
+_BYTE_OF_CHAR = {char: byte for byte, char in bytes_to_unicode().items()}
+
+
+class TokenPieces:
+    """Each token's bytes and text, as OpenAI's logprobs report them.
+
+    A token may hold part of a multi-byte character: its `bytes` are exact, its text shows the
+    missing part as U+FFFD, and the bytes of consecutive tokens join into the exact text.
+    """
+
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
+        self._tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        self._byte_level = backend is not None and isinstance(backend.decoder, decoders.ByteLevel)
+        added = tokenizer.added_tokens_decoder
+        self._added = {i: t.content for i, t in added.items()}
+        # The tokens that the output text leaves out (the engine skips special tokens).
+        self.special = frozenset(i for i, t in added.items() if t.special)
+
+    def bytes(self, token_id: int) -> bytes:
+        if token_id in self._added:
+            return self._added[token_id].encode()
+        piece = self._tokenizer.convert_ids_to_tokens(token_id)
+        if self._byte_level:
+            return bytes(_BYTE_OF_CHAR[c] for c in piece)
+        if piece.startswith("<0x") and piece.endswith(">") and len(piece) == 6:
+            return bytes([int(piece[3:5], 16)])  # SentencePiece byte fallback
+        return self._tokenizer.decode([token_id]).encode()
+
+    def text(self, token_id: int) -> str:
+        return self.bytes(token_id).decode(errors="replace")

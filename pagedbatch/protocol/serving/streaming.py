@@ -1,0 +1,234 @@
+"""Streamed chat and completions: the server-sent events made from the engine's outputs.
+
+Each chunk carries what one choice gained since its last chunk. The engine's text only grows (it
+holds back an incomplete character, and anything that could still become a stop string), so the
+deltas never split a character, never show a stop string, and join into exactly the text that the
+non-streamed response holds. Free of any web framework: the realtime door feeds outputs in and
+sends the bytes out.
+"""
+
+from __future__ import annotations
+
+import json
+from collections import defaultdict
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Literal, Protocol
+
+from pydantic import BaseModel
+
+from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.request import TokenLogprob
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.chat import (
+    ChatCompletionChunk,
+    ChoiceDelta,
+    ChunkChoice,
+    FunctionCallDelta,
+    ToolCallDelta,
+)
+from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
+from pagedbatch.protocol.schemas.completions import Completion, CompletionChoice
+from pagedbatch.protocol.serving.chat import PreparedChat, new_tool_call, tool_calls_finish
+from pagedbatch.protocol.serving.common import finish_reason, usage
+from pagedbatch.protocol.serving.completions import LogprobsWriter, PreparedCompletion
+
+DONE = b"data: [DONE]\n\n"
+
+
+@dataclass
+class Delta:
+    """What one choice gained since its last chunk."""
+
+    index: int  # the choice's index in the response
+    text: str
+    logprobs: list[TokenLogprob]  # of the tokens generated since; empty unless asked for
+    finish_reason: Literal["stop", "length"] | None  # set on the choice's last chunk only
+    first: bool
+
+
+class ChunkWriter(Protocol):
+    """An endpoint's chunk objects."""
+
+    def chunk(self, delta: Delta) -> BaseModel: ...
+
+    def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+
+@dataclass
+class _Sent:
+    """How much of one choice has been sent."""
+
+    characters: int = 0
+    logprobs: int = 0
+    started: bool = False
+    finished: bool = False
+
+
+class StreamEncoder:
+    """The events of one streamed response: chunks as the outputs move, then usage and [DONE]."""
+
+    def __init__(self, writer: ChunkWriter, request: SamplingRequest) -> None:
+        self._writer = writer
+        self._n = request.n
+        options = request.stream_options
+        self._include_usage = options is not None and options.include_usage
+        self._sent: defaultdict[int, _Sent] = defaultdict(_Sent)
+
+    def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
+        """The events for what `outputs`, the latest of each engine request (None before its
+        first), add to what was sent. OpenAIError if a request was aborted or failed."""
+        return b"".join(self._event(self._writer.chunk(delta)) for delta in self._deltas(outputs))
+
+    def end(self, outputs: Sequence[RequestOutput]) -> bytes:
+        """The events after the final outputs: usage if asked for, then [DONE]."""
+        if not self._include_usage:
+            return DONE
+        return self._event(self._writer.usage_chunk(usage(outputs))) + DONE
+
+    @staticmethod
+    def error(error: OpenAIError) -> bytes:
+        """A failure once the response has begun: the SDK raises it as an APIError."""
+        return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
+    def _event(self, chunk: BaseModel) -> bytes:
+        # With include_usage every chunk says `"usage": null`; without it, none mentions usage.
+        exclude = None if self._include_usage else {"usage"}
+        return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
+
+    def _deltas(self, outputs: Sequence[RequestOutput | None]) -> Iterator[Delta]:
+        for position, output in enumerate(outputs):
+            if output is None:
+                continue
+            for choice in output.outputs:
+                index = position * self._n + choice.index  # as in the non-streamed response
+                sent = self._sent[index]
+                if sent.finished:
+                    continue
+                delta = Delta(
+                    index=index,
+                    text=choice.text[sent.characters :],
+                    logprobs=(choice.logprobs or [])[sent.logprobs :],
+                    finish_reason=finish_reason(choice, output) if choice.finished else None,
+                    first=not sent.started,
+                )
+                if not (delta.text or delta.logprobs or delta.finish_reason):
+                    continue
+                sent.characters += len(delta.text)
+                sent.logprobs += len(delta.logprobs)
+                sent.started = True
+                sent.finished = choice.finished
+                yield delta
+
+
+@dataclass
+class _ToolCallStream:
+    """What one choice of a request that may call tools has said so far: its text, held until
+    it is sure not to be part of a call, and the calls that have been completed."""
+
+    text: str = ""
+    content: str = ""  # sent as content
+    calls: int = 0  # sent as tool calls
+
+
+class ChatChunks:
+    """`chat.completion.chunk` objects; a choice's first delta names the assistant's role.
+
+    With tools, a tool call goes out as one delta once the model has closed it, and text that
+    might open one waits until it cannot; the content and calls sent match the whole response's.
+    """
+
+    def __init__(self, prepared: PreparedChat) -> None:
+        self._prepared = prepared
+        self._tool_streams: defaultdict[int, _ToolCallStream] = defaultdict(_ToolCallStream)
+
+    def chunk(self, delta: Delta) -> ChatCompletionChunk:
+        content, calls = delta.text, []
+        reason = delta.finish_reason
+        if self._prepared.calls_tools:
+            content, calls, reason = self._tool_calls(delta)
+        choice = ChunkChoice(
+            index=delta.index,
+            delta=ChoiceDelta(
+                role="assistant" if delta.first else None,
+                content=content if content or not calls else None,
+                tool_calls=calls or None,
+            ),
+            finish_reason=reason,
+            logprobs=self._prepared.logprobs(delta.logprobs),
+        )
+        return self._chunk([choice])
+
+    def _tool_calls(self, delta: Delta) -> tuple[str, list[ToolCallDelta], str | None]:
+        stream = self._tool_streams[delta.index]
+        stream.text += delta.text
+        finished = delta.finish_reason is not None
+        content, calls = self._prepared.split(stream.text, complete=finished)
+        content = content or ""
+        piece = content[len(stream.content) :]
+        stream.content = content
+        new = [
+            ToolCallDelta(
+                index=stream.calls + i,
+                id=call.id,
+                type="function",
+                function=FunctionCallDelta(
+                    name=call.function.name, arguments=call.function.arguments
+                ),
+            )
+            for i, call in enumerate(new_tool_call(c) for c in calls[stream.calls :])
+        ]
+        stream.calls = len(calls)
+        reason = delta.finish_reason
+        return piece, new, reason and tool_calls_finish(reason, stream.calls > 0)
+
+    def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
+        prepared = self._prepared
+        return ChatCompletionChunk(
+            id=prepared.id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=choices,
+            usage=usage,
+        )
+
+
+class CompletionChunks:
+    """`text_completion` objects; a choice's first delta starts with its prompt when echoed."""
+
+    def __init__(self, prepared: PreparedCompletion) -> None:
+        self._prepared = prepared
+        # Each choice's logprobs continue where its last chunk's ended (text offsets).
+        self._logprobs: dict[int, LogprobsWriter | None] = {}
+
+    def chunk(self, delta: Delta) -> Completion:
+        prepared = self._prepared
+        text = delta.text
+        if delta.first:
+            echoed = prepared.echoed(delta.index // prepared.request.n)
+            text = echoed + text
+            self._logprobs[delta.index] = prepared.logprobs_writer(len(echoed))
+        writer = self._logprobs[delta.index]
+        choice = CompletionChoice(
+            index=delta.index,
+            text=text,
+            finish_reason=delta.finish_reason,
+            logprobs=None if writer is None else writer.write(delta.logprobs),
+        )
+        return self._chunk([choice])
+
+    def usage_chunk(self, usage: Usage) -> Completion:
+        return self._chunk([], usage)
+
+    def _chunk(self, choices: list[CompletionChoice], usage: Usage | None = None) -> Completion:
+        prepared = self._prepared
+        return Completion(
+            id=prepared.id,
+            created=prepared.created,
+            model=prepared.model,
+            choices=choices,
+            usage=usage,
+        )

@@ -1,0 +1,107 @@
+"""Dependencies point one way (DESIGN.md, Layout): the doors (api) and the workers use the OpenAI
+translation (protocol), the store and the engine, and never each other; the engine knows nothing
+of HTTP, SQL, Celery or OpenAI; only the entry points (CLI, service assembly, offline batch mode)
+see everything. Every import counts, including those inside functions and under TYPE_CHECKING."""
+
+from __future__ import annotations
+
+import ast
+import functools
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+
+# Source folder of each unit's modules, as pyproject.toml's package-dir maps them.
+FOLDERS = {
+    "pagedbatch.api": "api",
+    "pagedbatch.workers": "workers",
+    "pagedbatch.store": "store",
+    "pagedbatch.engine": "engine",
+    "pagedbatch.kernels": "kernels",
+    "pagedbatch.migrations": "migrations",
+    "pagedbatch": "pagedbatch",
+}
+ENTRY_POINTS = {"pagedbatch.cli", "pagedbatch.service", "pagedbatch.run_batch"}
+# What each unit may import besides itself. "common" is the rest of the pagedbatch package:
+# settings, ids, addresses, logs, egress rules, model making.
+MAY_IMPORT = {
+    "kernels": set(),
+    "engine": {"kernels"},
+    "common": {"engine", "kernels"},
+    "protocol": {"common", "engine"},
+    "store": {"common"},
+    "migrations": {"common", "store"},
+    "api": {"protocol", "store", "engine", "common"},
+    "workers": {"protocol", "store", "engine", "common"},
+}
+
+
+def unit(module: str) -> str | None:
+    """The unit `module` belongs to; None for the entry points and for outside packages."""
+    if module in ENTRY_POINTS or not (module == "pagedbatch" or module.startswith("pagedbatch.")):
+        return None
+    parts = module.split(".")
+    if len(parts) == 1:
+        return "common"
+    if parts[1] in {"api", "workers", "store", "engine", "kernels", "migrations", "protocol"}:
+        return parts[1]
+    return "common"
+
+
+@functools.cache
+def modules() -> dict[str, Path]:
+    found = {}
+    for package, folder in FOLDERS.items():
+        for path in (ROOT / folder).rglob("*.py"):
+            relative = path.relative_to(ROOT / folder).with_suffix("")
+            parts = [p for p in relative.parts if p != "__init__"]
+            name = ".".join([package, *parts])
+            found.setdefault(name, path)  # pagedbatch/ is walked last: subpackages win
+    return found
+
+
+def imported(module: str, path: Path) -> set[str]:
+    """Every module of ours that `path` imports, resolving relative imports."""
+    names = set()
+    package = module if path.name == "__init__.py" else module.rpartition(".")[0]
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                anchor = package.split(".")[: len(package.split(".")) - node.level + 1]
+                base = ".".join([*anchor, base] if base else anchor)
+            names.add(base)
+            names.update(f"{base}.{alias.name}" for alias in node.names)
+    return {n for n in names if n == "pagedbatch" or n.startswith("pagedbatch.")}
+
+
+def test_the_layout_is_found():
+    found = modules()
+    assert {"pagedbatch.api.app", "pagedbatch.engine.llm_engine", "pagedbatch.cli"} <= set(found)
+    assert any(unit(name) == "protocol" for name in found)
+
+
+@pytest.mark.parametrize("module", sorted(modules()))
+def test_imports_point_one_way(module: str):
+    importer = unit(module)
+    if importer is None:
+        return
+    allowed = MAY_IMPORT[importer] | {importer}
+    wrong = sorted(
+        name
+        for name in imported(module, modules()[module])
+        if unit(name) is not None and unit(name) not in allowed
+    )
+    assert not wrong, f"{module} ({importer}) imports {wrong}"
+
+
+def test_a_forbidden_direction_is_caught(tmp_path):
+    """The check itself: an api module importing a workers module is reported."""
+    path = tmp_path / "bad.py"
+    path.write_text("from pagedbatch.workers.context import WorkerContext\n")
+    assert unit("pagedbatch.workers.context") not in MAY_IMPORT["api"]
+    assert "pagedbatch.workers.context" in imported("pagedbatch.api.bad", path)

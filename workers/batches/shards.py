@@ -1,0 +1,414 @@
+"""Running shards: claiming one fairly, running its requests on this worker's engine, keeping the
+lease alive, and stopping at once when the batch is cancelled or expires.
+
+A `run_shard` task is not bound to a shard: it claims whichever pending shard is fairest when it
+starts. Tenants with the fewest running shards go first, so a small batch is not stuck behind
+another tenant's large one; within a tenant, older batches go first.
+
+Failures stay as small as they can: a line that cannot be run is that line's error line; a
+database outage is ridden out (writes are idempotent, so they are simply retried) and a lease
+that cannot be renewed in time stops the shard, which the reaper hands out again; a shard that
+has failed `max_shard_attempts` times fails its remaining lines rather than run once more.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass
+from typing import Any
+
+from sqlalchemy import func, select, update
+from sqlalchemy.orm import Session
+
+from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.async_llm import EngineDeadError
+from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.protocol.batch_lines import (
+    ENDPOINTS,
+    line_crashed,
+    openai_error_line,
+    response_line,
+)
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
+from pagedbatch.store.batches import fail_pending, record_result, stopping, unfinished_shards
+from pagedbatch.store.db import transaction
+from pagedbatch.store.models import (
+    Batch,
+    BatchRequest,
+    BatchStatus,
+    RequestStatus,
+    Shard,
+    ShardStatus,
+)
+from pagedbatch.store.retry import is_transient, retrying
+from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.metrics import BATCH_REQUESTS
+
+logger = logging.getLogger(__name__)
+
+STOP_CHECK_SECONDS = 0.5  # how soon a cancel reaches the engine
+
+
+@dataclass
+class ClaimedShard:
+    id: int
+    batch_id: str
+    index: int
+    endpoint: str
+    owner: str
+    leased_until: float  # time.monotonic() by which the lease must be renewed
+
+
+@dataclass
+class _Look:
+    """One look for a shard to claim."""
+
+    claimed: ClaimedShard | None = None
+    none_pending: bool = False
+    retired_batch: str | None = None  # a shard of it was out of attempts and failed instead
+    failed_lines: int = 0  # the retired shard's
+
+
+def claim_shard(ctx: WorkerContext) -> ClaimedShard | None:
+    """Lease the fairest pending shard of a running batch, or None if there is none.
+
+    A shard already claimed `max_shard_attempts` times is not run again (each attempt crashed its
+    worker or lost its lease): its unfinished lines fail, and the look goes on.
+    """
+    while True:
+        look = retrying(lambda: _look_for_shard(ctx), "claiming a shard")
+        if look.retired_batch is not None:
+            BATCH_REQUESTS.labels("failed").inc(look.failed_lines)
+            _finalize_when_done(ctx, look.retired_batch)
+        elif look.claimed is not None or look.none_pending:
+            return look.claimed
+        # Another worker took it first, or it was retired: look again.
+
+
+def _look_for_shard(ctx: WorkerContext) -> _Look:
+    with transaction(ctx.session_factory) as session:
+        pending = (
+            select(
+                Shard.id,
+                Shard.owner,
+                Shard.batch_id,
+                Shard.index,
+                Shard.attempts,
+                Batch.endpoint,
+                Batch.created_at,
+            )
+            .join(Batch, Batch.id == Shard.batch_id)
+            .where(Shard.status == ShardStatus.PENDING, Batch.status == BatchStatus.IN_PROGRESS)
+        )
+        candidates = session.execute(pending.order_by(Batch.created_at, Shard.index)).all()
+        if not candidates:
+            return _Look(none_pending=True)
+        running = dict(
+            session.execute(
+                select(Shard.owner, func.count())
+                .where(Shard.status == ShardStatus.RUNNING)
+                .group_by(Shard.owner)
+            ).all()
+        )
+        # First candidate of the least busy tenant; candidates are already oldest first.
+        best = min(candidates, key=lambda c: running.get(c.owner, 0))
+        if best.attempts >= ctx.settings.max_shard_attempts:
+            failed = _retire(session, best.id, best.batch_id, best.index, best.attempts)
+            if failed is None:
+                return _Look()
+            return _Look(retired_batch=best.batch_id, failed_lines=failed)
+        leased_until = time.monotonic() + ctx.settings.lease_seconds
+        claimed = session.execute(
+            update(Shard)
+            .where(Shard.id == best.id, Shard.status == ShardStatus.PENDING)
+            .values(
+                status=ShardStatus.RUNNING,
+                lease_owner=ctx.worker_id,
+                lease_expires_at=time.time() + ctx.settings.lease_seconds,
+                attempts=Shard.attempts + 1,
+            )
+        )
+        if claimed.rowcount != 1:
+            return _Look()
+        return _Look(
+            claimed=ClaimedShard(
+                best.id, best.batch_id, best.index, best.endpoint, best.owner, leased_until
+            )
+        )
+
+
+def _retire(
+    session: Session, shard_id: int, batch_id: str, index: int, attempts: int
+) -> int | None:
+    """Mark a pending shard done, failing its unfinished lines: how many; None if another
+    worker got to it first."""
+    taken = session.execute(
+        update(Shard)
+        .where(Shard.id == shard_id, Shard.status == ShardStatus.PENDING)
+        .values(status=ShardStatus.DONE, lease_owner=None, lease_expires_at=None)
+    )
+    if taken.rowcount != 1:
+        return None
+    error = {
+        "code": "shard_failed",
+        "message": f"This request was not completed: the work on it was tried {attempts} "
+        "times and failed each time.",
+    }
+    failed = fail_pending(session, batch_id, index, error)
+    logger.error(
+        "shard %s of %s failed %d times: not retrying it; %d request(s) failed",
+        index,
+        batch_id,
+        attempts,
+        failed,
+    )
+    return failed
+
+
+def _finalize_when_done(ctx: WorkerContext, batch_id: str, told_to_stop: bool = False) -> None:
+    """Queue the batch's finalization if no shard of it is left, or it was told to stop.
+
+    Counted after the shard's end committed: two shards ending at once must not both miss the
+    other. A batch told to stop is finalized too, even if this shard ended before it noticed: a
+    finalization that ran meanwhile saw this shard running and left it to this one.
+    """
+
+    def should_finalize() -> bool:
+        with ctx.session_factory() as session:
+            remaining = unfinished_shards(session, batch_id)
+            batch = session.get(Batch, batch_id)
+            return remaining == 0 or (batch is not None and stopping(batch))
+
+    if told_to_stop or retrying(should_finalize, "counting a batch's unfinished shards"):
+        retrying(lambda: ctx.queue.enqueue("finalize_batch", batch_id), "queueing a finalization")
+
+
+def run_shard(ctx: WorkerContext) -> None:
+    if ctx.engine is None:
+        raise RuntimeError("run_shard needs a worker with an engine")
+    with ctx.shard_slots:
+        shard = claim_shard(ctx)
+        if shard is None:
+            return
+        logger.info("running shard %s of %s", shard.index, shard.batch_id)
+        asyncio.run(_ShardRun(ctx, ctx.engine, shard).run())
+
+
+class _ShardRun:
+    def __init__(self, ctx: WorkerContext, engine: AsyncLLM, shard: ClaimedShard):
+        self.ctx = ctx
+        self.engine = engine
+        self.shard = shard
+        self.stop = asyncio.Event()
+        self.lease_lost = False
+        # Up to an engine's worth of lines each: the engine runs max_num_seqs at once and queues
+        # the rest by arrival, so the lines of concurrent shards take turns, and a shard running
+        # alone, or the others while one drains its last lines, still fill every seat.
+        self.in_flight = asyncio.Semaphore(engine.engine.args.max_num_seqs)
+        # The batch's tenant, as for its realtime requests: no tenant learns from cached_tokens
+        # what another's prompts began with.
+        self.cache_salt = prefix_cache_salt(
+            ctx.settings.share_prefix_cache_across_tenants, shard.owner
+        )
+
+    async def run(self) -> None:
+        requests = retrying(self._pending_requests, "reading a shard's requests")
+        # A thread of the watcher's own: lines writing their results, slowly while the database
+        # is struggling, must not delay the look that renews the lease.
+        looks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-watch")
+        watcher = asyncio.create_task(self._watch(looks))
+        try:
+            await asyncio.gather(*(self._run_request(r) for r in requests))
+        finally:
+            watcher.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await watcher
+            looks.shutdown(wait=False)  # a look stuck on a dead connection is not waited for
+        if self.lease_lost:
+            logger.warning(
+                "lost the lease of shard %s of %s: left to the reaper",
+                self.shard.index,
+                self.shard.batch_id,
+            )
+            return
+        retrying(self._mark_done, "marking a shard done")
+        _finalize_when_done(self.ctx, self.shard.batch_id, told_to_stop=self.stop.is_set())
+
+    def _pending_requests(self) -> list[BatchRequest]:
+        with self.ctx.session_factory() as session:
+            return list(
+                session.scalars(
+                    select(BatchRequest)
+                    .where(
+                        BatchRequest.batch_id == self.shard.batch_id,
+                        BatchRequest.shard_index == self.shard.index,
+                        BatchRequest.status == RequestStatus.PENDING,
+                    )
+                    .order_by(BatchRequest.line)
+                ).all()
+            )
+
+    def _mark_done(self) -> None:
+        with transaction(self.ctx.session_factory) as session:
+            session.execute(
+                update(Shard)
+                .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
+                .values(status=ShardStatus.DONE, lease_owner=None, lease_expires_at=None)
+            )
+
+    async def _watch(self, looks: ThreadPoolExecutor) -> None:
+        """Renew the lease, and raise the stop flag when the batch is cancelled or expires.
+
+        A look that fails (the database restarting) is tried again at the next tick. If the lease
+        cannot be renewed before it would lapse, the shard stops, its unfinished lines left
+        pending: past its lease the reaper may hand it to another worker.
+        """
+        loop = asyncio.get_running_loop()
+        lease = self.ctx.settings.lease_seconds
+        leased_until = self.shard.leased_until
+        while True:
+            await asyncio.sleep(STOP_CHECK_SECONDS)
+            asked_at = time.monotonic()
+            renew = leased_until - asked_at <= lease * 2 / 3  # every third of the lease
+            try:
+                told_to_stop, renewed = await asyncio.wait_for(
+                    loop.run_in_executor(looks, self._look, renew),
+                    timeout=max(0.0, leased_until - asked_at - STOP_CHECK_SECONDS),
+                )
+            except Exception as e:  # noqa: BLE001 - whatever it is, the lease decides what next
+                if time.monotonic() >= leased_until - STOP_CHECK_SECONDS:
+                    logger.error(
+                        "could not renew the lease of shard %s of %s in time (%s): stopping it",
+                        self.shard.index,
+                        self.shard.batch_id,
+                        type(e).__name__,
+                    )
+                    self._lose_lease()
+                    return
+                if is_transient(e):
+                    logger.warning(
+                        "watching shard %s of %s: %s", self.shard.index, self.shard.batch_id, e
+                    )
+                else:
+                    logger.exception(
+                        "watching shard %s of %s failed", self.shard.index, self.shard.batch_id
+                    )
+                continue
+            if told_to_stop:
+                self.stop.set()
+            if renew:
+                if not renewed:  # the reaper took it: another worker may be running it
+                    self._lose_lease()
+                    return
+                leased_until = asked_at + lease
+
+    def _look(self, renew: bool) -> tuple[bool, bool]:
+        """Whether the batch is stopping, and whether the lease was renewed (only if `renew`)."""
+        with transaction(self.ctx.session_factory) as session:
+            batch = session.get(Batch, self.shard.batch_id)
+            told_to_stop = batch is None or stopping(batch)
+            if not renew:
+                return told_to_stop, False
+            renewed = session.execute(
+                update(Shard)
+                .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
+                .values(lease_expires_at=time.time() + self.ctx.settings.lease_seconds)
+            )
+            return told_to_stop, renewed.rowcount == 1
+
+    def _lose_lease(self) -> None:
+        self.lease_lost = True
+        self.stop.set()
+
+    async def _run_request(self, request: BatchRequest) -> None:
+        async with self.in_flight:
+            if self.stop.is_set():
+                return  # left pending: finalization marks it cancelled or expired
+            try:
+                body = await self._respond(request)
+            except EngineDeadError:
+                raise  # the worker's failure, not the line's: the shard runs again elsewhere
+            except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
+                failure = e if isinstance(e, OpenAIError) else line_crashed(request.custom_id)
+                line = openai_error_line(request.custom_id, failure).model_dump(mode="json")
+                await self._record(request, RequestStatus.FAILED, line)
+                return
+            if body is None:
+                return  # stopped mid-way
+            usage = body.get("usage") or {}
+            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            await self._record(
+                request,
+                RequestStatus.SUCCEEDED,
+                response_line(request.custom_id, 200, body).model_dump(mode="json"),
+                prompt_tokens=usage.get("prompt_tokens", 0),
+                cached_tokens=cached,
+                completion_tokens=usage.get("completion_tokens", 0),
+            )
+
+    async def _respond(self, request: BatchRequest) -> dict[str, Any] | None:
+        """The line's response body; None if the shard was told to stop. Raises OpenAIError with
+        what the endpoint would have answered instead, or whatever else went wrong."""
+        prepared = ENDPOINTS[self.shard.endpoint](request.body, self.engine.engine)
+        try:
+            outputs = await self._generate(prepared)
+        except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small
+            raise OpenAIError(str(e)) from None
+        if outputs is None:
+            return None
+        return prepared.response(outputs).model_dump(mode="json")
+
+    async def _generate(self, prepared: Prepared) -> list[RequestOutput] | None:
+        """Run every engine request of one line; None if the shard was told to stop."""
+
+        async def one(engine_input: Any) -> RequestOutput:
+            final = None
+            async for output in self.engine.generate(
+                engine_input.prompt_token_ids,
+                engine_input.params,
+                # Unique per attempt: a retried shard may overlap a lost one in this engine.
+                request_id=f"{engine_input.request_id}-{uuid.uuid4().hex[:8]}",
+                priority=BATCH_PRIORITY,
+                final_only=True,
+                cache_salt=self.cache_salt,
+            ):
+                final = output
+            return final
+
+        requests = [asyncio.ensure_future(one(i)) for i in prepared.inputs]
+        work = asyncio.gather(*requests)
+        stop = asyncio.create_task(self.stop.wait())
+        try:
+            done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
+            return work.result() if work in done else None
+        finally:
+            # Stopped, or one request failed: closing the others' generators aborts them. Every
+            # outcome is taken, so none is logged as never retrieved.
+            stop.cancel()
+            for request in requests:
+                request.cancel()
+            await asyncio.wait([work, *requests])
+            if not work.cancelled():
+                work.exception()
+
+    async def _record(
+        self, request: BatchRequest, status: RequestStatus, line: dict, **usage: int
+    ) -> None:
+        """Write the line's result, riding out a database outage; in a thread, so that the
+        other lines and the watcher go on meanwhile. Idempotent: a retried write, or a retried
+        shard's, writes nothing and counts nothing."""
+
+        def write() -> bool:
+            with transaction(self.ctx.session_factory) as session:
+                return record_result(session, request, status, line, **usage)
+
+        what = f"recording line {request.line} of {self.shard.batch_id}"
+        if await asyncio.to_thread(retrying, write, what):
+            outcome = "completed" if status == RequestStatus.SUCCEEDED else "failed"
+            BATCH_REQUESTS.labels(outcome).inc()
