@@ -36,6 +36,7 @@ from pagedbatch.api.app import install_error_handling
 from pagedbatch.api.deps import Services
 from pagedbatch.api.realtime import Admission
 from pagedbatch.api.routes import chat, completions
+from pagedbatch.api.routes.engine import settings_in_force
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
@@ -107,6 +108,7 @@ def engine_host_app(
     engine = services.engine
     model = engine.engine.model_name
     figures: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
+    engine_settings = settings_in_force(engine.engine)
     rate = TokenRate()
     beats = 0
 
@@ -129,6 +131,7 @@ def engine_host_app(
             admitted=admission.admitted,
             max_admitted=admission.limit,
             beat=beats,
+            settings=engine_settings,
             **figures,
         )
 

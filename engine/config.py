@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass, field
+from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -12,51 +12,119 @@ import torch
 from pagedbatch.engine.distributed import divide
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+SCHEDULING_POLICIES = ("priority", "fcfs")
+
+
+def arg(
+    default: Any = MISSING,
+    *,
+    doc: str,
+    choices: tuple[Any, ...] | None = None,
+    ge: float | None = None,
+    gt: float | None = None,
+    service_default: Any = MISSING,
+) -> Any:
+    """An EngineArgs field and what is derived from it. `doc` is the flag's help and the
+    setting's description; a value must be one of `choices` and at least `ge` or more than
+    `gt` (None, unset, always passes); `service_default` is where a long-running service
+    defaults otherwise than an offline run."""
+    metadata = {"doc": doc, "choices": choices, "ge": ge, "gt": gt}
+    if service_default is not MISSING:
+        metadata["service_default"] = service_default
+    return field(default=default, metadata=metadata)
 
 
 @dataclass
 class EngineArgs:
-    model: str
-    served_model_name: str | None = None  # defaults to the model directory's base name
-    dtype: str = "auto"  # auto: float32 on CPU, the checkpoint's dtype on GPU
-    device: str = "auto"  # auto: cuda when available
-    max_model_len: int | None = None  # defaults to the model's max_position_embeddings
-    max_num_seqs: int = 128
-    max_num_batched_tokens: int = 2048
-    block_size: int = 16
-    num_kv_blocks: int | None = None  # overrides kv_cache_memory_gib
-    # per rank; default: 2 GiB on CPU, 90% of free memory on GPU
-    kv_cache_memory_gib: float | None = None
-    enable_prefix_caching: bool = True
-    scheduling_policy: str = "priority"  # or "fcfs"
-    # Under the priority policy, while requests of a better priority are in the engine, the
-    # others get at most this many tokens a step (None: no bound of their own), so the steps that
-    # realtime requests wait on stay short under a batch.
-    low_priority_token_budget: int | None = None
-    tensor_parallel_size: int = 1  # ranks (processes; on CUDA, devices from `device` on)
-    seed: int = 0  # for requests that sample without a seed of their own
-    # Log a stats line (throughput, running, waiting, KV usage) this often while there is work;
-    # 0: never. The service turns it on; offline runs have their progress bar.
-    stats_log_interval_seconds: float = 0.0
+    """What a user sets: the one definition of the engine's settings. Each field's default and
+    metadata (see `arg`) also make the flags of `pagedbatch serve`, `worker` and `run-batch`
+    and the `PAGEDBATCH_*` environment variables (pagedbatch/settings.py, pagedbatch/cli.py);
+    constructing one checks every value against them."""
+
+    model: str = arg(
+        doc="model directory in Hugging Face's layout (config.json, safetensors, tokenizer); "
+        "a service without one makes and serves a tiny demo model"
+    )
+    served_model_name: str | None = arg(
+        None, doc="the model's name in the API; default: the model directory's base name"
+    )
+    dtype: str = arg(
+        "auto",
+        doc="weights, activations and KV cache; auto: float32 on CPU, the checkpoint's on GPU",
+        choices=("auto", *DTYPES),
+    )
+    device: str = arg(
+        "auto",
+        doc="cpu, cuda or cuda:N (the first rank's; the others' follow); auto: cuda if present",
+    )
+    max_model_len: int | None = arg(
+        None,
+        doc="the longest sequence, prompt and output together (a longer request is refused); "
+        "default: the model's max_position_embeddings",
+        ge=1,
+    )
+    max_num_seqs: int = arg(128, doc="sequences in the engine's running batch at once", ge=1)
+    max_num_batched_tokens: int = arg(
+        2048, doc="tokens per engine step: running sequences' next tokens, then prefill", ge=1
+    )
+    block_size: int = arg(16, doc="tokens per KV-cache block", ge=1)
+    num_kv_blocks: int | None = arg(
+        None, doc="KV-cache blocks per rank; overrides kv_cache_memory_gib", ge=1
+    )
+    kv_cache_memory_gib: float | None = arg(
+        None,
+        doc="memory for the KV cache, per rank; default: 2 on CPU, 90% of free memory on GPU. "
+        "On CPU its pages are committed as blocks are first used, so RSS grows to it under "
+        "load and then stays",
+        gt=0,
+    )
+    enable_prefix_caching: bool = arg(
+        True, doc="requests whose prompts share a prefix share its KV blocks"
+    )
+    scheduling_policy: str = arg(
+        "priority",
+        doc="priority: lower priority numbers first (the service's realtime requests before "
+        "batch lines), then arrival; fcfs: arrival only",
+        choices=SCHEDULING_POLICIES,
+    )
+    low_priority_token_budget: int = arg(
+        512,
+        doc="under the priority policy, while requests of the best priority present are in the "
+        "engine, the others get at most this many tokens a step: the smaller, the shorter the "
+        "steps the service's realtime requests wait on under a batch, and the less batch "
+        "throughput meanwhile; max_num_batched_tokens or more: no bound of their own",
+        ge=1,
+    )
+    tensor_parallel_size: int = arg(
+        1,
+        doc="ranks the model is split across: processes, each with a device of its own on CUDA "
+        "(device's and the next ones; choose them with CUDA_VISIBLE_DEVICES)",
+        ge=1,
+    )
+    seed: int = arg(0, doc="the seed of requests that sample without one of their own")
+    stats_log_interval_seconds: float = arg(
+        0.0,
+        doc="log a stats line (throughput, running, waiting, KV usage) this often while there "
+        "is work; 0: never (an offline run has its progress bar)",
+        ge=0,
+        service_default=5.0,
+    )
 
     def __post_init__(self) -> None:
-        positive = (
-            "max_num_seqs",
-            "max_num_batched_tokens",
-            "block_size",
-            "tensor_parallel_size",
-            "low_priority_token_budget",
-        )
-        for name in positive:
-            if getattr(self, name) is not None and getattr(self, name) < 1:
-                raise ValueError(f"{name} must be at least 1, got {getattr(self, name)}")
-        if self.stats_log_interval_seconds < 0:
-            raise ValueError(
-                f"stats_log_interval_seconds must not be negative, got "
-                f"{self.stats_log_interval_seconds}"
-            )
-        if self.dtype != "auto" and self.dtype not in DTYPES:
-            raise ValueError(f"dtype must be auto or one of {sorted(DTYPES)}, got {self.dtype!r}")
+        for f in fields(self):
+            _check(f.name, getattr(self, f.name), f.metadata)
+
+
+def _check(name: str, value: Any, metadata: Any) -> None:
+    if value is None:
+        return
+    choices, ge, gt = metadata["choices"], metadata["ge"], metadata["gt"]
+    if choices is not None and value not in choices:
+        raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
+    if ge is not None and value < ge:
+        raise ValueError(f"{name} must be at least {ge}, got {value}")
+    if gt is not None and value <= gt:
+        raise ValueError(f"{name} must be more than {gt}, got {value}")
 
 
 @dataclass

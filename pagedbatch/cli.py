@@ -3,62 +3,133 @@
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pagedbatch.addresses import is_loopback
 
+NONE = type(None)
 ARCHS = ("llama", "qwen2", "mistral")
 SIZES = ("tiny", "small", "medium")
 
 
 def add_engine_args(parser: argparse.ArgumentParser) -> None:
-    """Flags for EngineArgs fields; names as vLLM spells them."""
+    """A flag for every EngineArgs field, typed and checked as it says, for a command that
+    builds an engine itself (`run-batch`); a flag not given leaves EngineArgs's default."""
+    from pagedbatch.engine.config import EngineArgs
+
     g = parser.add_argument_group("engine")
-    g.add_argument("--model", required=True, help="model directory (Hugging Face layout)")
-    g.add_argument("--served-model-name", default=None)
-    g.add_argument("--dtype", default="auto", choices=["auto", "float32", "bfloat16", "float16"])
-    g.add_argument("--device", default="auto")
-    g.add_argument("--max-model-len", type=int, default=None)
-    g.add_argument("--max-num-seqs", type=int, default=128)
-    g.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    g.add_argument("--block-size", type=int, default=16)
-    g.add_argument("--num-kv-blocks", type=int, default=None)
-    g.add_argument("--kv-cache-memory-gib", type=float, default=None)
-    g.add_argument(
-        "--no-prefix-caching", dest="enable_prefix_caching", action="store_false", default=True
-    )
-    g.add_argument("--scheduling-policy", default="priority", choices=["priority", "fcfs"])
-    g.add_argument("--tensor-parallel-size", type=int, default=1)
+    hints = get_type_hints(EngineArgs)
+    for arg in dataclasses.fields(EngineArgs):
+        # `int | None` is parsed as int: None is what a flag not given leaves.
+        value_type = next(
+            t for t in get_args(hints[arg.name]) or [hints[arg.name]] if t is not NONE
+        )
+        required = arg.default is dataclasses.MISSING
+        _add_flag(
+            g,
+            arg.name,
+            dest=arg.name,
+            doc=arg.metadata["doc"],
+            default=None if required else arg.default,
+            parse=_yes_or_no if value_type is bool else value_type,
+            choices=arg.metadata["choices"],
+            switch=value_type is bool,
+            required=required,
+        )
 
 
-def engine_kwargs(args: argparse.Namespace) -> dict:
-    names = (
-        "served_model_name", "dtype", "device", "max_model_len", "max_num_seqs",
-        "max_num_batched_tokens", "block_size", "num_kv_blocks", "kv_cache_memory_gib",
-        "enable_prefix_caching", "scheduling_policy", "tensor_parallel_size",
-    )  # fmt: skip
-    return {name: getattr(args, name) for name in names}
+def engine_kwargs(args: argparse.Namespace) -> dict[str, Any]:
+    """The EngineArgs fields given by `add_engine_args`'s flags, but `model`."""
+    from pagedbatch.engine.config import EngineArgs
+
+    given = {arg.name: getattr(args, arg.name) for arg in dataclasses.fields(EngineArgs)}
+    return {name: value for name, value in given.items() if name != "model" and value is not None}
 
 
 def add_settings_args(parser: argparse.ArgumentParser) -> None:
-    """A flag for every service setting (`--database-url` for PAGEDBATCH_DATABASE_URL, ...);
-    a flag given wins over the environment."""
-    from pagedbatch.settings import Settings
+    """A flag for every service setting (`--database-url` for PAGEDBATCH_DATABASE_URL, ...),
+    the engine's included (`--max-num-seqs` for PAGEDBATCH_MAX_NUM_SEQS); a flag given wins over
+    the environment. Values stay text here: Settings parses and checks them as the
+    environment's."""
+    from pagedbatch.settings import ENGINE_SETTINGS, ENV_PREFIX, Settings
 
-    g = parser.add_argument_group("service settings (also PAGEDBATCH_* environment variables)")
+    engine = parser.add_argument_group(f"engine settings (also {ENV_PREFIX}* variables)")
+    service = parser.add_argument_group(f"service settings (also {ENV_PREFIX}* variables)")
     for name, field in Settings.model_fields.items():
-        flag = "--" + name.replace("_", "-")
-        # A yes-or-no setting's flag alone means yes (`--allow-unauthenticated`).
-        switch = {"nargs": "?", "const": "true"} if field.annotation is bool else {}
-        g.add_argument(
-            flag,
+        _add_flag(
+            engine if name in ENGINE_SETTINGS else service,
+            name,
             dest=f"setting_{name}",
-            default=None,
-            metavar=name.upper(),
-            help=field.description,
-            **switch,
+            doc=field.description,
+            default=field.get_default(call_default_factory=True),
+            parse=str,
+            choices=_literal_choices(field.annotation),
+            switch=field.annotation is bool,
         )
+
+
+def _add_flag(
+    group: argparse._ArgumentGroup,
+    name: str,
+    *,
+    dest: str,
+    doc: str | None,
+    default: Any,
+    parse: Callable[[str], Any],
+    choices: Sequence[Any] | None = None,
+    switch: bool = False,
+    required: bool = False,
+) -> None:
+    """`--the-name` for the setting `the_name`, stored in `dest` when given (else None). A
+    yes-or-no one (`switch`) alone means yes (`--allow-unauthenticated`) and has a `--no-` flag
+    too (`--no-prefix-caching` for `enable_prefix_caching`)."""
+    flag = "--" + name.replace("_", "-")
+    shown = None if default in (None, [], "") else f"(default: {_shown(default)})"
+    help_text = " ".join(filter(None, [doc, shown])).replace("%", "%%")  # argparse formats it
+    if not switch:
+        group.add_argument(
+            flag,
+            dest=dest,
+            type=parse,
+            choices=choices,
+            required=required,
+            metavar=None if choices else name.upper(),
+            help=help_text,
+        )
+        return
+    yes, no = parse("true"), parse("false")
+    group.add_argument(
+        flag, dest=dest, nargs="?", const=yes, type=parse, metavar="BOOL", help=help_text
+    )
+    negative = "--no-" + name.removeprefix("enable_").replace("_", "-")
+    group.add_argument(negative, dest=dest, action="store_const", const=no, help=f"{flag} false")
+
+
+def _shown(default: Any) -> str:
+    if isinstance(default, bool):
+        return str(default).lower()
+    return str(default)
+
+
+def _yes_or_no(text: str) -> bool:
+    """A yes-or-no flag's value, spelled as the environment's may be."""
+    lowered = text.lower()
+    if lowered in ("true", "1", "yes", "on"):
+        return True
+    if lowered in ("false", "0", "no", "off"):
+        return False
+    raise argparse.ArgumentTypeError(f"expected true or false, got {text!r}")
+
+
+def _literal_choices(annotation: Any) -> tuple[Any, ...] | None:
+    """The values a Literal annotation (alone or with None) allows; None for any other."""
+    for candidate in (annotation, *get_args(annotation)):
+        if get_origin(candidate) is Literal:
+            return get_args(candidate)
+    return None
 
 
 def settings_from_args(args: argparse.Namespace):

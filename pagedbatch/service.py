@@ -59,13 +59,13 @@ def served_model_name(settings: Settings) -> str:
 
 
 def start_engine(settings: Settings) -> AsyncLLM:
+    """The engine with every engine setting; the model is the demo one if none is set."""
     return AsyncLLM(
-        str(model_dir(settings)),
-        served_model_name=served_model_name(settings),
-        stats_log_interval_seconds=settings.stats_log_interval_seconds,
-        tensor_parallel_size=settings.tensor_parallel_size,
-        kv_cache_memory_gib=settings.kv_cache_memory_gib,
-        low_priority_token_budget=settings.batch_tokens_under_realtime or None,
+        **{
+            **settings.engine_args(),
+            "model": str(model_dir(settings)),
+            "served_model_name": served_model_name(settings),
+        }
     )
 
 

@@ -1,5 +1,9 @@
 """Every setting of the service, in one place: environment (`PAGEDBATCH_*`) or CLI flags.
 
+The engine's settings are not restated here: EngineSettings derives them from EngineArgs's
+fields (type, default, bounds, choices, doc), so `PAGEDBATCH_MAX_NUM_SEQS` is EngineArgs's
+`max_num_seqs`, under one name everywhere.
+
 Unset storage settings mean the embedded deployment: SQLite and a local directory under
 `data_dir`, and an in-process queue. Setting `database_url`, `broker_url` and `s3_bucket` selects
 the distributed one (PostgreSQL, Redis and S3).
@@ -7,21 +11,52 @@ the distributed one (PostgreSQL, Redis and S3).
 
 from __future__ import annotations
 
+import dataclasses
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated
+from typing import Annotated, Any, Literal, get_type_hints
 
-from pydantic import Field, field_validator
+from pydantic import Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from pagedbatch.engine.config import EngineArgs
 from pagedbatch.logs import LogFormat
 
 DAY = 24 * 3600
+ENV_PREFIX = "PAGEDBATCH_"
 
 
-class Settings(BaseSettings):
-    model_config = SettingsConfigDict(env_prefix="PAGEDBATCH_", extra="ignore")
+class _Settings(BaseSettings):
+    model_config = SettingsConfigDict(env_prefix=ENV_PREFIX, extra="ignore")
 
+
+def _engine_setting(arg: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
+    """An EngineArgs field as a setting (type, default, bounds, choices, description). The
+    default is the service's where it has one of its own, and None for the one field the
+    engine requires (`model`: the service then serves a demo model)."""
+    meta = arg.metadata
+    default = meta.get("service_default", arg.default)
+    if default is dataclasses.MISSING:
+        default = None
+    if meta["choices"] is not None:
+        hint = Literal[meta["choices"]]
+    if default is None:
+        hint = hint | None
+    return hint, Field(default, description=meta["doc"], ge=meta["ge"], gt=meta["gt"])
+
+
+_hints = get_type_hints(EngineArgs)
+# The engine's settings; Settings adds the service's own.
+EngineSettings = create_model(
+    "EngineSettings",
+    __base__=_Settings,
+    __doc__="EngineArgs's fields as settings; Settings.engine_args() gives them to the engine.",
+    **{arg.name: _engine_setting(arg, _hints[arg.name]) for arg in dataclasses.fields(EngineArgs)},
+)
+ENGINE_SETTINGS = tuple(f.name for f in dataclasses.fields(EngineArgs))
+
+
+class Settings(EngineSettings):
     # Where things live.
     data_dir: Path = Path("data")
     database_url: str | None = None  # default: SQLite in data_dir
@@ -45,10 +80,8 @@ class Settings(BaseSettings):
     # Log lines on stderr: "text", or "json" (an object a line, with the request id in requests).
     log_format: LogFormat = "text"
 
-    # Observability. Each engine logs a stats line (throughput, running, waiting, KV usage) this
-    # often while it has work; 0: never. A worker serves /metrics on this port (at `host`); 0:
-    # not at all. The API serves /metrics on its own port.
-    stats_log_interval_seconds: float = Field(5.0, ge=0)
+    # Observability. A worker serves /metrics on this port (at `host`); 0: not at all. The API
+    # serves /metrics on its own port.
     worker_metrics_port: int = Field(8001, ge=0)
     # The bearer token the API's /metrics requires (Prometheus: `authorization.credentials`).
     # With api_keys set and no token, /metrics answers 403: it tells of every tenant's work.
@@ -56,17 +89,6 @@ class Settings(BaseSettings):
     # The job store's figures on /metrics are read at most this often (they are GROUP BYs over
     # whole tables); scrapes in between get the last reading.
     metrics_cache_seconds: float = Field(10.0, ge=0, le=300)
-
-    # The model; unset: the built-in tiny demo model, made on first start.
-    model: str | None = None
-    served_model_name: str | None = None
-    # Ranks the model is split across: a worker's engine claims this many GPUs (cuda:0 on; pick
-    # them with CUDA_VISIBLE_DEVICES), or runs this many processes on CPU.
-    tensor_parallel_size: int = Field(1, ge=1)
-    # Memory for the engine's KV cache; unset: the engine's default (all free GPU memory but a
-    # margin; 2 GiB on CPU). On CPU the cache is reserved at start but its pages are committed
-    # as blocks are first used, so the process's RSS grows to this much and then stays.
-    kv_cache_memory_gib: float | None = Field(None, gt=0, le=4096)
 
     # Realtime work: sequences (prompts × n of each request) admitted into an engine at once,
     # waiting or running, per engine; beyond it clients get a 429 with Retry-After rather than an
@@ -83,10 +105,6 @@ class Settings(BaseSettings):
     # cache_salt is the tenant): cached_tokens and first-token latency then tell nothing of
     # other tenants' prompts. On, all tenants share one prefix cache, which saves more compute.
     share_prefix_cache_across_tenants: bool = False
-    # While realtime requests are in an engine, batch lines get at most this many tokens a step
-    # (0: no bound but the engine's step budget): the smaller, the shorter the steps realtime
-    # requests wait on, and the less batch throughput while they run.
-    batch_tokens_under_realtime: int = Field(512, ge=0)
 
     # Distributed realtime work: each worker's engine host serves the realtime endpoints over
     # HTTP at engine_host:engine_port (0: any free port) and heartbeats its address and load into
@@ -105,6 +123,11 @@ class Settings(BaseSettings):
     shard_size: int = 256  # requests per shard
     worker_concurrency: int = 2  # shards one engine runs at once (embedded; workers' default)
     lease_seconds: float = 60.0  # a shard's lease; its worker renews it at a third of this
+    # A shard writes its finished lines a flush at a time, one transaction each: once this many
+    # wait or the oldest has waited this many ms, whichever comes first. request_counts move a
+    # flush at a time; a worker that dies loses (and its shard's next run redoes) at most those.
+    result_flush_lines: int = Field(64, ge=1)
+    result_flush_ms: int = Field(200, ge=0, le=60_000)
     # The slower upkeep jobs (expiring batches, re-driving stuck finalizations, sweeping
     # webhooks, deleting expired files) run this often; reaping shards runs every upkeep tick.
     reaper_interval_seconds: float = Field(15.0, gt=0, le=3600)
@@ -175,3 +198,7 @@ class Settings(BaseSettings):
     @property
     def distributed(self) -> bool:
         return self.broker_url is not None
+
+    def engine_args(self) -> dict[str, Any]:
+        """The engine's settings, as EngineArgs keywords (`model` None: not set)."""
+        return {name: getattr(self, name) for name in ENGINE_SETTINGS}

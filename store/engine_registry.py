@@ -10,7 +10,8 @@ a distributed deployment needs nothing more.
 from __future__ import annotations
 
 import json
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
+from typing import Any
 
 from redis.asyncio import Redis
 
@@ -30,6 +31,7 @@ class EngineRecord:
     max_admitted: int  # beyond this many, realtime requests get a 429
     beat: int  # counts this host's heartbeats: a new value means new figures
     tokens_per_second: float | None = None  # generated, over about the last 10 s
+    settings: dict[str, Any] = field(default_factory=dict)  # the engine's, in force
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

@@ -1,19 +1,22 @@
-"""`/v1/engine/stats`: how busy the engines are, for the status page and for operators.
+"""`/v1/engine/stats`: how busy the engines are and the settings they run with, for the status
+page and for operators.
 
 Embedded, the figures come from the engine in this process; in the distributed API, from the
-live engine hosts' latest heartbeats.
+live engine hosts' latest heartbeats, which carry their engines' settings too.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from typing import Literal
+from dataclasses import asdict
+from typing import Any, Literal
 
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
 from pagedbatch.api.deps import ServicesDep
+from pagedbatch.engine import LLMEngine
 
 router = APIRouter(prefix="/engine", tags=["engine"])
 
@@ -31,6 +34,11 @@ class EngineLoad(BaseModel):
     tokens_per_second: float | None = Field(
         description="Tokens generated per second over about the last 10 s; null on the first "
         "reading."
+    )
+    settings: dict[str, Any] = Field(
+        description="The engine's settings in force (EngineArgs, as PAGEDBATCH_* variables and "
+        "flags name them), with what it resolved at start for auto and unset ones: "
+        "served_model_name, dtype, device, max_model_len, num_kv_blocks.",
     )
 
 
@@ -55,6 +63,7 @@ async def engine_stats(services: ServicesDep) -> EngineStats:
                 waiting=h.waiting,
                 kv_usage=h.kv_usage,
                 tokens_per_second=h.tokens_per_second,
+                settings=h.settings,
             )
             for h in hosts
         ]
@@ -74,5 +83,19 @@ async def engine_stats(services: ServicesDep) -> EngineStats:
         tokens_per_second=services.generation_rate.update(
             stats["generation_tokens"], time.monotonic()
         ),
+        settings=settings_in_force(engine.engine),
     )
     return EngineStats(available=True, engines=[load])
+
+
+def settings_in_force(engine: LLMEngine) -> dict[str, Any]:
+    """`engine`'s arguments, with what it resolved at start in place of auto and unset values.
+    They do not change while it runs."""
+    return {
+        **asdict(engine.args),
+        "served_model_name": engine.model_name,
+        "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "device": str(engine.runner.device),
+        "max_model_len": engine.max_model_len,
+        "num_kv_blocks": engine.runner.num_blocks,
+    }

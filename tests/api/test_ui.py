@@ -64,6 +64,7 @@ def test_the_embedded_engine_reports_its_load_and_rate(serve_batches):
         first = http.get("/v1/engine/stats").json()
         assert first["available"] is True
         [engine] = first["engines"]
+        assert engine.pop("settings")["served_model_name"] == "tiny"  # test_engine_settings.py
         assert engine == {
             "id": "embedded",
             "model": "tiny",

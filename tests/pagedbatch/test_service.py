@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import dataclasses
+
 from pagedbatch.service import start_engine
-from pagedbatch.settings import Settings
+from pagedbatch.settings import ENGINE_SETTINGS, Settings
 
 
 def test_the_kv_cache_memory_setting_sizes_the_engines_cache(make_checkpoint, tmp_path):
@@ -15,5 +17,35 @@ def test_the_kv_cache_memory_setting_sizes_the_engines_cache(make_checkpoint, tm
         engine = llm.engine
         expected = int(0.01 * 2**30 // engine.runner.kv_bytes_per_block)
         assert engine.get_stats()["total_kv_blocks"] == expected
+    finally:
+        llm.shutdown()
+
+
+def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
+    given = {
+        "model": str(tiny_llama),
+        "served_model_name": "tiny",
+        "dtype": "float32",
+        "device": "cpu",
+        "max_model_len": 512,
+        "max_num_seqs": 4,
+        "max_num_batched_tokens": 256,
+        "block_size": 8,
+        "num_kv_blocks": 40,
+        "kv_cache_memory_gib": 0.1,
+        "enable_prefix_caching": False,
+        "scheduling_policy": "fcfs",
+        "low_priority_token_budget": 32,
+        "tensor_parallel_size": 1,
+        "seed": 7,
+        "stats_log_interval_seconds": 0.5,
+    }
+    assert set(given) == set(ENGINE_SETTINGS)  # a new setting belongs here too
+    llm = start_engine(Settings(data_dir=tmp_path, **given))
+    try:
+        engine = llm.engine
+        assert dataclasses.asdict(engine.args) == given
+        assert engine.max_model_len == 512
+        assert engine.get_stats()["total_kv_blocks"] == 40
     finally:
         llm.shutdown()
