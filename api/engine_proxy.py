@@ -32,6 +32,7 @@ from pagedbatch.api.realtime import (
     CLIENT_CLOSED_REQUEST,
     OWNER_HEADER,
     SlowReader,
+    engine_unavailable,
     send_within,
     too_busy,
     unless_disconnected,
@@ -114,7 +115,7 @@ class EngineProxy:
         hosts = rank(live, model, self._sent)
         if not hosts:
             if model in configured or any(r.model == model for r in self._records):
-                raise engine_unavailable(model)
+                raise _none_reachable(model)
             raise model_not_found(model)
         headers = {
             **self._auth,
@@ -157,20 +158,16 @@ class EngineProxy:
             return UpstreamResponse(upstream, send_timeout)
         if full:  # and the rest could not be reached
             return all_engines_full(model)
-        raise engine_unavailable(model)
+        raise _none_reachable(model)
 
     def _pass_over(self, host: EngineRecord) -> None:
         self._unreachable[host.id] = time.monotonic() + self._skip_seconds
 
 
-def engine_unavailable(model: str) -> OpenAIError:
-    return OpenAIError(
+def _none_reachable(model: str) -> OpenAIError:
+    return engine_unavailable(
         f"No engine serving model '{model}' can be reached right now: its workers are down or "
-        "starting. Please try again later.",
-        status_code=503,
-        type="server_error",
-        param="model",
-        code="engine_unavailable",
+        "starting. Please try again later."
     )
 
 
@@ -218,10 +215,5 @@ async def _relay(upstream: httpx.Response) -> AsyncGenerator[bytes, None]:
             raise  # the client's connection is cut short too: the truth, as far as it goes
         # Between two events: the client can be told properly.
         yield StreamEncoder.error(
-            OpenAIError(
-                "The engine serving this request stopped. Please try again.",
-                status_code=503,
-                type="server_error",
-                code="engine_unavailable",
-            )
+            engine_unavailable("The engine serving this request stopped. Please try again.", None)
         )

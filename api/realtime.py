@@ -137,12 +137,8 @@ def _engine_for(services: Services, model: str) -> AsyncLLM:
         raise model_not_found(model)
     if services.engine is None:
         # An app given neither an engine nor a way to the workers' (a Files-only app).
-        raise OpenAIError(
-            f"No engine serves model '{model}' right now. Please try again later.",
-            status_code=503,
-            type="server_error",
-            param="model",
-            code="engine_unavailable",
+        raise engine_unavailable(
+            f"No engine serves model '{model}' right now. Please try again later."
         )
     return services.engine
 
@@ -285,6 +281,17 @@ def _admission(request: Request) -> Admission:
             settings.max_realtime_queue, settings.realtime_tenant_share
         )
     return state.realtime_admission
+
+
+def engine_unavailable(message: str, param: str | None = "model") -> OpenAIError:
+    """The 503 of a realtime request no engine can take, embedded or distributed."""
+    return OpenAIError(
+        message,
+        status_code=503,
+        type="server_error",
+        param=param,
+        code="engine_unavailable",
+    )
 
 
 def too_busy(reason: str) -> JSONResponse:

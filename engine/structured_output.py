@@ -1,8 +1,10 @@
-"""Structured output: JSON mode, JSON Schema and tool calls, enforced token by token by xgrammar.
+"""Structured output: JSON mode, JSON Schema, structural tags and grammars, enforced token by
+token by xgrammar.
 
 Two halves. `StructuredOutput` is plain data a caller puts in `SamplingParams.structured`: it is
-built (and so validated) from OpenAI's `response_format`, `tools` and `tool_choice` before any
-engine work, and carries the grammar as xgrammar EBNF text. `GrammarRuntime` is the engine's:
+built (and so validated) before any engine work, and carries the grammar as xgrammar EBNF text.
+What an API's fields ask for (OpenAI's `response_format` and tools: pagedbatch/protocol/
+structured_output.py) is the caller's to turn into one. `GrammarRuntime` is the engine's:
 it compiles grammars against the tokenizer in a background thread (cached, least recently used
 dropped), keeps one matcher per constrained request, masks the logits of each step in one batched
 call, and says when a grammar has ended so the engine stops the request without waiting for EOS.
@@ -30,7 +32,6 @@ import numpy as np
 import torch
 import xgrammar as xgr
 from pydantic import ValidationError
-from xgrammar import structural_tag as st
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -38,15 +39,6 @@ if TYPE_CHECKING:
     from pagedbatch.engine.request import Request
 
 logger = logging.getLogger(__name__)
-
-# A tool call exactly as the chat template (pagedbatch/demo_tokenizer.py, Qwen2.5's layout)
-# renders one from the history, so the model writes them the way it reads them.
-TOOL_CALL_START = "<tool_call>\n"
-TOOL_CALL_END = "}\n</tool_call>"
-_TOOL_CALL_SEPARATOR = "\n"
-_TOOL_CALL_OPENING = TOOL_CALL_START.strip()
-_TOOL_CALL_BLOCK = re.compile(r"<tool_call>\n(.*?)\n</tool_call>", re.DOTALL)
-_FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
 
 
 @dataclass(frozen=True)
@@ -79,12 +71,10 @@ MAX_GRAMMAR_CHARS = 2**20
 
 @dataclass(frozen=True)
 class StructuredOutput:
-    """What a request's output must be: the grammar (xgrammar EBNF) and, for tool calls, the
-    functions it may name. Build one with `json_object`, `json_schema`, `tool_calls` or
-    `from_openai`; a hand-written grammar is checked on construction."""
+    """What a request's output must be: a grammar (xgrammar EBNF). Build one with `json_object`,
+    `json_schema` or `structural_tag`; a hand-written grammar is checked on construction."""
 
     grammar: str
-    tool_names: tuple[str, ...] = ()  # empty: the output holds no tool calls
 
     def __post_init__(self) -> None:
         _check_ebnf(self.grammar)
@@ -110,200 +100,17 @@ class StructuredOutput:
         return cls(_json_grammar(_canonical(schema), strict, limits))
 
     @classmethod
-    def tool_calls(
-        cls,
-        tools: Sequence[Mapping[str, Any]],
-        choice: str = "auto",
-        parallel: bool = True,
-        answer: StructuredOutput | None = None,
-        limits: OutputLimits = OutputLimits(),
-    ) -> StructuredOutput:
-        """Tool calls to OpenAI function `tools` ({"type": "function", "function": {...}}).
-
-        `choice`: "auto" (text, or `answer` when given, or tool calls), "required" (one or more
-        calls, nothing else) or a function's name (exactly one call to it). `parallel` allows
-        up to `limits.max_items` calls in one turn.
-        """
-        functions = _functions(tools)
-        names = tuple(f["name"] for f in functions)
-        if choice not in ("auto", "required") and choice not in names:
-            raise ValueError(f"tool_choice names function {choice!r}, which is not in tools")
-        tags = [
-            st.TagFormat(
-                begin=f'{TOOL_CALL_START}{{"name": {json.dumps(f["name"])}, "arguments": ',
-                content=st.GrammarFormat(grammar=_arguments_grammar(f, limits)),
-                end=TOOL_CALL_END,
-            )
-            for f in functions
-            if choice in ("auto", "required") or f["name"] == choice
-        ]
-        call: st.Format = tags[0] if len(tags) == 1 else st.OrFormat(elements=tags)
-        calls = call
-        if parallel:
-            another = st.SequenceFormat(
-                elements=[st.ConstStringFormat(value=_TOOL_CALL_SEPARATOR), call]
-            )
-            more = st.RepeatFormat(min=0, max=limits.max_items - 1, content=another)
-            calls = st.SequenceFormat(elements=[call, more])
-        form: st.Format
-        if choice not in ("auto", "required"):
-            form = call
-        elif choice == "required":
-            form = calls
-        elif answer is not None:
-            form = st.OrFormat(elements=[st.GrammarFormat(grammar=answer.grammar), calls])
-        else:
-            # Free text until the model opens a call; the call itself is then enforced.
-            form = st.TriggeredTagsFormat(
-                triggers=[_TOOL_CALL_OPENING], tags=tags, stop_after_first=not parallel
-            )
-        grammar = str(xgr.Grammar.from_structural_tag(st.StructuralTag(format=form)))
-        return cls(grammar, tool_names=names)
-
-
-def from_openai(
-    response_format: Mapping[str, Any] | None = None,
-    tools: Sequence[Mapping[str, Any]] | None = None,
-    tool_choice: str | Mapping[str, Any] | None = None,
-    parallel_tool_calls: bool = True,
-    limits: OutputLimits = OutputLimits(),
-) -> StructuredOutput | None:
-    """The constraint an OpenAI chat request asks for (fields as plain JSON), or None for none.
-
-    Raises ValueError naming the problem: the API answers it with a 400.
-    """
-    answer = _response_format(response_format or {"type": "text"}, limits)
-    choice = tool_choice if tool_choice is not None else ("auto" if tools else "none")
-    if isinstance(choice, Mapping):
-        tools, choice = _resolve_choice(choice, tools or [])
-    elif choice not in ("none", "auto", "required"):
-        raise ValueError(f"tool_choice must be none, auto, required or a function, got {choice!r}")
-    if choice == "none" or (choice == "auto" and not tools):
-        return answer
-    if not tools:
-        raise ValueError(f"tool_choice {choice!r} needs at least one tool")
-    return StructuredOutput.tool_calls(tools, choice, parallel_tool_calls, answer, limits)
-
-
-def _response_format(form: Mapping[str, Any], limits: OutputLimits) -> StructuredOutput | None:
-    kind = form.get("type")
-    if kind == "text":
-        return None
-    if kind == "json_object":
-        return StructuredOutput.json_object(limits)
-    if kind != "json_schema":
-        raise ValueError(f"response_format type must be text, json_object or json_schema: {kind!r}")
-    spec = form.get("json_schema")
-    if not isinstance(spec, Mapping):
-        raise ValueError("response_format json_schema needs a json_schema object")
-    if not _FUNCTION_NAME.match(str(spec.get("name", ""))):
-        raise ValueError("response_format json_schema.name must be 1-64 of a-z, A-Z, 0-9, _ and -")
-    schema = spec.get("schema")
-    if schema is None:
-        return StructuredOutput.json_object(limits)
-    return StructuredOutput.json_schema(schema, bool(spec.get("strict")), limits)
-
-
-def _resolve_choice(
-    choice: Mapping[str, Any], tools: Sequence[Mapping[str, Any]]
-) -> tuple[list[Mapping[str, Any]], str]:
-    """A named or allowed-tools choice as (the tools it leaves, a plain choice)."""
-    kind = choice.get("type")
-    if kind == "function":
-        name = (choice.get("function") or {}).get("name")
-        return list(tools), str(name)
-    if kind == "allowed_tools":
-        allowed = choice.get("allowed_tools") or {}
-        names = {(t.get("function") or {}).get("name") for t in allowed.get("tools") or []}
-        declared = {(t.get("function") or {}).get("name") for t in tools}
-        if unknown := sorted(str(n) for n in names - declared):
-            raise ValueError(f"tool_choice allowed_tools names functions not in tools: {unknown}")
-        if allowed.get("mode") not in ("auto", "required"):
-            raise ValueError("tool_choice allowed_tools.mode must be auto or required")
-        kept = [t for t in tools if (t.get("function") or {}).get("name") in names]
-        return kept, allowed["mode"]
-    raise ValueError(f"tool_choice type must be function or allowed_tools, got {kind!r}")
-
-
-def _functions(tools: Sequence[Mapping[str, Any]]) -> list[Mapping[str, Any]]:
-    functions = []
-    for i, tool in enumerate(tools):
-        if tool.get("type") != "function" or not isinstance(tool.get("function"), Mapping):
-            raise ValueError(f"tools[{i}]: only function tools are supported")
-        function = tool["function"]
-        if not _FUNCTION_NAME.match(str(function.get("name", ""))):
-            raise ValueError(f"tools[{i}]: function name must be 1-64 of a-z, A-Z, 0-9, _ and -")
-        functions.append(function)
-    names = [f["name"] for f in functions]
-    if duplicated := sorted({n for n in names if names.count(n) > 1}):
-        raise ValueError(f"tools declare these functions more than once: {duplicated}")
-    if not functions:
-        raise ValueError("tools must declare at least one function")
-    return functions
-
-
-def _arguments_grammar(function: Mapping[str, Any], limits: OutputLimits) -> str:
-    # OpenAI: leaving out `parameters` declares a function that takes no arguments.
-    schema = function.get("parameters")
-    if schema is None:
-        schema = {"type": "object", "properties": {}}
-    if not isinstance(schema, Mapping) or schema.get("type") != "object":
-        raise ValueError(f"function {function['name']!r}: parameters must be an object schema")
-    try:
-        return _json_grammar(_canonical(schema), bool(function.get("strict")), limits)
-    except ValueError as e:
-        raise ValueError(f"function {function['name']!r}: {e}") from None
-
-
-# Tool calls in the output --------------------------------------------------------------------
-
-
-@dataclass(frozen=True)
-class ToolCall:
-    name: str
-    arguments: str  # the arguments object as JSON text, as OpenAI's tool_calls carry it
-
-
-def parse_tool_calls(text: str, complete: bool = True) -> tuple[str | None, list[ToolCall]]:
-    """Split an output into its text (None if blank) and its tool calls, in order.
-
-    A block that is not a well-formed call (only possible in unconstrained text) stays text.
-    With `complete=False`, `text` is an output still growing: the text returned is the part that
-    can no longer turn into a call, so a stream can send it at once. Each such text is a prefix of
-    the next and of the final one, so streamed pieces join into exactly the final text.
-    """
-    calls: list[ToolCall] = []
-    kept: list[str] = []
-    position = 0
-    for block in _TOOL_CALL_BLOCK.finditer(text):
+    def structural_tag(cls, form: dict[str, Any]) -> StructuredOutput:
+        """Output of the shape `form`, an xgrammar structural-tag format in its JSON form: text
+        between a begin and an end around a content, sequences, alternatives and repeats of
+        formats, free text until a trigger opens a tag. A `{"type": "grammar"}` content is EBNF,
+        such as another StructuredOutput's grammar. Raises ValueError naming what is wrong."""
         try:
-            call = json.loads(block.group(1))
-            calls.append(ToolCall(call["name"], json.dumps(call["arguments"], ensure_ascii=False)))
-        except (ValueError, KeyError, TypeError):
-            continue
-        kept.append(text[position : block.start()])
-        position = block.end()
-    tail = text[position:]
-    if not complete:
-        tail = _settled(tail)
-    kept.append(tail)
-    content = "".join(kept)
-    if complete:
-        return content.strip() or None, calls
-    # Leading blanks go only if text follows them; trailing ones wait to see what follows.
-    return content.lstrip().rstrip(), calls
-
-
-def _settled(tail: str) -> str:
-    """The part of a growing output's tail that no call can take back: everything before an
-    opened call, or before a trailing piece that may yet open one."""
-    opened = tail.find(_TOOL_CALL_OPENING)
-    if opened >= 0:
-        return tail[:opened]
-    for keep in range(len(_TOOL_CALL_OPENING) - 1, 0, -1):
-        if tail.endswith(_TOOL_CALL_OPENING[:keep]):
-            return tail[:-keep]
-    return tail
+            grammar = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": form})
+        except RuntimeError as e:
+            message = _XGRAMMAR_LOG_PREFIX.sub("", str(e).strip())
+            raise ValueError(f"invalid structural tag: {message}") from None
+        return cls(str(grammar))
 
 
 # JSON Schema to grammar ----------------------------------------------------------------------

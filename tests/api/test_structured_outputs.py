@@ -20,8 +20,9 @@ from test_realtime import MESSAGES, chat_prompt_ids, idle, stats
 from test_serving import chat, generate
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.engine.structured_output import from_openai, parse_tool_calls
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.structured_output import from_openai
+from pagedbatch.protocol.tool_calls import parse_tool_calls
 
 PERSON = {
     "type": "object",
@@ -76,10 +77,11 @@ class TestRequests:
         (plain,) = chat(engine).inputs
         assert plain.params.structured is None
         (constrained,) = chat(engine, response_format=person_format()).inputs
-        assert constrained.params.structured == from_openai(response_format=person_format())
+        assert constrained.params.structured == from_openai(person_format()).structured
         prepared = chat(engine, tools=TOOLS, tool_choice="required")
         assert prepared.calls_tools
-        assert prepared.inputs[0].params.structured.tool_names == ("get_weather", "now")
+        required = from_openai(tools=TOOLS, tool_choice="required")
+        assert prepared.inputs[0].params.structured == required.structured
 
     def test_tool_choice_none_leaves_text_alone_but_still_shows_the_tools(self, engine):
         prepared = chat(engine, tools=TOOLS, tool_choice="none")
@@ -238,7 +240,7 @@ class TestRealtime:
 
         prompt = chat_prompt_ids(server, MESSAGES)
         params = SamplingParams(
-            temperature=0.0, max_tokens=500, structured=from_openai(person_format())
+            temperature=0.0, max_tokens=500, structured=from_openai(person_format()).structured
         )
         (direct,) = LLM(model=str(tiny_llama)).generate([prompt], params)
         assert text == direct.text

@@ -1,6 +1,6 @@
 """Structured output on a randomly initialised model: whatever it samples, every output is strict
-JSON valid for its schema (or well-formed tool calls), and it ends by itself, well within
-max_tokens."""
+JSON valid for its schema (or of its structural tag's shape), and it ends by itself, well within
+max_tokens. What OpenAI's fields ask for, tool calls included, is tests/protocol's."""
 
 import json
 import re
@@ -20,9 +20,6 @@ from pagedbatch.engine.structured_output import (
     GrammarRuntime,
     OutputLimits,
     StructuredOutput,
-    ToolCall,
-    from_openai,
-    parse_tool_calls,
 )
 
 Matcher = Callable[[StructuredOutput], xgr.GrammarMatcher]
@@ -109,45 +106,6 @@ MIXED = {
 }
 SCHEMAS = {"person": PERSON, "order": ORDER, "steps": STEPS, "free": FREE, "mixed": MIXED}
 
-WEATHER = {
-    "type": "function",
-    "function": {
-        "name": "get_weather",
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "city": {"type": "string"},
-                "unit": {"enum": ["celsius", "fahrenheit"]},
-                "days": {"type": "integer", "minimum": 1, "maximum": 14},
-            },
-            "required": ["city"],
-        },
-    },
-}
-SEARCH = {
-    "type": "function",
-    "function": {
-        "name": "search",
-        "strict": True,
-        "parameters": {
-            "type": "object",
-            "properties": {
-                "query": {"type": "string"},
-                "filters": {"type": "array", "items": {"type": "string"}},
-            },
-            "required": ["query", "filters"],
-            "additionalProperties": False,
-        },
-    },
-}
-NOW = {"type": "function", "function": {"name": "now"}}  # no parameters: an empty object
-TOOLS = [WEATHER, SEARCH, NOW]
-NAMES = ("get_weather", "search", "now")
-ARGUMENTS = {
-    tool["function"]["name"]: tool["function"].get("parameters", {"maxProperties": 0})
-    for tool in TOOLS
-}
-
 
 @pytest.fixture(scope="module")
 def llm(tiny_llama):
@@ -172,11 +130,9 @@ def sample(llm, prompt, structured, n=N, max_tokens=MAX_TOKENS, **params):
     )
 
 
-def chat_prompt(llm, tools=None):
+def chat_prompt(llm):
     messages = [{"role": "user", "content": "What is the weather in Paris? Answer in JSON."}]
-    return llm.tokenizer.apply_chat_template(
-        messages, tools=tools, add_generation_prompt=True, tokenize=False
-    )
+    return llm.tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 
 
 def assert_finished_well_within(output, max_tokens=MAX_TOKENS):
@@ -219,51 +175,6 @@ def test_default_limits_end_well_within_max_tokens_too(llm):
         for output in sample(llm, prompt, structured, n=32, max_tokens=max_tokens):
             assert_finished_well_within(output, max_tokens)
             jsonschema.validate(json.loads(output.text), schema)
-
-
-def assert_calls_valid(text, names):
-    content, calls = parse_tool_calls(text)
-    assert content is None, text
-    assert calls
-    for call in calls:
-        assert call.name in names
-        jsonschema.validate(json.loads(call.arguments), ARGUMENTS[call.name])
-    return calls
-
-
-def test_required_tool_calls_name_declared_functions_with_valid_arguments(llm):
-    structured = from_openai(tools=TOOLS, tool_choice="required", limits=LIMITS)
-    assert structured.tool_names == NAMES
-    outputs = sample(llm, chat_prompt(llm, TOOLS), structured)
-    counts = []
-    for output in outputs:
-        assert_finished_well_within(output)
-        counts.append(len(assert_calls_valid(output.text, structured.tool_names)))
-    assert 1 < max(counts) <= LIMITS.max_items  # parallel calls happen, as many as allowed
-
-
-def test_a_named_or_single_tool_call_is_exactly_one(llm):
-    choice = {"type": "function", "function": {"name": "search"}}
-    named = from_openai(tools=TOOLS, tool_choice=choice, limits=LIMITS)
-    single = from_openai(
-        tools=TOOLS, tool_choice="required", parallel_tool_calls=False, limits=LIMITS
-    )
-    prompt = chat_prompt(llm, TOOLS)
-    for structured, names in ((named, {"search"}), (single, NAMES)):
-        for output in sample(llm, prompt, structured, n=50):
-            assert_finished_well_within(output)
-            assert len(assert_calls_valid(output.text, names)) == 1
-
-
-def test_auto_tool_choice_allows_text_and_enforces_calls(matcher):
-    structured = from_openai(tools=TOOLS)  # auto, the default with tools
-    auto = matcher(structured)
-    assert auto.accept_string('Let me look. <tool_call>\n{"name": "now", "arguments": {}}\n')
-    assert auto.accept_string("</tool_call> Done.")
-    assert auto.is_completed()
-    assert not matcher(structured).accept_string('<tool_call>\n{"name": "delete_everything"')
-    bad_arguments = '<tool_call>\n{"name": "get_weather", "arguments": {"da'
-    assert not matcher(structured).accept_string(bad_arguments)
 
 
 def test_greedy_constrained_output_is_deterministic_and_batch_independent(llm):
@@ -363,101 +274,26 @@ def test_keywords_the_grammar_cannot_enforce_are_dropped_unless_strict(matcher):
     assert matcher(StructuredOutput.json_schema(schema)).accept_string("[1, 1]")  # best effort
 
 
-@pytest.mark.parametrize(
-    ("request_fields", "message"),
-    [
-        ({"response_format": {"type": "xml"}}, "response_format type"),
-        (
-            {"response_format": {"type": "json_schema", "json_schema": {"name": "has space"}}},
-            "json_schema.name",
-        ),
-        ({"tools": TOOLS, "tool_choice": {"type": "function", "function": {"name": "x"}}}, "'x'"),
-        ({"tool_choice": "required"}, "needs at least one tool"),
-        ({"tools": [WEATHER, WEATHER]}, "more than once"),
-        ({"tools": [{"type": "custom", "custom": {"name": "c"}}]}, "only function tools"),
-        (
-            {"tools": [{"type": "function", "function": {"name": "f", "parameters": {}}}]},
-            "'f': parameters must be an object schema",
-        ),
-        (
-            {
-                "tools": [
-                    {
-                        "type": "function",
-                        "function": {
-                            "name": "f",
-                            "strict": True,
-                            "parameters": {"type": "object", "not": {}},
-                        },
-                    }
-                ]
-            },
-            "function 'f': unsupported JSON schema keyword 'not'",
-        ),
-    ],
-)
-def test_bad_openai_fields_are_refused_naming_the_problem(request_fields, message):
-    with pytest.raises(ValueError, match=re.escape(message)):
-        from_openai(**request_fields)
-
-
-def test_openai_fields_map_to_the_constraint_they_ask_for(matcher):
-    assert from_openai() is None
-    assert from_openai({"type": "text"}, TOOLS, "none") is None
-    json_mode = from_openai({"type": "json_object"})
-    assert json_mode == StructuredOutput.json_object()
-    assert from_openai({"type": "json_object"}, TOOLS, "none") == json_mode
-    schema = {"type": "json_schema", "json_schema": {"name": "p", "schema": PERSON}}
-    assert from_openai(schema) == StructuredOutput.json_schema(PERSON)
-    allowed = {
-        "type": "allowed_tools",
-        "allowed_tools": {
-            "mode": "required",
-            "tools": [{"type": "function", "function": {"name": "now"}}],
-        },
+def test_a_structural_tag_shapes_the_output_around_its_contents(llm, matcher):
+    number = StructuredOutput.json_schema({"type": "integer", "minimum": 0, "maximum": 99})
+    tag = {
+        "type": "tag",
+        "begin": "<n>",
+        "content": {"type": "grammar", "grammar": number.grammar},
+        "end": "</n>",
     }
-    assert from_openai(tools=TOOLS, tool_choice=allowed).tool_names == ("now",)
-    # Auto with a response format: the answer follows the schema, or the model calls tools.
-    answer_or_calls = from_openai(schema, TOOLS)
-    assert matcher(answer_or_calls).accept_string('{"name": "Al", "age": 3')
-    assert matcher(answer_or_calls).accept_string('<tool_call>\n{"name": "now", ')
-    assert not matcher(answer_or_calls).accept_string("Sure")
-
-
-def test_tool_calls_parse_into_openai_shape():
-    text = (
-        'Checking. <tool_call>\n{"name": "get_weather", "arguments": {"city": "Paris"}}\n'
-        '</tool_call>\n<tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>'
+    tagged = StructuredOutput.structural_tag(tag)
+    for output in sample(llm, "Pick a number.", tagged, n=20):
+        assert_finished_well_within(output)
+        assert re.fullmatch(r"<n>(0|[1-9][0-9]?)</n>", output.text), output.text
+    # Free text until the trigger, then the tag in full.
+    triggered = StructuredOutput.structural_tag(
+        {"type": "triggered_tags", "triggers": ["<n>"], "tags": [tag]}
     )
-    assert parse_tool_calls(text) == (
-        "Checking.",
-        [ToolCall("get_weather", '{"city": "Paris"}'), ToolCall("now", "{}")],
-    )
-    assert parse_tool_calls("no calls") == ("no calls", [])
-    broken = "<tool_call>\nnot json\n</tool_call>"
-    assert parse_tool_calls(broken) == (broken, [])
-
-
-@pytest.mark.parametrize(
-    "text",
-    [
-        ' Checking. <tool_call>\n{"name": "now", "arguments": {}}\n</tool_call>\n'
-        '<tool_call>\n{"name": "get_weather", "arguments": {"city": "<tool"}}\n</tool_call> ok <',
-        "<tool_call>\nnot json\n</tool_call> then text",
-        'a <tool_call>\n{"name": ',  # cut off mid-call: text in the end
-        "  \n plain text, with a < and a <tool but no call  ",
-    ],
-)
-def test_a_growing_output_settles_into_exactly_its_final_split(text):
-    final_content, final_calls = parse_tool_calls(text)
-    sent_content, sent_calls = "", []
-    for end in range(len(text) + 1):
-        content, calls = parse_tool_calls(text[:end], complete=False)
-        # What a stream sent is never taken back, and never shows part of a call.
-        assert content.startswith(sent_content) and calls[: len(sent_calls)] == sent_calls
-        assert "<tool_call>" not in content
-        sent_content, sent_calls = content, calls
-    assert (final_content or "").startswith(sent_content) and final_calls == sent_calls
+    assert matcher(triggered).accept_string("Some text <n>42</n> and more <n>7</n>.")
+    assert not matcher(triggered).accept_string("Some text <n>100")
+    with pytest.raises(ValueError, match=r"invalid structural tag: .*min must be <= max"):
+        StructuredOutput.structural_tag({"type": "repeat", "min": 2, "max": 1, "content": tag})
 
 
 def test_min_tokens_cannot_be_combined_with_a_grammar():

@@ -1,8 +1,8 @@
 """`/v1/chat/completions`: messages in through the model's chat template, a ChatCompletion out.
 
 `response_format`, `tools` and `tool_choice` become a grammar the engine enforces token by token
-(engine/structured_output.py), so JSON and tool calls are well-formed whatever the model; tool
-calls come back out of the text as `tool_calls`.
+(protocol/structured_output.py), so JSON and tool calls are well-formed whatever the model; tool
+calls come back out of the text as `tool_calls` (protocol/tool_calls.py).
 """
 
 from __future__ import annotations
@@ -18,8 +18,6 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.engine.request import TokenLogprob
-from pagedbatch.engine.structured_output import StructuredOutput, from_openai, parse_tool_calls
-from pagedbatch.engine.structured_output import ToolCall as ToolCallText
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import (
     ChatCompletion,
@@ -48,6 +46,9 @@ from pagedbatch.protocol.serving.common import (
     sampling_params,
     usage,
 )
+from pagedbatch.protocol.structured_output import RequestedOutput, from_openai
+from pagedbatch.protocol.tool_calls import ToolCall as ToolCallText
+from pagedbatch.protocol.tool_calls import parse_tool_calls
 
 GRAMMAR_SPECS_CACHED = 256  # batch lines repeat their schema and tools: build each grammar once
 
@@ -129,7 +130,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     """The engine request for `request`; OpenAIError if it cannot be served."""
     check_model(request.model, served)
     _refuse_unsupported(request)
-    structured = structured_output(request)
+    requested = requested_output(request)
     tokenizer = served.tokenizer
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or []]
     text = render_chat(request.messages, tokenizer, tools)
@@ -141,7 +142,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         max_tokens=max_tokens,
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         tokenizer=tokenizer,
-        structured=structured,
+        structured=None if requested is None else requested.structured,
     )
     chat_id = new_id("chatcmpl-")
     return PreparedChat(
@@ -151,7 +152,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         model=served.model_name,
         tokenizer=tokenizer,
         inputs=[EngineInput(chat_id, prompt, params)],
-        calls_tools=structured is not None and bool(structured.tool_names),
+        calls_tools=requested is not None and bool(requested.tool_names),
     )
 
 
@@ -168,8 +169,8 @@ def new_tool_call(call: ToolCallText) -> ToolCall:
     )
 
 
-def structured_output(request: ChatCompletionRequest) -> StructuredOutput | None:
-    """The grammar the request's output must follow, or None; 400 naming the field at fault."""
+def requested_output(request: ChatCompletionRequest) -> RequestedOutput | None:
+    """What the request's output must be, or None; 400 naming the field at fault."""
     response_format = (
         None
         if request.response_format is None
@@ -193,7 +194,7 @@ def structured_output(request: ChatCompletionRequest) -> StructuredOutput | None
 
 
 @lru_cache(maxsize=GRAMMAR_SPECS_CACHED)
-def _grammar(spec: str) -> StructuredOutput | None:
+def _grammar(spec: str) -> RequestedOutput | None:
     response_format, tools, choice, parallel = json.loads(spec)
     return from_openai(response_format, tools, choice, parallel)
 
