@@ -14,7 +14,7 @@ from sqlalchemy.orm import Session
 from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.batches.schemas import SUPPORTED_ENDPOINTS, BatchCreate, BatchObject
 from pagedbatch.api.deps import ServicesDep, SessionDep
-from pagedbatch.api.files.routes import get_file
+from pagedbatch.api.files.lookup import get_file
 from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
 from pagedbatch.api.lists import ListPage
 from pagedbatch.api.routes.openapi import error_responses, json_body
