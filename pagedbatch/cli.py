@@ -4,11 +4,15 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import logging
+import os
 import sys
 from collections.abc import Callable, Sequence
 from typing import Any, Literal, get_args, get_origin, get_type_hints
 
 from pagedbatch.addresses import is_loopback
+
+logger = logging.getLogger(__name__)
 
 NONE = type(None)
 ARCHS = ("llama", "qwen2", "mistral")
@@ -146,9 +150,12 @@ def settings_from_args(args: argparse.Namespace):
 def service_settings(args: argparse.Namespace):
     """The settings of a long-running service command, with its logging set up by them."""
     from pagedbatch.logs import configure_logging
+    from pagedbatch.settings import unknown_variables
 
     settings = settings_from_args(args)
     configure_logging(settings.log_format)
+    for name in unknown_variables(os.environ):
+        logger.warning("%s names no setting and is ignored (see the README's settings)", name)
     return settings
 
 

@@ -12,6 +12,7 @@ the distributed one (PostgreSQL, Redis and S3).
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_type_hints
@@ -202,3 +203,10 @@ class Settings(EngineSettings):
     def engine_args(self) -> dict[str, Any]:
         """The engine's settings, as EngineArgs keywords (`model` None: not set)."""
         return {name: getattr(self, name) for name in ENGINE_SETTINGS}
+
+
+def unknown_variables(environ: Mapping[str, str]) -> list[str]:
+    """`PAGEDBATCH_*` variables in `environ` that name no setting: a typo, or a name from an
+    older release, which would otherwise be ignored without a word."""
+    known = {f"{ENV_PREFIX}{name}".upper() for name in Settings.model_fields}
+    return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)

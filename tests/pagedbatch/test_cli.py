@@ -14,7 +14,7 @@ import pytest
 
 from pagedbatch.cli import build_parser, check_exposure, engine_kwargs, main, settings_from_args
 from pagedbatch.engine import EngineArgs
-from pagedbatch.settings import ENGINE_SETTINGS, Settings
+from pagedbatch.settings import ENGINE_SETTINGS, Settings, unknown_variables
 
 README = Path(__file__).resolve().parents[2] / "README.md"
 ENGINE_ARGS = dataclasses.fields(EngineArgs)
@@ -167,3 +167,16 @@ def test_a_yes_or_no_setting_is_a_flag():
     assert settings_from_args(args).allow_unauthenticated is True
     args = build_parser().parse_args(["serve", "--allow-unauthenticated", "false"])
     assert settings_from_args(args).allow_unauthenticated is False
+
+
+def test_a_variable_that_names_no_setting_is_told_not_silently_ignored():
+    environ = {
+        "PAGEDBATCH_MAX_NUM_SEQS": "4",
+        "PAGEDBATCH_BATCH_TOKENS_UNDER_REALTIME": "256",  # the knob's name before a release
+        "pagedbatch_max_num_seqz": "4",
+        "PATH": "/bin",
+    }
+    assert unknown_variables(environ) == [
+        "PAGEDBATCH_BATCH_TOKENS_UNDER_REALTIME",
+        "pagedbatch_max_num_seqz",
+    ]
