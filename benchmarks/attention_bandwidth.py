@@ -18,11 +18,11 @@ The cache's blocks are shuffled, as a pool hands them out after some churn.
 from __future__ import annotations
 
 import argparse
-import json
 import sys
 from collections.abc import Callable
 
 import torch
+from harness import print_report
 
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
@@ -128,7 +128,7 @@ def main() -> None:
         "fraction_of_copy": round(triton_gbps / copy, 3),
         "max_abs_diff": diff,
     }
-    print(json.dumps(figures))
+    print_report(figures)
 
 
 if __name__ == "__main__":

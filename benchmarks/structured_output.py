@@ -22,11 +22,10 @@ from __future__ import annotations
 
 import argparse
 import json
-import sys
 import time
 from typing import Any
 
-from throughput import ensure_model  # a sibling script: benchmarks/ is on sys.path
+from harness import ensure_model, log, print_report
 
 SCHEMA = {
     "type": "object",
@@ -50,10 +49,6 @@ SCHEMA = {
 }
 # Another schema, compiled first so that `compile_ms` leaves out building the compiler.
 WARMUP_SCHEMA = {"type": "object", "properties": {"ok": {"type": "boolean"}}, "required": ["ok"]}
-
-
-def log(message: str) -> None:
-    print(f"[structured_output] {message}", file=sys.stderr, flush=True)
 
 
 def prompts(tokenizer: Any, count: int) -> list[str]:
@@ -81,7 +76,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 
     if args.threads:
         torch.set_num_threads(args.threads)
-    model_dir = ensure_model(args)
+    model_dir = ensure_model(args.model, args.size, args.arch)
     llm = LLM(model_dir, max_num_seqs=args.max_num_seqs)
     structured = StructuredOutput.json_schema(SCHEMA)
     texts = prompts(llm.tokenizer, args.requests)
@@ -171,7 +166,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
 
 
 def main(argv: list[str] | None = None) -> None:
-    print(json.dumps(run(parse_args(argv))), flush=True)
+    print_report(run(parse_args(argv)))
 
 
 if __name__ == "__main__":

@@ -23,18 +23,18 @@ Figures per engine:
 - peak_rss_mib: the child's own peak RSS; peak_rss_tree_mib adds its reaped subprocesses (vllm
   runs its engine core in one).
 
-The module imports only the standard library at top level: the vllm child runs this file under
-another virtualenv's python, where pagedbatch may not be installed.
+The module imports only the standard library (and harness.py, which does the same) at top level:
+the vllm child runs this file under another virtualenv's python, where pagedbatch may not be
+installed.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
-import random
 import resource
-import signal
 import struct
 import subprocess
 import sys
@@ -44,18 +44,21 @@ from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
-TOKEN_ID_RANGE = (10, 8000)  # clear of the demo tokenizer's special ids, which sit at the top
-CACHE_ROOT = Path.home() / ".cache" / "pagedbatch"
-
+from harness import (
+    Request,
+    apply_defaults,
+    ensure_model,
+    last_json_line,
+    load_avg,
+    log,
+    print_report,
+    run_and_report,
+    warmup_prompt,
+    workload_from_args,
+)
 
 # ---------------------------------------------------------------------------------------------
 # Workload and the model's shape (shared by parent and children)
-
-
-@dataclass(frozen=True)
-class Request:
-    prompt: list[int]
-    max_tokens: int
 
 
 @dataclass(frozen=True)
@@ -67,23 +70,6 @@ class ModelShape:
     attn_width: int  # num_heads * head_dim
     kv_width: int  # num_kv_heads * head_dim
     bytes_per_param: int = 4  # float32
-
-
-def make_workload(args: argparse.Namespace) -> list[Request]:
-    rng = random.Random(args.seed)
-    requests = []
-    for _ in range(args.requests):
-        prompt_len = rng.randint(args.min_prompt_len, args.max_prompt_len)
-        max_tokens = rng.randint(args.min_output_len, args.max_output_len)
-        prompt = [rng.randrange(*TOKEN_ID_RANGE) for _ in range(prompt_len)]
-        requests.append(Request(prompt, max_tokens))
-    return requests
-
-
-def warmup_prompt(seed: int, index: int = 0, length: int = 64) -> list[int]:
-    # Its own generator: it must share no prefix-cache block with the timed prompts.
-    rng = random.Random(f"warmup/{seed}/{index}")
-    return [rng.randrange(*TOKEN_ID_RANGE) for _ in range(length)]
 
 
 # After the one-token cold-start request, a short batch runs batched decode once, so that no
@@ -220,9 +206,28 @@ def throughput_figures(
     return figures
 
 
-def check_lengths(requests: list[Request], outputs: list[list[int]]) -> int:
-    """How many outputs are not exactly as long as asked (ignore_eos makes every length exact)."""
-    return sum(len(out) != r.max_tokens for r, out in zip(requests, outputs, strict=True))
+def child_figures(
+    spec: dict[str, Any],
+    name: str,
+    requests: list[Request],
+    outputs: list[list[int]],
+    cold_start_s: float,
+    load_s: float,
+    import_s: float,
+) -> dict[str, Any]:
+    """Writes a child's generated ids to `<name>.json` (for the parent's agreement figures) and
+    returns what every child reports beside its throughput. `wrong_lengths` counts the outputs
+    not exactly as long as asked (ignore_eos makes every length exact)."""
+    Path(spec["outputs_dir"], f"{name}.json").write_text(json.dumps(outputs))
+    return {
+        "wrong_lengths": sum(
+            len(out) != r.max_tokens for r, out in zip(requests, outputs, strict=True)
+        ),
+        "cold_start_s": round(cold_start_s, 3),
+        "load_s": round(load_s, 3),
+        "import_s": round(import_s, 3),
+        "peak_rss_mib": round(peak_rss_mib(), 1),
+    }
 
 
 def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
@@ -256,14 +261,9 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
     stats = _stats_delta(before, llm.get_stats())
 
     outputs = [list(r.token_ids) for r in results]
-    Path(spec["outputs_dir"], "ours.json").write_text(json.dumps(outputs))
     return {
         **throughput_figures(requests, shape, seconds, stats.get("steps"), spec["gemm_peak"]),
-        "wrong_lengths": check_lengths(requests, outputs),
-        "cold_start_s": round(cold_start_s, 3),
-        "load_s": round(load_s, 3),
-        "import_s": round(t_load - t_import, 3),
-        "peak_rss_mib": round(peak_rss_mib(), 1),
+        **child_figures(spec, "ours", requests, outputs, cold_start_s, load_s, t_load - t_import),
         "engine_args": engine_args,
         "stats": stats,
     }
@@ -323,15 +323,18 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
         executed_flops += len(batch) * request_flops(shape, width, max_new)
     seconds = time.perf_counter() - start
 
-    Path(spec["outputs_dir"], f"transformers-{batch_size}.json").write_text(json.dumps(outputs))
     return {
         **throughput_figures(requests, shape, seconds, forward_passes, spec["gemm_peak"]),
         "executed_gflops": round(executed_flops / seconds / 1e9, 2),
-        "wrong_lengths": check_lengths(requests, outputs),
-        "cold_start_s": round(cold_start_s, 3),
-        "load_s": round(load_s, 3),
-        "import_s": round(t_load - t_import, 3),
-        "peak_rss_mib": round(peak_rss_mib(), 1),
+        **child_figures(
+            spec,
+            f"transformers-{batch_size}",
+            requests,
+            outputs,
+            cold_start_s,
+            load_s,
+            t_load - t_import,
+        ),
         "batch_size": batch_size,
     }
 
@@ -390,15 +393,10 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
     seconds = time.perf_counter() - start
 
     outputs = [list(r.outputs[0].token_ids) for r in results]
-    Path(spec["outputs_dir"], "vllm.json").write_text(json.dumps(outputs))
     return {
         # vllm does not report its step count here, so no traffic estimate.
         **throughput_figures(requests, shape, seconds, None, spec["gemm_peak"]),
-        "wrong_lengths": check_lengths(requests, outputs),
-        "cold_start_s": round(cold_start_s, 3),
-        "load_s": round(load_s, 3),
-        "import_s": round(t_load - t_import, 3),
-        "peak_rss_mib": round(peak_rss_mib(), 1),
+        **child_figures(spec, "vllm", requests, outputs, cold_start_s, load_s, t_load - t_import),
         "max_num_seqs": spec["vllm_max_num_seqs"],
         "kv_cache_gib": spec["vllm_kv_cache_gib"],
     }
@@ -411,39 +409,11 @@ def run_worker(args: argparse.Namespace) -> None:
         result = worker_transformers(args.spec, args.spawn_time, args.batch_size)
     else:
         result = worker_vllm(args.spec, args.spawn_time)
-    # Flush first: libraries may print to stdout, and the parent takes the last JSON line.
-    sys.stdout.flush()
-    print(json.dumps({"worker": args.worker, **result}), flush=True)
+    print_report({"worker": args.worker, **result})
 
 
 # ---------------------------------------------------------------------------------------------
 # Parent
-
-
-def ensure_model(args: argparse.Namespace) -> Path:
-    if args.model:
-        return Path(args.model).expanduser()
-    target = CACHE_ROOT / f"bench-{args.size}-{args.arch}"
-    if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
-        return target
-    from pagedbatch.make_model import make_model
-
-    log(f"building the {args.size} {args.arch} checkpoint in {target}")
-    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    # Build beside the target and rename, so a concurrent run never sees half a checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
-    make_model(staging, arch=args.arch, size=args.size)
-    try:
-        staging.rename(target)
-    except OSError:  # another run finished first; its checkpoint is the same bytes
-        _remove_tree(staging)
-    return target
-
-
-def _remove_tree(path: Path) -> None:
-    import shutil
-
-    shutil.rmtree(path, ignore_errors=True)
 
 
 def measure_gemm_peak(reps: int) -> float:
@@ -479,8 +449,8 @@ def run_child(label: str, python: str, worker_argv: list[str]) -> dict[str, Any]
         proc.wait()
         raise
     proc.returncode = os.waitstatus_to_exitcode(status)
-    result = _last_json_line(stdout)
-    if proc.returncode != 0 or result is None:
+    result = last_json_line(stdout)
+    if proc.returncode != 0 or result is None or "worker" not in result:
         tail = stdout.strip().splitlines()[-5:]
         log(f"{label} failed with exit code {proc.returncode}: {tail}")
         return {"error": f"exit code {proc.returncode}", "stdout_tail": tail}
@@ -488,18 +458,6 @@ def run_child(label: str, python: str, worker_argv: list[str]) -> dict[str, Any]
     result["peak_rss_tree_mib"] = round(usage.ru_maxrss / 1024, 1)
     log(f"{label}: {result.get('output_tps')} output tokens/s")
     return result
-
-
-def _last_json_line(stdout: str) -> dict[str, Any] | None:
-    for line in reversed(stdout.splitlines()):
-        if line.startswith("{"):
-            try:
-                parsed = json.loads(line)
-            except json.JSONDecodeError:
-                continue
-            if isinstance(parsed, dict) and "worker" in parsed:
-                return parsed
-    return None
 
 
 def greedy_agreement(outputs_dir: Path, ours: str, other: str) -> dict[str, Any] | None:
@@ -529,12 +487,10 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def run_parent(args: argparse.Namespace) -> dict[str, Any]:
-    # SIGTERM as an exception, so the running child is killed and the temporary folder removed.
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    model_dir = ensure_model(args)
+def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
+    model_dir = ensure_model(args.model, args.size, args.arch)
     shape = read_model_shape(model_dir)
-    requests = make_workload(args)
+    requests = workload_from_args(args)
     gemm_peak = measure_gemm_peak(reps=3 if args.quick else 10)
     log(f"GEMM peak {gemm_peak:.1f} GFLOP/s")
 
@@ -554,34 +510,34 @@ def run_parent(args: argparse.Namespace) -> dict[str, Any]:
     report: dict[str, Any] = {"workload": workload, "gemm_peak_gflops": round(gemm_peak, 1)}
     # Other processes on a two-core machine skew everything; the load average shows whether
     # this run had the machine to itself.
-    report["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_start": round(os.getloadavg()[0], 2)}
+    report["machine"] = {"cpus": os.cpu_count(), "load_avg_1m_start": load_avg()}
 
-    with tempfile.TemporaryDirectory(prefix="pagedbatch-throughput-") as tmp:
-        outputs_dir = Path(tmp)
-        spec_path = outputs_dir / "spec.json"
-        spec = {
-            "model": str(model_dir),
-            "seed": args.seed,
-            "requests": [asdict(r) for r in requests],
-            "shape": asdict(shape),
-            "gemm_peak": gemm_peak,
-            "outputs_dir": str(outputs_dir),
-            "max_num_seqs": args.max_num_seqs,
-            "max_num_batched_tokens": args.max_num_batched_tokens,
-            "num_kv_blocks": args.num_kv_blocks,
-            "vllm_max_num_seqs": args.vllm_max_num_seqs,
-            "vllm_kv_cache_gib": args.vllm_kv_cache_gib,
-        }
-        spec_path.write_text(json.dumps(spec))
-        common = ["--spec", str(spec_path)]
+    tmp = stack.enter_context(tempfile.TemporaryDirectory(prefix="pagedbatch-throughput-"))
+    outputs_dir = Path(tmp)
+    spec_path = outputs_dir / "spec.json"
+    spec = {
+        "model": str(model_dir),
+        "seed": args.seed,
+        "requests": [asdict(r) for r in requests],
+        "shape": asdict(shape),
+        "gemm_peak": gemm_peak,
+        "outputs_dir": str(outputs_dir),
+        "max_num_seqs": args.max_num_seqs,
+        "max_num_batched_tokens": args.max_num_batched_tokens,
+        "num_kv_blocks": args.num_kv_blocks,
+        "vllm_max_num_seqs": args.vllm_max_num_seqs,
+        "vllm_kv_cache_gib": args.vllm_kv_cache_gib,
+    }
+    spec_path.write_text(json.dumps(spec))
+    common = ["--spec", str(spec_path)]
 
-        report["ours"] = run_child("ours", sys.executable, ["--worker", "ours", *common])
-        if not args.skip_hf:
-            report["transformers"] = run_transformers(args, common)
-        if args.vllm_python:
-            report["vllm"] = run_child("vllm", args.vllm_python, ["--worker", "vllm", *common])
-        add_comparisons(report, outputs_dir)
-    report["machine"]["load_avg_1m_end"] = round(os.getloadavg()[0], 2)
+    report["ours"] = run_child("ours", sys.executable, ["--worker", "ours", *common])
+    if not args.skip_hf:
+        report["transformers"] = run_transformers(args, common)
+    if args.vllm_python:
+        report["vllm"] = run_child("vllm", args.vllm_python, ["--worker", "vllm", *common])
+    add_comparisons(report, outputs_dir)
+    report["machine"]["load_avg_1m_end"] = load_avg()
     return report
 
 
@@ -614,10 +570,6 @@ def add_comparisons(report: dict[str, Any], outputs_dir: Path) -> None:
 
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
-
-
-def log(message: str) -> None:
-    print(f"[throughput] {message}", file=sys.stderr, flush=True)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -677,10 +629,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
-    defaults = QUICK_DEFAULTS if args.quick else FULL_DEFAULTS
-    for name, value in defaults.items():
-        if getattr(args, name) is None:
-            setattr(args, name, value)
+    apply_defaults(args, QUICK_DEFAULTS if args.quick else FULL_DEFAULTS)
     args.hf_batch_sizes = [int(s) for s in str(args.hf_batch_sizes).split(",") if s.strip()]
     if args.min_prompt_len < 1 or args.max_prompt_len < args.min_prompt_len:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
@@ -696,7 +645,7 @@ def main(argv: list[str] | None = None) -> None:
     if args.worker:
         run_worker(args)
         return
-    print(json.dumps(run_parent(args)), flush=True)
+    run_and_report(run_parent, args)
 
 
 if __name__ == "__main__":

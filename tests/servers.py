@@ -1,14 +1,14 @@
 """The live servers API tests talk to: what a started server offers a test.
 
 A module of its own (not conftest.py) so test modules can import these names unambiguously.
+Starting, waiting for and stopping processes is benchmarks/harness.py's, which the benchmarks
+use too.
 """
 
 from __future__ import annotations
 
+import asyncio
 import json
-import os
-import signal
-import socket
 import subprocess
 import sys
 import time
@@ -19,9 +19,14 @@ from typing import Any
 
 import httpx
 import openai
+from harness import free_port as free_port  # re-exported to the test modules
+from harness import healthy, start_process, stop_processes, wait_until
+from harness import kill as kill  # re-exported to the test modules
+from redis.asyncio import Redis as AsyncRedis
 
 from pagedbatch.service import Embedded
 from pagedbatch.settings import Settings
+from pagedbatch.store.engine_registry import EngineRecord, live_engines
 
 API_KEYS = ["k1", "k2"]
 STORAGES = ["embedded", "distributed"]
@@ -61,12 +66,6 @@ class BatchServer(Server):
 # `pagedbatch worker`), each in a session of its own, so a test can kill one and its children.
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 @dataclass
 class Deployment:
     url: str  # the API's
@@ -79,14 +78,8 @@ class Deployment:
 
     def start(self, name: str, *command: str, **env: str) -> subprocess.Popen[bytes]:
         """`pagedbatch <command>` with this deployment's environment and `env` on top."""
-        with (self.tmp / f"{name}.log").open("ab") as log:
-            process = subprocess.Popen(
-                [sys.executable, "-m", "pagedbatch.cli", *command],
-                env={**self.env, **env},
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                start_new_session=True,
-            )
+        argv = [sys.executable, "-m", "pagedbatch.cli", *command]
+        process = start_process(argv, {**self.env, **env}, self.tmp / f"{name}.log")
         self.processes.append(process)
         return process
 
@@ -102,37 +95,14 @@ class Deployment:
         return (self.tmp / f"{name}.log").read_text(errors="replace")
 
     def stop(self) -> None:
-        for process in self.processes:
-            if process.poll() is None:
-                os.killpg(process.pid, signal.SIGTERM)
-        for process in self.processes:
-            try:
-                process.wait(15)
-            except subprocess.TimeoutExpired:
-                os.killpg(process.pid, signal.SIGKILL)
-                process.wait()
-
-
-def kill(process: subprocess.Popen[bytes]) -> None:
-    """`kill -9` of a process started by Deployment.start, and of its children."""
-    os.killpg(process.pid, signal.SIGKILL)
-    process.wait()
+        stop_processes(self.processes)
 
 
 PROCESS_START_SECONDS = 60  # a process loads a model and migrates the database first
 
 
 def wait_for_health(url: str, process: subprocess.Popen[bytes], log: Path) -> None:
-    deadline = time.monotonic() + PROCESS_START_SECONDS
-    while time.monotonic() < deadline:
-        if process.poll() is not None:
-            raise RuntimeError(f"exited with {process.returncode}:\n{log.read_text()}")
-        try:
-            if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                return
-        except httpx.TransportError:
-            time.sleep(0.1)
-    raise RuntimeError(f"no answer in {PROCESS_START_SECONDS} s:\n{log.read_text()}")
+    wait_until(lambda: healthy(url), process, f"the server at {url}", log, PROCESS_START_SECONDS)
 
 
 def chat_lines(n: int, max_tokens: int) -> bytes:
@@ -170,3 +140,24 @@ def wait_for_batch(
 def output_ids(client: openai.OpenAI, file_id: str) -> list[str]:
     text = client.files.content(file_id).text
     return [json.loads(line)["custom_id"] for line in text.splitlines()]
+
+
+def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
+    """Waits for `condition` to hold, failing the test after `timeout` seconds."""
+    deadline = time.monotonic() + timeout
+    while not condition():
+        assert time.monotonic() < deadline, f"still not so after {timeout} s"
+        time.sleep(0.02)
+
+
+def engine_records(broker: str) -> list[EngineRecord]:
+    """The live engine hosts registered in the Redis at `broker`."""
+
+    async def read() -> list[EngineRecord]:
+        client = AsyncRedis.from_url(broker)
+        try:
+            return await live_engines(client)
+        finally:
+            await client.aclose()
+
+    return asyncio.run(read())

@@ -21,6 +21,7 @@ import pytest
 import redis
 import uvicorn
 from redis.asyncio import Redis as AsyncRedis
+from servers import engine_records, eventually
 
 from pagedbatch.api.deps import Services
 from pagedbatch.api.engine_host import EngineHost
@@ -28,7 +29,7 @@ from pagedbatch.api.engine_proxy import rank
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.service import api_only, open_store
 from pagedbatch.settings import Settings
-from pagedbatch.store.engine_registry import EngineRecord, live_engines, publish
+from pagedbatch.store.engine_registry import EngineRecord, publish
 
 REDIS = "redis://127.0.0.1:6379"
 HEARTBEAT = 0.2
@@ -53,24 +54,6 @@ def record(engine_id: str, **fields: Any) -> EngineRecord:
         beat=1,
     )
     return EngineRecord(id=engine_id, **{**defaults, **fields})
-
-
-def records(broker: str) -> list[EngineRecord]:
-    async def read() -> list[EngineRecord]:
-        client = AsyncRedis.from_url(broker)
-        try:
-            return await live_engines(client)
-        finally:
-            await client.aclose()
-
-    return asyncio.run(read())
-
-
-def eventually(condition: Callable[[], bool], timeout: float = 5.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"still not so after {timeout} s"
-        time.sleep(0.02)
 
 
 @pytest.fixture
@@ -154,17 +137,19 @@ def load(host: EngineHost, secret: str | None = None) -> dict[str, Any]:
 
 def test_a_host_registers_while_it_runs_and_withdraws_when_it_stops(settings, start_host):
     host = start_host(settings)
-    eventually(lambda: len(records(settings.broker_url)) == 1)
-    (registered,) = records(settings.broker_url)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
+    (registered,) = engine_records(settings.broker_url)
     assert registered.id == "worker-1" and registered.model == "tiny"
     assert registered.address == host.address and host.address.startswith("http://127.0.0.1:")
     assert (registered.running, registered.waiting, registered.admitted) == (0, 0, 0)
     assert registered.max_admitted == settings.max_realtime_queue
     first_beat = registered.beat
-    eventually(lambda: records(settings.broker_url)[0].beat > first_beat, timeout=3 * HEARTBEAT)
+    eventually(
+        lambda: engine_records(settings.broker_url)[0].beat > first_beat, timeout=3 * HEARTBEAT
+    )
 
     host.stop()
-    assert records(settings.broker_url) == []  # withdrawn at once, not left to expire
+    assert engine_records(settings.broker_url) == []  # withdrawn at once, not left to expire
 
 
 def test_a_record_no_longer_renewed_expires_after_three_heartbeats(broker):
@@ -177,8 +162,8 @@ def test_a_record_no_longer_renewed_expires_after_three_heartbeats(broker):
 
     asyncio.run(publish_once())
     published = time.monotonic()
-    assert [r.id for r in records(broker)] == ["gone"]
-    eventually(lambda: records(broker) == [], timeout=10 * HEARTBEAT)
+    assert [r.id for r in engine_records(broker)] == ["gone"]
+    eventually(lambda: engine_records(broker) == [], timeout=10 * HEARTBEAT)
     assert time.monotonic() - published >= 3 * HEARTBEAT - 0.05
 
 
@@ -205,7 +190,7 @@ def test_the_api_streams_from_the_host_and_passes_over_one_that_is_gone(settings
     host = start_host(settings)
     # A host that died a moment ago: its record has not expired yet, and it looks idle.
     asyncio.run(_publish(settings.broker_url, record("dead", address=DEAD)))
-    eventually(lambda: len(records(settings.broker_url)) == 2)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 2)
     with serving(api_only(settings)) as url:
         sdk = client(url)
         assert [m.id for m in sdk.models.list()] == ["tiny"]
@@ -247,7 +232,7 @@ def test_engine_stats_are_the_live_hosts_heartbeats(settings, start_host):
     host = start_host(settings)
     httpx.post(f"{host.address}/v1/completions", json=completion(max_tokens=8), timeout=60)
     # Two beats after the work: the second has a rate over the first.
-    eventually(lambda: records(settings.broker_url)[0].tokens_per_second is not None)
+    eventually(lambda: engine_records(settings.broker_url)[0].tokens_per_second is not None)
     with serving(api_only(settings)) as url:
         response = httpx.get(f"{url}/v1/engine/stats")
     assert response.status_code == 200
@@ -262,7 +247,7 @@ def test_engine_stats_are_the_live_hosts_heartbeats(settings, start_host):
 def test_a_full_host_answers_429_with_retry_after_through_the_api(settings, start_host):
     settings = replace_settings(settings, max_realtime_queue=1)
     host = start_host(settings)
-    eventually(lambda: len(records(settings.broker_url)) == 1)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
     with serving(api_only(settings)) as url, httpx.Client(base_url=url, timeout=60) as http:
         with http.stream("POST", "/v1/completions", json=completion(stream=True, **LONG)) as held:
             events = held.iter_lines()  # kept: dropping it would hang up
@@ -280,7 +265,7 @@ def test_a_full_host_answers_429_with_retry_after_through_the_api(settings, star
 
 def test_a_client_leaving_a_whole_response_aborts_it_on_the_host(settings, start_host, engine):
     host = start_host(settings)
-    eventually(lambda: len(records(settings.broker_url)) == 1)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
     generated = asyncio.run(engine.get_stats())["generation_tokens"]
     with serving(api_only(settings)) as url, httpx.Client(base_url=url) as http:
         with pytest.raises(httpx.ReadTimeout):
@@ -298,7 +283,7 @@ def test_with_a_secret_the_host_answers_only_the_api(settings, start_host):
     assert refused.status_code == 401 and refused.json()["error"]["code"] == "invalid_api_key"
     assert httpx.get(f"{host.address}/internal/load").status_code == 401
     assert load(host, SECRET)["model"] == "tiny"
-    eventually(lambda: len(records(settings.broker_url)) == 1)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
     with serving(api_only(settings)) as url:
         assert client(url).completions.create(**completion(max_tokens=2)).choices
 

@@ -8,14 +8,13 @@ from contextlib import ExitStack
 
 import httpx
 import openai
+from servers import engine_records, eventually
 from test_engine_host import (  # noqa: F401 - fixtures
     LONG,
     broker,
     completion,
     engine,
-    eventually,
     load,
-    records,
     replace_settings,
     serving,
     settings,
@@ -46,7 +45,7 @@ def test_a_host_shares_its_capacity_and_its_prefix_cache_by_the_tenant_the_api_n
     start_host,  # noqa: F811
 ):
     host = start_host(replace_settings(settings, max_realtime_queue=2))
-    eventually(lambda: len(records(settings.broker_url)) == 1)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
     api = api_only(replace_settings(settings, api_keys=KEYS))
     with serving(api) as url, ExitStack() as held:
         first, second = sdk(url, KEYS[0]), sdk(url, KEYS[1])

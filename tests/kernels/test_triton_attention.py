@@ -1,7 +1,4 @@
-"""The Triton paged attention and KV cache write against the torch path (the reference).
-
-Without a GPU the kernels run in Triton's interpreter, on CPU tensors; on a GPU machine the same
-tests run the compiled kernels on CUDA tensors."""
+"""The Triton paged attention and KV cache write against the torch path (the reference)."""
 
 from __future__ import annotations
 
@@ -11,13 +8,8 @@ from dataclasses import dataclass
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package")
-if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    raise RuntimeError("without a GPU, tests/conftest.py must set TRITON_INTERPRET=1")
-
-from pagedbatch.kernels import attention, triton_attention  # noqa: E402
-from pagedbatch.kernels.attention import AttentionMetadata, prepare_attention  # noqa: E402
+from pagedbatch.kernels import attention, triton_attention
+from pagedbatch.kernels.attention import AttentionMetadata, prepare_attention
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -46,6 +38,7 @@ class Batch:
 
 
 def cached_batch(
+    device: str,
     seqs: list[tuple[int, int]],
     num_heads: int,
     num_kv_heads: int,
@@ -78,12 +71,12 @@ def cached_batch(
     query = qkv.to(dtype)[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     q_lens = torch.tensor([q_len for _, q_len in seqs])
     meta = prepare_attention(
-        torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(DEVICE),
-        torch.tensor([seq_len for seq_len, _ in seqs], device=DEVICE),
-        block_tables.to(DEVICE),
+        torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]).to(device),
+        torch.tensor([seq_len for seq_len, _ in seqs], device=device),
+        block_tables.to(device),
         block_size,
     )
-    return Batch(query.to(DEVICE), key_cache.to(DEVICE), value_cache.to(DEVICE), meta)
+    return Batch(query.to(device), key_cache.to(device), value_cache.to(device), meta)
 
 
 def assert_matches_torch_path(batch: Batch, scale: float, window: int | None) -> None:
@@ -99,46 +92,50 @@ def assert_matches_torch_path(batch: Batch, scale: float, window: int | None) ->
 @pytest.mark.parametrize("window", [None, 7], ids=["full", "window7"])
 @pytest.mark.parametrize("heads", HEADS.values(), ids=HEADS.keys())
 @pytest.mark.parametrize("scenario", SCENARIOS)
-def test_matches_the_torch_path(scenario, heads, window, dtype):
-    assert_matches_torch_path(cached_batch(SCENARIOS[scenario], *heads, dtype=dtype), 0.2, window)
+def test_matches_the_torch_path(scenario, heads, window, dtype, device):
+    assert_matches_torch_path(
+        cached_batch(device, SCENARIOS[scenario], *heads, dtype=dtype), 0.2, window
+    )
 
 
 @pytest.mark.parametrize("window", [1, 16, 17, 10_000])
-def test_window_edges(window):
+def test_window_edges(window, device):
     """Windows of one key (its own), of a block, one past a block, wider than any context."""
-    assert_matches_torch_path(cached_batch([(40, 1), (33, 33), (48, 16)], 6, 2), 0.2, window)
+    assert_matches_torch_path(
+        cached_batch(device, [(40, 1), (33, 33), (48, 16)], 6, 2), 0.2, window
+    )
 
 
 @pytest.mark.parametrize("block_size", [1, 5, 32])
-def test_any_block_size(block_size):
+def test_any_block_size(block_size, device):
     """Key tiles gather across many blocks, or lie within one."""
-    batch = cached_batch(SCENARIOS["mixed"], 6, 2, block_size=block_size)
+    batch = cached_batch(device, SCENARIOS["mixed"], 6, 2, block_size=block_size)
     assert_matches_torch_path(batch, 0.2, None)
 
 
 @pytest.mark.parametrize("heads", [(16, 1), (32, 1)], ids=["group16", "group32"])
-def test_large_groups(heads):
+def test_large_groups(heads, device):
     """One query token per program row block (group 16), or a block wider than 16 rows."""
-    assert_matches_torch_path(cached_batch([(20, 1), (9, 9), (30, 4)], *heads), 0.2, 7)
+    assert_matches_torch_path(cached_batch(device, [(20, 1), (9, 9), (30, 4)], *heads), 0.2, 7)
 
 
-def test_head_dim_not_a_power_of_two():
-    batch = cached_batch(SCENARIOS["chunked_prefill"], 4, 2, head_dim=40)
+def test_head_dim_not_a_power_of_two(device):
+    batch = cached_batch(device, SCENARIOS["chunked_prefill"], 4, 2, head_dim=40)
     assert_matches_torch_path(batch, 40**-0.5, None)
 
 
-def test_prefill_longer_than_one_program():
+def test_prefill_longer_than_one_program(device):
     """A sequence's query tokens split over several programs, each with its own causal limit."""
-    assert_matches_torch_path(cached_batch([(150, 140), (70, 1)], 4, 4), 0.2, 50)
+    assert_matches_torch_path(cached_batch(device, [(150, 140), (70, 1)], 4, 4), 0.2, 50)
 
 
 @pytest.mark.parametrize("dtype", DTYPES, ids=str)
-def test_reshape_and_cache_writes_the_same_slots(dtype):
+def test_reshape_and_cache_writes_the_same_slots(dtype, device):
     seqs = [(20, 20), (35, 3), (17, 1)]
-    batch = cached_batch(seqs, 4, 2, dtype=dtype)
+    batch = cached_batch(device, seqs, 4, 2, dtype=dtype)
     num_tokens = batch.query.shape[0]
     # k and v arrive as strided views of the fused QKV projection.
-    qkv = torch.randn(num_tokens, 8 * HEAD_DIM, device=DEVICE).to(dtype)
+    qkv = torch.randn(num_tokens, 8 * HEAD_DIM, device=device).to(dtype)
     key = qkv[:, 4 * HEAD_DIM : 6 * HEAD_DIM].view(num_tokens, 2, HEAD_DIM)
     value = qkv[:, 6 * HEAD_DIM :].view(num_tokens, 2, HEAD_DIM)
     caches = batch.key_cache, batch.value_cache

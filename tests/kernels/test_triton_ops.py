@@ -1,8 +1,5 @@
 """Which kernels the engine runs (`PAGEDBATCH_KERNELS`), and the engine end to end on the Triton
-kernels: the same greedy tokens as on the torch ones.
-
-Without a GPU the Triton kernels run in Triton's interpreter, on CPU tensors; on a GPU machine the
-end-to-end test runs the compiled kernels on CUDA tensors."""
+kernels: the same greedy tokens as on the torch ones."""
 
 from __future__ import annotations
 
@@ -13,13 +10,8 @@ import sys
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package")
-if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    raise RuntimeError("without a GPU, tests/conftest.py must set TRITON_INTERPRET=1")
-
-from pagedbatch.engine import LLM, SamplingParams  # noqa: E402
-from pagedbatch.kernels import ops, triton_attention, triton_norm  # noqa: E402
+from pagedbatch.engine import LLM, SamplingParams
+from pagedbatch.kernels import ops, triton_attention, triton_norm
 
 
 @pytest.fixture(autouse=True)
@@ -36,22 +28,22 @@ def use(monkeypatch, setting: str) -> None:
     ops.reset()
 
 
-def test_auto_runs_triton_on_cuda_and_torch_elsewhere():
+def test_auto_runs_triton_on_cuda_and_torch_elsewhere(device):
     assert ops.kernels_for(torch.zeros(1)) is ops.TORCH
-    if DEVICE == "cuda":
+    if device == "cuda":
         cuda_kernels = ops.kernels_for(torch.zeros(1, device="cuda"))
         assert cuda_kernels.paged_attention is triton_attention.paged_attention
 
 
-def test_triton_everywhere_on_request(monkeypatch):
+def test_triton_everywhere_on_request(monkeypatch, device):
     use(monkeypatch, "triton")
-    chosen = ops.kernels_for(torch.zeros(1, device=DEVICE))
+    chosen = ops.kernels_for(torch.zeros(1, device=device))
     assert chosen.paged_attention is triton_attention.paged_attention
     assert chosen.fused_add_rms_norm is triton_norm.fused_add_rms_norm
 
 
-def test_the_choice_is_kept_until_reset(monkeypatch):
-    x = torch.zeros(1, device=DEVICE)
+def test_the_choice_is_kept_until_reset(monkeypatch, device):
+    x = torch.zeros(1, device=device)
     use(monkeypatch, "torch")
     assert ops.kernels_for(x) is ops.TORCH
     monkeypatch.setenv(ops.SETTING, "triton")
@@ -66,7 +58,9 @@ def test_an_unknown_setting_is_refused(monkeypatch):
         ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
 
 
-@pytest.mark.skipif(DEVICE != "cpu", reason="the interpreter is for machines without a GPU")
+@pytest.mark.skipif(
+    torch.cuda.is_available(), reason="the interpreter is for machines without a GPU"
+)
 def test_triton_on_cpu_without_the_interpreter_is_refused(monkeypatch):
     monkeypatch.delenv("TRITON_INTERPRET")
     use(monkeypatch, "triton")
@@ -101,7 +95,7 @@ except RuntimeError as e:
     assert "the Triton kernels need the triton package" in result.stdout
 
 
-def test_engine_generates_the_torch_path_tokens(tiny_llama, monkeypatch):
+def test_engine_generates_the_torch_path_tokens(tiny_llama, monkeypatch, device):
     """Prompts that cross block boundaries, prefilled in chunks beside decodes, on a tiny pool."""
     prompts = [[11, 502, 73, 9, 1200, 64, 31, 880, 7, 45, 600, 21, 3000], [5, 17, 401, 96, 23]]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -110,7 +104,7 @@ def test_engine_generates_the_torch_path_tokens(tiny_llama, monkeypatch):
         use(monkeypatch, setting)
         llm = LLM(
             tiny_llama,
-            device=DEVICE,
+            device=device,
             dtype="float32",
             block_size=4,
             num_kv_blocks=12,
@@ -120,6 +114,6 @@ def test_engine_generates_the_torch_path_tokens(tiny_llama, monkeypatch):
 
     expected = generate("torch")
     assert generate("triton") == expected
-    assert ops.kernels_for(torch.zeros(1, device=DEVICE)).paged_attention is (
+    assert ops.kernels_for(torch.zeros(1, device=device)).paged_attention is (
         triton_attention.paged_attention
     )

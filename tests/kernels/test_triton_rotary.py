@@ -1,21 +1,13 @@
 """The Triton rotary kernel against the torch one (the reference), on the tables the RoPE types
-build.
-
-Without a GPU the kernel runs in Triton's interpreter, on CPU tensors; on a GPU machine the same
-tests run the compiled kernel on CUDA tensors."""
+build."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-DEVICE = "cuda" if torch.cuda.is_available() else "cpu"
-triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package")
-if DEVICE == "cpu" and not triton.knobs.runtime.interpret:
-    raise RuntimeError("without a GPU, tests/conftest.py must set TRITON_INTERPRET=1")
-
-from pagedbatch.engine.models.rope import RotaryEmbedding  # noqa: E402
-from pagedbatch.kernels import rotary, triton_rotary  # noqa: E402
+from pagedbatch.engine.models.rope import RotaryEmbedding
+from pagedbatch.kernels import rotary, triton_rotary
 
 HEAD_DIM = 64
 NUM_HEADS, NUM_KV_HEADS = 6, 2
@@ -37,11 +29,11 @@ ROPE_SCALING = {
 BFLOAT16_TOLERANCE = dict(rtol=2**-6, atol=2**-4)
 
 
-def qk(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+def qk(device: str, num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
     """Strided views of one fused QKV projection, as the model hands them over."""
     gen = torch.Generator().manual_seed(0)
     qkv = torch.randn(num_tokens, (NUM_HEADS + 2 * NUM_KV_HEADS) * HEAD_DIM, generator=gen)
-    qkv = qkv.to(dtype).to(DEVICE)
+    qkv = qkv.to(dtype).to(device)
     q = qkv[:, : NUM_HEADS * HEAD_DIM].view(num_tokens, NUM_HEADS, HEAD_DIM)
     k = qkv[:, NUM_HEADS * HEAD_DIM : (NUM_HEADS + NUM_KV_HEADS) * HEAD_DIM]
     return q, k.view(num_tokens, NUM_KV_HEADS, HEAD_DIM)
@@ -49,11 +41,11 @@ def qk(num_tokens: int, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
 @pytest.mark.parametrize("scaling", ROPE_SCALING)
-def test_matches_the_torch_kernel(scaling, dtype):
+def test_matches_the_torch_kernel(scaling, dtype, device):
     config = {"max_position_embeddings": 2048, "rope_scaling": ROPE_SCALING[scaling]}
-    table = RotaryEmbedding.from_config(config, HEAD_DIM).cos_sin_cache.to(DEVICE)
-    positions = torch.tensor([0, 1, 5, 2047, 17, 17, 128], device=DEVICE)
-    q, k = qk(positions.numel(), dtype)
+    table = RotaryEmbedding.from_config(config, HEAD_DIM).cos_sin_cache.to(device)
+    positions = torch.tensor([0, 1, 5, 2047, 17, 17, 128], device=device)
+    q, k = qk(device, positions.numel(), dtype)
     before = q.clone(), k.clone()
 
     out_q, out_k = triton_rotary.apply_rotary_embedding(positions, q, k, table)
@@ -67,11 +59,11 @@ def test_matches_the_torch_kernel(scaling, dtype):
     assert torch.equal(q, before[0]) and torch.equal(k, before[1]), "the inputs are left alone"
 
 
-def test_a_per_token_table():
+def test_a_per_token_table(device):
     """Dynamic NTK hands over one fresh row per token, indexed by arange."""
-    q, k = qk(3, torch.float32)
-    table = torch.randn(3, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(DEVICE)
-    positions = torch.arange(3, device=DEVICE)
+    q, k = qk(device, 3, torch.float32)
+    table = torch.randn(3, HEAD_DIM, generator=torch.Generator().manual_seed(1)).to(device)
+    positions = torch.arange(3, device=device)
     out = triton_rotary.apply_rotary_embedding(positions, q, k, table)
     expected = rotary.apply_rotary_embedding(positions, q, k, table)
     torch.testing.assert_close(out, expected, atol=0, rtol=0)

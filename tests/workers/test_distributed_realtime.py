@@ -13,9 +13,8 @@ from typing import Any
 import httpx
 import openai
 import pytest
-from servers import PROCESS_START_SECONDS, Deployment
+from servers import PROCESS_START_SECONDS, Deployment, engine_records, eventually
 from test_distributed import deployment  # noqa: F401 - a fixture
-from test_engine_host import eventually, records
 
 from pagedbatch.engine import LLM, SamplingParams
 
@@ -25,7 +24,7 @@ LONG = {"max_tokens": 1500, "ignore_eos": True}  # still running when the test a
 
 def engine_load(running: Deployment) -> dict[str, Any]:
     """The worker's own figures, from its engine host."""
-    (host,) = records(running.env["PAGEDBATCH_BROKER_URL"])
+    (host,) = engine_records(running.env["PAGEDBATCH_BROKER_URL"])
     return httpx.get(f"{host.address}/internal/load").json()
 
 

@@ -12,14 +12,14 @@ import signal
 import threading
 import time
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 
 import httpx
 import pytest
 from restartable_services import PostgresCluster, RedisServer
-from servers import Deployment, chat_lines, free_port, kill, output_ids, wait_for_batch
+from servers import Deployment, chat_lines, eventually, free_port, kill, output_ids, wait_for_batch
 from services import SeaweedFS
 from sqlalchemy import Select, func, select
 
@@ -136,13 +136,6 @@ def progresses(client, batch_id: str, timeout: float = 60) -> float:
     return time.monotonic() - started
 
 
-def until(condition: Callable[[], bool], timeout: float = 60) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, f"still not so after {timeout} s"
-        time.sleep(0.1)
-
-
 @pytest.mark.slow  # about two minutes: two worker starts, three restarts, a 90-line batch
 def test_a_batch_rides_out_every_outage(deployment, services):
     worker = deployment.start_worker("worker")
@@ -194,9 +187,9 @@ def test_a_batch_rides_out_every_outage(deployment, services):
         kill_holding_a_lease(worker, database_url, dead)
         assert completed(client, batch_id) < LINES * 2 // 3, "the batch ran out; make it longer"
         replacement = deployment.start_worker("replacement")
-        until(lambda: len(heartbeats(database_url)) == 2)
+        eventually(lambda: len(heartbeats(database_url)) == 2, timeout=60)
         up = time.monotonic()
-        until(lambda: leased_to(database_url, dead) == 0, timeout=RESUME_WITHIN_SECONDS)
+        eventually(lambda: leased_to(database_url, dead) == 0, timeout=RESUME_WITHIN_SECONDS)
         note("replacement up: dead worker's shards re-leased", time.monotonic() - up)
         progresses(client, batch_id)
         note("replacement up: progress", time.monotonic() - up)

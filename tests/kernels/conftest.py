@@ -1,0 +1,43 @@
+"""What every Triton kernel test module (`test_triton_*.py`) needs, said once.
+
+Each Triton kernel is tested against its torch counterpart (the reference). On a GPU machine the
+tests run the compiled kernels on CUDA tensors; without a GPU the same tests run the kernels in
+Triton's interpreter on CPU tensors (tests/conftest.py sets TRITON_INTERPRET=1 for that, before
+any kernel is defined). Without the triton package a Triton module is reported skipped, before
+it is imported: its imports of the Triton kernels would fail. The torch reference tests beside
+them run in every case.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from pathlib import Path
+
+import pytest
+import torch
+
+TRITON_MODULES = "test_triton_*.py"
+
+
+class TritonModule(pytest.Module):
+    """A Triton test module: skipped without triton; an error on CPU without the interpreter."""
+
+    def collect(self) -> Iterable[pytest.Item | pytest.Collector]:
+        triton = pytest.importorskip("triton", reason="the Triton kernels need the triton package")
+        if not torch.cuda.is_available() and not triton.knobs.runtime.interpret:
+            raise RuntimeError("without a GPU, tests/conftest.py must set TRITON_INTERPRET=1")
+        return super().collect()
+
+
+def pytest_pycollect_makemodule(
+    module_path: Path, parent: pytest.Collector
+) -> pytest.Module | None:
+    if module_path.match(TRITON_MODULES):
+        return TritonModule.from_parent(parent, path=module_path)
+    return None
+
+
+@pytest.fixture(scope="session")
+def device() -> str:
+    """Where the Triton kernels' tensors live: CUDA on a GPU machine, else the CPU."""
+    return "cuda" if torch.cuda.is_available() else "cpu"
