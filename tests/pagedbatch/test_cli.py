@@ -180,3 +180,13 @@ def test_a_variable_that_names_no_setting_is_told_not_silently_ignored():
         "PAGEDBATCH_BATCH_TOKENS_UNDER_REALTIME",
         "pagedbatch_max_num_seqz",
     ]
+
+
+@pytest.mark.parametrize("command", ["serve", "worker", "run-batch", "db", "make-model"])
+def test_every_command_explains_itself(command, capsys):
+    """`--help` prints every flag with its doc; a `%` in a doc ("90% of free memory") once
+    broke argparse's formatting of the whole page."""
+    with pytest.raises(SystemExit) as exited:
+        main([command, "--help"])
+    assert exited.value.code == 0
+    assert "usage: pagedbatch" in capsys.readouterr().out
