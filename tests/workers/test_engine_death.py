@@ -12,9 +12,9 @@ from pathlib import Path
 
 import httpx
 import pytest
+from servers import engine_records, eventually
 from sqlalchemy import select
 from test_distributed import deployment  # noqa: F401 - a fixture
-from test_engine_host import eventually, records
 
 from pagedbatch.service import ENGINE_DIED_EXIT_CODE
 from pagedbatch.store.db import make_engine, make_session_factory
@@ -69,9 +69,9 @@ def test_a_worker_whose_engine_dies_withdraws_and_exits(deployment, dying_model)
         deployment.env["PAGEDBATCH_BROKER_URL"],
         deployment.env["PAGEDBATCH_DATABASE_URL"],
     )
-    eventually(lambda: len(records(broker)) == 1, timeout=60)
+    eventually(lambda: len(engine_records(broker)) == 1, timeout=60)
     eventually(lambda: len(heartbeats(database_url)) == 1)
-    (host,) = records(broker)
+    (host,) = engine_records(broker)
 
     # A request makes the engine step, and die.
     httpx.post(
@@ -82,6 +82,6 @@ def test_a_worker_whose_engine_dies_withdraws_and_exits(deployment, dying_model)
     died = time.monotonic()
     assert worker.wait(15) == ENGINE_DIED_EXIT_CODE, deployment.log("worker")
     assert time.monotonic() - died < 5
-    assert records(broker) == []  # withdrawn, not left to lapse
+    assert engine_records(broker) == []  # withdrawn, not left to lapse
     assert list(heartbeats(database_url).values()) == [DEAD]  # its shards go at the next reap
     assert "the engine died" in deployment.log("worker")

@@ -19,8 +19,9 @@ from batch_worker import (
     shard_states,
     submit,
 )
+from servers import eventually
 from sqlalchemy import event, select, update
-from test_shard_outages import Background, database_proxy, eventually  # noqa: F401 - a fixture
+from test_shard_outages import Background, database_proxy  # noqa: F401 - a fixture
 
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import BatchRequest, BatchStatus, Shard, ShardStatus
@@ -74,7 +75,7 @@ def test_a_flush_writes_as_soon_as_enough_lines_wait(make_batch_worker):
     flushes = Flushes(worker)
     shard = Background(lambda: run_shard(worker.ctx))
     # Long before the timer, three short lines are written together while the long one runs.
-    eventually(lambda: batch(observer, batch_id).request_completed >= 3)
+    eventually(lambda: batch(observer, batch_id).request_completed >= 3, timeout=20)
     assert shard.is_alive()
     shard.finish(60)
     assert sum(flushes.sizes) == 8 and len(flushes.sizes) >= 2
@@ -92,7 +93,7 @@ def test_a_flush_writes_what_has_waited_long_enough(make_batch_worker):
     flushes = Flushes(worker)
     shard = Background(lambda: run_shard(worker.ctx))
     # Far fewer than a thousand lines wait, yet the short ones are written while the long runs.
-    eventually(lambda: batch(observer, batch_id).request_completed == 3)
+    eventually(lambda: batch(observer, batch_id).request_completed == 3, timeout=20)
     assert shard.is_alive() and running_in_engine(worker) == 1
     shard.finish(60)
     assert sum(flushes.sizes) == 4 and flushes.sizes[-1] == 1  # the long line, at the end
@@ -115,8 +116,9 @@ def test_a_worker_killed_between_flushes_loses_and_duplicates_nothing(
     batch_id = submit(replacement, lines)
     shard = Background(lambda: run_shard(doomed.ctx))
     # Two short lines are flushed; the third waits in the buffer for a second line to join it.
-    eventually(lambda: len(recorded(replacement, batch_id)) == 2)
-    eventually(lambda: running_in_engine(doomed) == 2)  # the long lines: the third has ended
+    eventually(lambda: len(recorded(replacement, batch_id)) == 2, timeout=20)
+    # The long lines are in the engine: the third has ended.
+    eventually(lambda: running_in_engine(doomed) == 2, timeout=20)
     time.sleep(0.3)  # time enough for a third line's flush, were one due
     flushed = recorded(replacement, batch_id)
     assert sorted(flushed) == ["s0", "s1"]
@@ -148,7 +150,7 @@ def test_a_flush_after_the_lease_was_lost_writes_nothing(make_batch_worker):
     lines = [*short_lines(2), long_line("long")]
     batch_id = submit(worker, lines)
     shard = Background(lambda: run_shard(worker.ctx))
-    eventually(lambda: shard_states(worker, batch_id) == [ShardStatus.RUNNING])
+    eventually(lambda: shard_states(worker, batch_id) == [ShardStatus.RUNNING], timeout=20)
     # The reaper took the shard and another worker leased it while this one ran its lines.
     with transaction(worker.ctx.session_factory) as session:
         session.execute(

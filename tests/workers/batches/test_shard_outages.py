@@ -21,6 +21,7 @@ from batch_worker import (
     shard_states,
     submit,
 )
+from servers import eventually
 from sqlalchemy import select, update
 from tcp_proxy import TcpProxy
 
@@ -53,13 +54,6 @@ class Background(threading.Thread):
             raise self.error
 
 
-def eventually(condition: Callable[[], bool], timeout: float = 20.0) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        assert time.monotonic() < deadline, "condition not met in time"
-        time.sleep(0.05)
-
-
 @pytest.fixture
 def database_proxy() -> Iterator[TcpProxy]:
     proxy = TcpProxy("127.0.0.1", 5432)
@@ -80,7 +74,7 @@ def test_a_database_outage_mid_shard_is_ridden_out(make_batch_worker, database_p
     lines = [chat_line(f"l{i}", max_tokens=16 * (i + 1), ignore_eos=True) for i in range(10)]
     batch_id = submit(worker, lines)
     shard = Background(lambda: run_shard(worker.ctx))
-    eventually(lambda: batch(observer, batch_id).request_completed >= 1)
+    eventually(lambda: batch(observer, batch_id).request_completed >= 1, timeout=20)
     with database_proxy.outage():
         time.sleep(2.0)
     shard.finish(60)
@@ -101,7 +95,7 @@ def test_a_lease_that_cannot_be_renewed_stops_the_shard_for_a_retry(
     lines = [chat_line(f"l{i}", max_tokens=400, ignore_eos=True) for i in range(6)]
     batch_id = submit(worker, lines)
     shard = Background(lambda: run_shard(worker.ctx))
-    eventually(lambda: shard_states(observer, batch_id) == [ShardStatus.RUNNING])
+    eventually(lambda: shard_states(observer, batch_id) == [ShardStatus.RUNNING], timeout=20)
     time.sleep(0.5)  # the lines are in the engine
     with database_proxy.outage():
         # Before its lease lapses the shard stops: its lines are aborted and left pending.
