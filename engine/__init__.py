@@ -14,6 +14,7 @@ _EXPORTS = {
     "EngineArgs": "config",
     "LLMEngine": "llm_engine",
     "RequestOutput": "outputs",
+    "RequestOutputKind": "sampling_params",
     "SamplingParams": "sampling_params",
 }
 

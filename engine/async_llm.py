@@ -17,13 +17,13 @@ import logging
 import queue
 import threading
 from collections.abc import AsyncIterator, Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
 
@@ -40,7 +40,6 @@ class EngineDeadError(RuntimeError):
 class _Stream:
     loop: asyncio.AbstractEventLoop
     queue: asyncio.Queue[RequestOutput | BaseException]
-    final_only: bool
 
     def put(self, item: RequestOutput | BaseException) -> bool:
         return _call_soon(self.loop, self.queue.put_nowait, item)
@@ -98,17 +97,21 @@ class AsyncLLM:
         final_only: bool = False,
         cache_salt: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
-        """Yield the request's cumulative output each step it moves, the last one finished;
-        with `final_only`, the last one alone (a batch line: its caller then sleeps, rather than
-        wake every step to drop an output, and takes no time from the others). Prefix-cache
-        blocks are shared only with requests of the same `cache_salt` (see LLMEngine).
+        """Yield the request's outputs as its params' `output_kind` asks (by default, the
+        cumulative output each step it moves), the last one finished; `final_only` makes it
+        FINAL_ONLY, the last one alone (a batch line: its caller then sleeps, rather than wake
+        every step, and the engine builds no output before). Prefix-cache blocks are shared only
+        with requests of the same `cache_salt` (see LLMEngine).
 
         Bad input raises ValueError before anything is yielded. Leaving the generator early
         (a disconnected client) aborts the request.
         """
         self._check_alive()
         request_id = request_id or f"async-{next(self._ids)}"
-        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue(), final_only)
+        if final_only:
+            final = RequestOutputKind.FINAL_ONLY
+            sampling_params = replace(sampling_params or SamplingParams(), output_kind=final)
+        stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:
             self.engine.add_request(
@@ -197,7 +200,7 @@ class AsyncLLM:
 
     def _deliver(self, output: RequestOutput) -> None:
         stream = self._streams.get(output.request_id)
-        if stream is None or (stream.final_only and not output.finished):
+        if stream is None:
             return
         if output.finished:
             del self._streams[output.request_id]

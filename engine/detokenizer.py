@@ -86,8 +86,18 @@ class IncrementalDetokenizer:
 
     @property
     def stable_text(self) -> str:
-        """The prefix of the output text that no later token can change; all of it once finished."""
+        """The prefix of the output text that no later token can change; all of it once finished.
+        It only grows."""
         return self._text[: self._stable_len]
+
+    @property
+    def num_stable_chars(self) -> int:
+        """The length of `stable_text`, without copying it."""
+        return self._stable_len
+
+    def stable_text_from(self, start: int) -> str:
+        """`stable_text[start:]`, copying only that: what is new since a reader's last look."""
+        return self._text[start : self._stable_len]
 
     def update(self, token_ids: list[int], final: bool = False) -> str | None:
         """Add newly generated tokens and return the stop string they completed, if any.

@@ -1,8 +1,16 @@
-"""Block tables: which pool blocks hold each request's KV, and prefix-cache lookups."""
+"""Which pool blocks hold each request's KV, and prefix-cache lookups.
+
+Per step, a running request costs what it gains: its new blocks (appended to its block-table
+row) and the blocks it fills (hashed and put in the prefix-cache index), never a walk over the
+blocks it already had. Invariants per request holding blocks: the first `_num_registered`
+of its blocks have been offered to the prefix-cache index, and `_hashes` holds the hashes of at
+least that many of its full blocks (they survive preemption; the registration does not).
+"""
 
 from __future__ import annotations
 
 from pagedbatch.engine.block_pool import Block, BlockHash, BlockPool, hash_block, salt_root
+from pagedbatch.engine.block_table import BlockTable
 from pagedbatch.engine.request import Request
 
 
@@ -17,6 +25,8 @@ class KVCacheManager:
         self._blocks: dict[str, list[Block]] = {}
         # Hashes of the request's full blocks, extended as tokens arrive; they survive preemption.
         self._hashes: dict[str, list[BlockHash]] = {}
+        self._num_registered: dict[str, int] = {}
+        self.block_table = BlockTable()
 
     @property
     def enable_caching(self) -> bool:
@@ -59,24 +69,37 @@ class KVCacheManager:
         if need + idle_cached > self.pool.num_free_blocks:
             return False
         self.pool.touch(cached)
-        blocks.extend(cached)
+        new = list(cached)
         if need > 0:
-            blocks.extend(self.pool.allocate(need))
+            new += self.pool.allocate(need)
+        if new:
+            blocks.extend(new)
+            self.block_table.append(request.request_id, [b.block_id for b in new])
         if cached or request.num_computed_tokens == 0:
             # A fresh admission: count its prefix lookup.
             self.pool.prefix_queries += request.num_tokens
             self.pool.prefix_hits += len(cached) * self.block_size
         if self.enable_caching:
-            # Register the blocks this step fills; their tokens are known, their KV is written in
-            # this step before anyone can read it.
-            num_full = (num_computed + num_new_tokens) // self.block_size
-            hashes = self._full_block_hashes(request, num_computed + num_new_tokens)
-            for block, h in zip(blocks[:num_full], hashes, strict=False):
-                self.pool.cache(block, h)
+            self._register_full_blocks(request, blocks, num_computed + num_new_tokens)
         return True
+
+    def _register_full_blocks(self, request: Request, blocks: list[Block], num_tokens: int) -> None:
+        """Put the blocks that the first `num_tokens` tokens fill, and that are not there yet, in
+        the prefix-cache index; their tokens are known, and their KV is written in this step
+        before anyone can read it."""
+        num_full = num_tokens // self.block_size
+        first = self._num_registered.get(request.request_id, 0)
+        if num_full <= first:
+            return
+        hashes = self._full_block_hashes(request, num_tokens)
+        for i in range(first, num_full):
+            self.pool.cache(blocks[i], hashes[i])
+        self._num_registered[request.request_id] = num_full
 
     def free(self, request: Request) -> None:
         blocks = self._blocks.pop(request.request_id, [])
+        self._num_registered.pop(request.request_id, None)
+        self.block_table.release(request.request_id)
         self.pool.free(reversed(blocks))
 
     def forget(self, request: Request) -> None:

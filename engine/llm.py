@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Sequence
+from dataclasses import replace
 from typing import Any
 
 from tqdm import tqdm
@@ -10,7 +11,7 @@ from tqdm import tqdm
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
 Prompt = str | list[int]
 
@@ -31,8 +32,10 @@ class LLM:
         use_tqdm: bool = False,
         cache_salt: str | None = None,
     ) -> list[RequestOutput]:
-        """One finished output per prompt, in the prompts' order. The prompts share prefix-cache
-        blocks with requests of the same `cache_salt` only (see LLMEngine.add_request)."""
+        """One finished output per prompt, in the prompts' order, whatever the params'
+        `output_kind` (they run as FINAL_ONLY: no output is built before). The prompts share
+        prefix-cache blocks with requests of the same `cache_salt` only (see
+        LLMEngine.add_request)."""
         if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, as text or token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -41,13 +44,17 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("give one priority per prompt")
+        final = {
+            id(params): replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
+            for params in sampling_params
+        }
         ids = []
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
                 prio = priority[i] if priority is not None else 0
                 ids.append(
                     self.engine.add_request(
-                        None, prompt, params, priority=prio, cache_salt=cache_salt
+                        None, prompt, final[id(params)], priority=prio, cache_salt=cache_salt
                     )
                 )
         except ValueError:

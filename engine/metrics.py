@@ -8,8 +8,8 @@ when Prometheus scrapes, so the step loop pays nothing for them and an engine th
 counting.
 
 Per step an engine adds a handful of counter increments and two histogram updates; per finished
-request, six observations; per generated token, only a list append: the inter-token gaps of a
-step go into their histogram together, in one numpy call.
+request, six observations; per generated token, nothing: the inter-token gaps of a step (in its
+`StepStats`) go into their histogram together, in one numpy call.
 """
 
 from __future__ import annotations
@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from prometheus_client.utils import floatToGoString
 
 from pagedbatch.engine.kv_cache_manager import KVCacheManager
+from pagedbatch.engine.loggers import StatLogger, StepStats
 from pagedbatch.engine.request import Request
 from pagedbatch.engine.scheduler import Scheduler
 
@@ -155,24 +156,13 @@ ITERATION_TOKENS = Histogram(
 )
 
 
-@dataclass(frozen=True)
-class Totals:
-    """An engine's running totals, for the periodic log line."""
-
-    prompt_tokens: int = 0
-    generation_tokens: int = 0
-    prefix_queries: int = 0
-    prefix_hits: int = 0
-
-
-class EngineMetrics:
-    """One engine's feed into the process-wide metrics."""
+class EngineMetrics(StatLogger):
+    """One engine's feed into the process-wide metrics: a logger on the engine's list."""
 
     def __init__(self, model_name: str, kv: KVCacheManager, scheduler: Scheduler):
         self.model_name = model_name
         self.kv = kv
         self.scheduler = scheduler
-        self.totals = Totals()
         self._prompt_tokens = PROMPT_TOKENS.labels(model_name)
         self._generation_tokens = GENERATION_TOKENS.labels(model_name)
         self._queries = PREFIX_CACHE_QUERIES.labels(model_name)
@@ -184,52 +174,28 @@ class EngineMetrics:
         self._decode_time = DECODE_TIME.labels(model_name)
         self._e2e = E2E_LATENCY.labels(model_name)
         self._iteration_tokens = ITERATION_TOKENS.labels(model_name)
-        self._step_prompt_tokens = 0
-        self._step_generation_tokens = 0
-        self._step_token_gaps: list[float] = []
-        self._preemptions_seen = scheduler.num_preemptions
         LIVE_ENGINES.add(self)
 
-    def record_token(self, request: Request, now: float) -> None:
-        """`request` gets a token at `now`; called before its timestamps move."""
-        self._step_generation_tokens += 1
-        if request.last_token_time is None:
-            self._step_prompt_tokens += request.num_prompt_tokens
-        else:
-            self._step_token_gaps.append(now - request.last_token_time)
-
-    def record_step(self, num_tokens: int) -> None:
-        if num_tokens:
-            self._iteration_tokens.observe(num_tokens)
-        pool = self.kv.pool
-        queries = pool.prefix_queries - self.totals.prefix_queries
-        hits = pool.prefix_hits - self.totals.prefix_hits
-        preemptions = self.scheduler.num_preemptions - self._preemptions_seen
+    def record(self, stats: StepStats) -> None:
+        if stats.num_tokens:
+            self._iteration_tokens.observe(stats.num_tokens)
         # Each increment takes a lock; most steps move only some of the counters.
-        if self._step_prompt_tokens:
-            self._prompt_tokens.inc(self._step_prompt_tokens)
-        if self._step_generation_tokens:
-            self._generation_tokens.inc(self._step_generation_tokens)
-        if queries:
-            self._queries.inc(queries)
-        if hits:
-            self._hits.inc(hits)
-        if preemptions:
-            self._preemptions.inc(preemptions)
-            self._preemptions_seen = self.scheduler.num_preemptions
-        if self._step_token_gaps:
-            INTER_TOKEN_LATENCY.observe_many(self.model_name, self._step_token_gaps)
-            self._step_token_gaps = []
-        self.totals = Totals(
-            prompt_tokens=self.totals.prompt_tokens + self._step_prompt_tokens,
-            generation_tokens=self.totals.generation_tokens + self._step_generation_tokens,
-            prefix_queries=pool.prefix_queries,
-            prefix_hits=pool.prefix_hits,
+        counters = (
+            (self._prompt_tokens, stats.prompt_tokens),
+            (self._generation_tokens, stats.generation_tokens),
+            (self._queries, stats.prefix_queries),
+            (self._hits, stats.prefix_hits),
+            (self._preemptions, stats.preemptions),
         )
-        self._step_prompt_tokens = 0
-        self._step_generation_tokens = 0
+        for counter, amount in counters:
+            if amount:
+                counter.inc(amount)
+        if stats.token_gaps:
+            INTER_TOKEN_LATENCY.observe_many(self.model_name, stats.token_gaps)
+        for request in stats.finished:
+            self._record_finished(request)
 
-    def record_finished(self, request: Request) -> None:
+    def _record_finished(self, request: Request) -> None:
         REQUEST_SUCCESS.labels(self.model_name, request.finish_reason).inc()
         arrival = request.arrival_time
         scheduled, first, last = (

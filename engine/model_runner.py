@@ -10,6 +10,7 @@ import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
+import numpy as np
 import torch
 
 from pagedbatch.engine import distributed
@@ -58,16 +59,16 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
 
 @dataclass
 class StepInput:
-    """One step's batch as plain lists: what every rank needs to run it."""
+    """One step's batch as plain lists and an array: what every rank needs to run it."""
 
     input_ids: list[int]
     query_start_loc: list[int]  # sequence i owns input_ids[query_start_loc[i]:[i + 1]]
     seq_lens: list[int]  # each sequence's context length after this step
-    block_tables: list[list[int]]  # padded to one width
+    block_tables: np.ndarray  # [num_seqs, width] int32: row i is sequence i's, padded with 0
     sample_rows: list[int]  # the tokens whose next-token logits are wanted
 
     @classmethod
-    def build(cls, scheduled: list[ScheduledRequest], block_tables: list[list[int]]) -> StepInput:
+    def build(cls, scheduled: list[ScheduledRequest], block_tables: np.ndarray) -> StepInput:
         input_ids: list[int] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
@@ -76,12 +77,11 @@ class StepInput:
             query_start_loc.append(len(input_ids))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
-        width = max(len(b) for b in block_tables)
         return cls(
             input_ids=input_ids,
             query_start_loc=query_start_loc,
             seq_lens=[s.end for s in scheduled],
-            block_tables=[b + [0] * (width - len(b)) for b in block_tables],
+            block_tables=block_tables,
             sample_rows=sample_rows,
         )
 
@@ -130,11 +130,9 @@ class ModelRunner:
         # Uninitialised on purpose: attention only reads slots that were written.
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def execute(
-        self, scheduled: list[ScheduledRequest], block_tables: list[list[int]]
-    ) -> torch.Tensor:
+    def execute(self, scheduled: list[ScheduledRequest], block_tables: np.ndarray) -> torch.Tensor:
         """Run one step on every rank; returns float32 logits for the requests that sample, in
-        order."""
+        order. `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
         step = StepInput.build(scheduled, block_tables)
         if self.ranks is None:
             return self.run(step)
@@ -147,7 +145,7 @@ class ModelRunner:
         meta = prepare_attention(
             query_start_loc=torch.tensor(step.query_start_loc, device=device),
             seq_lens=torch.tensor(step.seq_lens, device=device),
-            block_tables=torch.tensor(step.block_tables, dtype=torch.int32, device=device),
+            block_tables=torch.from_numpy(step.block_tables).to(device),
             block_size=self.block_size,
         )
         hidden = self.model(

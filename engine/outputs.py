@@ -9,10 +9,12 @@ from pagedbatch.engine.request import TokenLogprob
 
 @dataclass
 class CompletionOutput:
-    """One of a request's `n` completions, cumulative so far.
+    """One of a request's `n` completions: everything so far or, for a request whose
+    `output_kind` is DELTA, only what is new since its previous output.
 
-    `text` only grows: while a stop string could still be forming, its first characters are held
-    back, so a streaming caller can send `text[len(sent):]` at every step.
+    Cumulative `text` only grows: while a stop string could still be forming, its first
+    characters are held back, so a streaming caller can send `text[len(sent):]` at every step
+    (or, with DELTA, each `text` as it comes).
     """
 
     index: int

@@ -20,7 +20,12 @@ class RequestStatus(enum.Enum):
 
     @property
     def finished(self) -> bool:
-        return self in _FINISHED
+        # Identity tests: a set lookup would hash the member in Python, on every check.
+        return (
+            self is not RequestStatus.WAITING
+            and self is not RequestStatus.RUNNING
+            and self is not RequestStatus.PREEMPTED
+        )
 
 
 _FINISHED = {
@@ -72,8 +77,15 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, logprob), most likely first
 
 
-@dataclass
+@dataclass(eq=False)
 class Request:
+    """One completion's state in the engine; equal only to itself (the scheduler's queues find
+    and remove requests by identity, without comparing their fields).
+
+    Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, kept by
+    `append_output_token`, the only way output tokens are added, so that no step rebuilds it.
+    """
+
     request_id: str
     prompt_token_ids: list[int]
     sampling_params: SamplingParams
@@ -99,9 +111,19 @@ class Request:
     last_token_time: float | None = None
     finished_time: float | None = None
 
+    _all_token_ids: list[int] = field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._all_token_ids = self.prompt_token_ids + self.output_token_ids
+
     @property
     def all_token_ids(self) -> list[int]:
-        return self.prompt_token_ids + self.output_token_ids
+        """Prompt then output tokens: the engine's own list, not a copy; do not modify it."""
+        return self._all_token_ids
+
+    def append_output_token(self, token: int) -> None:
+        self.output_token_ids.append(token)
+        self._all_token_ids.append(token)
 
     @property
     def num_prompt_tokens(self) -> int:

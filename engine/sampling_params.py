@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -29,6 +30,17 @@ MAX_STOP_STRINGS = 16  # every stop string is matched against every new characte
 MAX_STOP_CHARS = 256  # a stop string's length: the text held back while one may be forming
 
 
+class RequestOutputKind(enum.Enum):
+    """Which outputs the engine hands back for a request (vLLM's names)."""
+
+    # Each step the request moves: everything so far (text, token ids, logprobs).
+    CUMULATIVE = "cumulative"
+    # Each step the request moves: only what is new since its previous output (for streams).
+    DELTA = "delta"
+    # One output, when the request finishes, with everything (for batch lines and offline runs).
+    FINAL_ONLY = "final_only"
+
+
 @dataclass
 class SamplingParams:
     n: int = 1
@@ -53,6 +65,7 @@ class SamplingParams:
     logit_bias: dict[int, float] | None = None
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     structured: StructuredOutput | None = None  # JSON, JSON Schema or tool calls the output obeys
+    output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):
@@ -113,6 +126,8 @@ class SamplingParams:
                 limit = LOGIT_BIAS_LIMIT
                 why = f"values must be between {-limit} and {limit}"
                 raise bad("logit_bias", why, {tokens[0]: bias[tokens[0]]})
+        if not isinstance(self.output_kind, RequestOutputKind):
+            raise bad("output_kind", "must be a RequestOutputKind")
         if self.structured is not None and self.min_tokens:
             # The grammar decides where the output ends; a floor could leave nothing to sample.
             raise bad("min_tokens", "cannot be combined with structured output")

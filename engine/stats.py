@@ -1,4 +1,5 @@
-"""Running totals and recent latency figures, as the plain dict `get_stats()` returns."""
+"""Running totals and recent latency figures, as the plain dict `get_stats()` returns: a logger
+on the engine's list."""
 
 from __future__ import annotations
 
@@ -6,6 +7,7 @@ import statistics
 from collections import deque
 from dataclasses import dataclass, field
 
+from pagedbatch.engine.loggers import StatLogger, StepStats
 from pagedbatch.engine.request import Request
 
 RECENT = 1000  # finished requests kept for latency percentiles
@@ -23,7 +25,7 @@ def _percentiles(values: deque[float]) -> dict[str, float | None]:
 
 
 @dataclass
-class EngineStats:
+class EngineStats(StatLogger):
     steps: int = 0
     prompt_tokens: int = 0  # prompt tokens of finished requests
     generation_tokens: int = 0
@@ -35,13 +37,16 @@ class EngineStats:
     queue_time: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     e2e: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
 
-    def record_step(self, num_tokens: int, num_seqs: int, seconds: float) -> None:
-        if num_seqs:
+    def record(self, stats: StepStats) -> None:
+        if stats.num_seqs:
             self.steps += 1
-            self.batched_tokens += num_tokens
-            self.busy_seconds += seconds
+            self.batched_tokens += stats.num_tokens
+            self.busy_seconds += stats.busy_seconds
+        self.generation_tokens += stats.generation_tokens
+        for request in stats.finished:
+            self._record_finished(request)
 
-    def record_finished(self, request: Request) -> None:
+    def _record_finished(self, request: Request) -> None:
         self.finished_requests += 1
         self.prompt_tokens += request.num_prompt_tokens
         start = request.arrival_time

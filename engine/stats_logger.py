@@ -1,7 +1,8 @@
 """The periodic stats line, as vLLM logs it: throughput, running and waiting requests, KV-cache
 usage and prefix-cache hit rate, once every `interval` seconds while the engine has work.
 
-It runs at the end of each engine step and costs a clock comparison unless a line is due. An
+A logger on the engine's list: it takes each step's stats at the end of the step and costs a few
+additions and a clock comparison unless a line is due. An
 engine with nothing to do is not stepped; so that the quiet time does not dilute the throughput,
 once it has been idle for an interval the window it left open is closed (logged) at its last
 step, and a new one opens when work resumes. `idle()` lets an engine loop that waits for work
@@ -13,9 +14,19 @@ from __future__ import annotations
 import logging
 from dataclasses import dataclass
 
-from pagedbatch.engine.metrics import Totals
+from pagedbatch.engine.loggers import StatLogger, StepStats
 
 logger = logging.getLogger(__name__)
+
+
+@dataclass(frozen=True)
+class Totals:
+    """An engine's running totals since it started."""
+
+    prompt_tokens: int = 0
+    generation_tokens: int = 0
+    prefix_queries: int = 0
+    prefix_hits: int = 0
 
 
 @dataclass(frozen=True)
@@ -29,12 +40,24 @@ class Snapshot:
     kv_usage: float
 
 
-class StatsLogger:
+class StatsLogger(StatLogger):
     def __init__(self, model_name: str, interval: float):
         self.model_name = model_name
         self.interval = interval
+        self._totals = Totals()
         self._start: Snapshot | None = None  # where the window being measured began
         self._last: Snapshot | None = None  # the latest step
+
+    def record(self, stats: StepStats) -> None:
+        totals = self._totals
+        self._totals = Totals(
+            prompt_tokens=totals.prompt_tokens + stats.prompt_tokens,
+            generation_tokens=totals.generation_tokens + stats.generation_tokens,
+            prefix_queries=totals.prefix_queries + stats.prefix_queries,
+            prefix_hits=totals.prefix_hits + stats.prefix_hits,
+        )
+        snapshot = Snapshot(stats.ended, self._totals, stats.running, stats.waiting, stats.kv_usage)
+        self.step(stats.began, snapshot)
 
     def step(self, started: float, snapshot: Snapshot) -> None:
         """Account for a step that began at `started` and ended as `snapshot` says."""

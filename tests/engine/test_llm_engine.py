@@ -218,3 +218,26 @@ def test_async_bad_request_raises_before_streaming(tiny_llama):
             llm.shutdown()
 
     asyncio.run(main())
+
+
+def test_penalised_requests_count_their_own_tokens_whatever_ran_before(tiny_llama):
+    penalised = SamplingParams(
+        temperature=0, max_tokens=12, ignore_eos=True, frequency_penalty=2.0, repetition_penalty=1.5
+    )
+
+    def generate(engine: LLMEngine, prompts: dict[str, str]) -> dict[str, list[int]]:
+        for request_id, prompt in prompts.items():
+            engine.add_request(request_id, prompt, penalised)
+        done = {}
+        while engine.has_unfinished_requests():
+            done.update({o.request_id: o.token_ids for o in engine.step() if o.finished})
+        return done
+
+    engine = make_engine(tiny_llama)
+    first = generate(engine, {"p": "one two", "q": "three four five"})
+    # The same ids again, prompts swapped: each gets what a fresh engine gives its prompt.
+    again = generate(engine, {"p": "three four five", "q": "one two"})
+    fresh = generate(make_engine(tiny_llama), {"x": "three four five"})
+    assert again == {"p": first["q"], "q": first["p"]}
+    assert again["p"] == fresh["x"]
+    assert_pool_whole(engine)

@@ -26,6 +26,16 @@ def test_request_moves_through_its_states():
     assert r.finished and r.finish_reason == "length"
 
 
+def test_all_token_ids_is_the_prompt_then_the_output_as_it_grows():
+    r = make_request()
+    tokens = r.all_token_ids
+    r.append_output_token(7)
+    r.append_output_token(8)
+    assert r.all_token_ids is tokens  # kept, not rebuilt
+    assert tokens == [1, 2, 3, 7, 8] and r.output_token_ids == [7, 8]
+    assert r.prompt_token_ids == [1, 2, 3] and r.num_tokens == 5
+
+
 @pytest.mark.parametrize(
     "path",
     [

@@ -1,15 +1,18 @@
+import itertools
 import math
 
 import pytest
 import torch
 
 from pagedbatch.engine.request import Request
-from pagedbatch.engine.sampler import Sampler
+from pagedbatch.engine.sampler import Sampler, _top_k_top_p_rows
 from pagedbatch.engine.sampling_params import SamplingParams
 
 # Four tokens with probabilities 0.5, 0.3, 0.15 and 0.05 (and a fifth that is impossible).
 PROBS = [0.5, 0.3, 0.15, 0.05, 0.0]
 LOGITS = [math.log(p) if p else float("-inf") for p in PROBS]
+# The requests of one sampler call have distinct ids, as the engine's do.
+_ids = itertools.count()
 
 
 @pytest.fixture(autouse=True)
@@ -24,8 +27,10 @@ def request(
     eos: frozenset[int] = frozenset(),
     **params,
 ) -> Request:
-    req = Request("r", prompt or [0], SamplingParams(max_tokens=100, **params), eos_token_ids=eos)
-    req.output_token_ids = list(output or [])
+    params = SamplingParams(max_tokens=100, **params)
+    req = Request(f"r{next(_ids)}", prompt or [0], params, eos_token_ids=eos)
+    for token in output or []:
+        req.append_output_token(token)
     return req
 
 
@@ -256,3 +261,49 @@ def test_a_top_k_beyond_the_vocabulary_keeps_every_token():
     for top_p in (1.0, 0.99):
         drawn = draws(LOGITS, top_k=2**63, top_p=top_p)
         assert drawn[3] > 0.0  # the least likely possible token is still drawn
+
+
+def test_penalties_follow_the_output_as_it_grows_from_call_to_call():
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, 1.9, 1.8, 0.0]])
+    req = request(prompt=[3], temperature=0.0, frequency_penalty=0.25)
+    chosen = []
+    for _ in range(4):
+        token, _ = sampler(logits.clone(), [req])[0]
+        chosen.append(token)
+        req.append_output_token(token)
+    # Each pick is penalised 0.25 per occurrence: 0 (2.0), 1 (1.9), 2 (1.8), then 0 (1.75).
+    assert chosen == [0, 1, 2, 0]
+
+
+def test_a_request_id_used_again_starts_from_its_own_tokens():
+    sampler = Sampler()
+    logits = torch.tensor([[2.0, 1.5, 0.0]])
+    first = Request("same", [0], SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    assert sampler(logits.clone(), [first])[0][0] == 1  # token 0, in the prompt, 2.0 -> 1.0
+    sampler.release("same")
+    again = Request("same", [2], SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    assert sampler(logits.clone(), [again])[0][0] == 0
+    # Not released: a new request under the id still counts only its own tokens.
+    third = Request("same", [2], SamplingParams(temperature=0.0, repetition_penalty=2.0))
+    assert sampler(logits.clone(), [third])[0][0] == 0
+
+
+def test_top_p_and_top_k_break_ties_by_token_id():
+    # Four equally likely tokens: half the mass is tokens 0 and 1, the first two by id.
+    assert set(draws([0.0] * 4, n=400, top_p=0.5).nonzero()[:, 0].tolist()) == {0, 1}
+    assert set(draws([0.0] * 4, n=400, top_k=3, top_p=0.99).nonzero()[:, 0].tolist()) == {0, 1, 2}
+    # Tied with the last token kept, beyond the nucleus: dropped all the same.
+    row = [1.0, 0.0, 0.0, 0.0, -1.0]
+    p1 = math.exp(1) / (math.exp(1) + 3 + math.exp(-1))  # 0.5 or so: token 0 alone is short
+    assert set(draws(row, n=400, top_p=p1 + 0.01).nonzero()[:, 0].tolist()) == {0, 1}
+
+
+def test_a_top_p_below_float32s_least_value_keeps_the_likeliest_token():
+    """OpenAI allows any top_p above 0; 5e-324 rounds to 0 in float32, which the first token's
+    share of nothing "reaches": the likeliest token must still be kept, not index -1."""
+    logits = torch.tensor([[0.0, 3.0, 1.0, 2.0]])
+    params = [SamplingParams(top_p=5e-324, min_p=1.0, temperature=1.0, seed=1)]
+    _top_k_top_p_rows(logits, params, [0])
+    assert logits[0].argmax().item() == 1
+    assert torch.isinf(logits[0, [0, 2, 3]]).all()

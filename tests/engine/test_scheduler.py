@@ -26,7 +26,7 @@ def run_step(sched):
     out = sched.schedule()
     for s in out.scheduled:
         if s.samples:
-            s.request.output_token_ids.append(1000 + s.request.num_output_tokens)
+            s.request.append_output_token(1000 + s.request.num_output_tokens)
     return out
 
 
@@ -180,6 +180,33 @@ def test_fully_cached_prompt_still_computes_its_last_token():
     out = run_step(sched)
     placed = {s.request.request_id: s for s in out.scheduled}
     assert placed["b"].num_new_tokens == 4 and placed["b"].samples  # one block reused, not two
+
+
+def test_block_table_rows_follow_the_blocks_through_preemption():
+    sched = make_scheduler(num_blocks=6, budget=64)
+    requests = [req(rid, 8, arrival=i, first=100 * i) for i, rid in enumerate("abc")]
+    for r in requests:
+        sched.add(r)
+    preempted = False
+    for _ in range(6):
+        out = run_step(sched)
+        preempted |= bool(out.preempted)
+        for r in sched.running:
+            ids = sched.kv.block_ids(r.request_id)
+            assert sched.kv.block_table.gather([r.request_id])[0].tolist() == ids
+    assert preempted
+
+
+def test_blocks_filled_while_decoding_are_cached_for_others():
+    sched = make_scheduler()
+    a = req("a", 6)
+    sched.add(a)
+    while a.num_output_tokens < 4:  # its 9th token's KV is in: two full blocks
+        run_step(sched)
+    b = Request("b", a.all_token_ids[:8] + [7], SamplingParams(), arrival_time=1.0)
+    sched.add(b)
+    run_step(sched)
+    assert b.num_cached_tokens == 8
 
 
 def test_finishing_every_request_returns_every_block():

@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from pagedbatch.engine import LLM, AsyncLLM, SamplingParams
-from pagedbatch.engine.metrics import Totals
-from pagedbatch.engine.stats_logger import Snapshot, StatsLogger
+from pagedbatch.engine.stats_logger import Snapshot, StatsLogger, Totals
 
 
 def at(time: float, *, prompt=0, generation=0, queries=0, hits=0, running=0, waiting=0, kv=0.0):

@@ -1,0 +1,211 @@
+"""The core step: schedule, run the model, sample; and the requests' lives in the scheduler.
+
+The core knows requests, not what callers asked to see of them: it appends each sampled token
+(and its logprob) to its request and advances the request's grammar, and leaves detokenizing,
+stop checks and outputs to output processing. It ends a request itself only when the request
+cannot go on (its grammar or its sampling failed): that request ends alone, with an error, and
+is reported in the next `CoreOutput.failed`. Only the engine thread calls it.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from concurrent.futures import FIRST_COMPLETED, Future, wait
+from dataclasses import dataclass
+
+import torch
+from transformers import PreTrainedTokenizerBase
+
+from pagedbatch.engine.config import EngineArgs, ModelConfig
+from pagedbatch.engine.kv_cache_manager import KVCacheManager
+from pagedbatch.engine.model_runner import ModelRunner
+from pagedbatch.engine.ranks import start_runner
+from pagedbatch.engine.request import Request, RequestStatus, TokenLogprob
+from pagedbatch.engine.sampler import Sampler, edits_logits
+from pagedbatch.engine.scheduler import ScheduledRequest, Scheduler
+from pagedbatch.engine.structured_output import GrammarRuntime, StructuredOutput
+
+logger = logging.getLogger(__name__)
+
+# How long an engine with nothing else to run waits for a grammar before stepping again.
+GRAMMAR_WAIT_SECONDS = 0.05
+
+
+@dataclass
+class SampledToken:
+    """A token the step appended to its request."""
+
+    request: Request
+    token: int
+    grammar_ended: bool  # it completed the request's structured output
+
+
+@dataclass
+class CoreOutput:
+    """What one core step did."""
+
+    scheduled: list[ScheduledRequest]
+    num_tokens: int
+    sampled: list[SampledToken]
+    failed: list[Request]  # requests the core ended with an error since the last step
+    preemptions: int
+    prefix_queries: int  # prompt tokens looked up in the prefix cache
+    prefix_hits: int  # of which found
+    run_started: float  # perf_counter when the model run began (after scheduling)
+
+
+@dataclass
+class _Compiling:
+    """Completions of one request waiting for their grammar, outside the scheduler until then."""
+
+    requests: list[Request]
+    grammar: Future
+
+
+class EngineCore:
+    def __init__(
+        self,
+        model_config: ModelConfig,
+        args: EngineArgs,
+        tokenizer: PreTrainedTokenizerBase,
+        eos_token_ids: frozenset[int],
+    ):
+        self.runner: ModelRunner = start_runner(model_config, args)
+        self.kv = KVCacheManager(
+            self.runner.num_blocks, args.block_size, args.enable_prefix_caching
+        )
+        self.scheduler = Scheduler(
+            self.kv,
+            args.max_num_seqs,
+            args.max_num_batched_tokens,
+            args.scheduling_policy,
+            args.low_priority_token_budget,
+        )
+        self.grammars = GrammarRuntime(tokenizer, model_config.vocab_size, eos_token_ids)
+        self.sampler = Sampler(self.grammars.apply_masks)
+        self._compiling: list[_Compiling] = []
+        self._failed: list[Request] = []
+
+    # Requests ----------------------------------------------------------------------------------
+
+    def add(self, requests: list[Request], structured: StructuredOutput | None) -> None:
+        """Admit one request's completions; with structured output, once its grammar compiled."""
+        grammar = self.grammars.compile(structured) if structured is not None else None
+        if grammar is None or grammar.done():
+            self._schedule(requests, grammar)
+        else:
+            self._compiling.append(_Compiling(requests, grammar))
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a live request (stopped, length, aborted), releasing its blocks."""
+        self.scheduler.finish(request, status)
+
+    def fail(self, request: Request, error: str, cause: Exception | None = None) -> None:
+        """End one request with an error; the others, and the engine, go on."""
+        logger.warning("request %s failed: %s", request.request_id, error, exc_info=cause)
+        request.error = error
+        self.scheduler.finish(request, RequestStatus.FINISHED_ERROR)
+
+    def release(self, request: Request) -> None:
+        """Drop what is kept for a finished request's sampling (its grammar, its token counts)."""
+        self.grammars.release(request.request_id)
+        self.sampler.release(request.request_id)
+
+    def _fail_own(self, request: Request, error: str, cause: Exception | None = None) -> None:
+        """`fail`, for a request the core ends itself: reported in the next step's output."""
+        self.fail(request, error, cause)
+        self._failed.append(request)
+
+    def _schedule(self, requests: list[Request], grammar: Future | None) -> None:
+        """Hand completions to the scheduler, each with a matcher if it has a grammar."""
+        error = grammar.exception() if grammar is not None else None
+        for request in requests:
+            if request.finished:  # aborted or timed out while its grammar compiled
+                continue
+            if error is not None:
+                self._fail_own(request, f"grammar compilation failed: {error}")
+                continue
+            if grammar is not None:
+                try:
+                    self.grammars.start(request.request_id, grammar.result())
+                except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                    self._fail_own(request, f"grammar failed: {e}", e)
+                    continue
+            self.scheduler.add(request)
+
+    def _schedule_compiled(self) -> None:
+        if not self._compiling:
+            return
+        if not self.scheduler.num_unfinished:
+            # Nothing else to run: wait for a grammar rather than spin.
+            pending = [compiling.grammar for compiling in self._compiling]
+            wait(pending, timeout=GRAMMAR_WAIT_SECONDS, return_when=FIRST_COMPLETED)
+        ready = [compiling for compiling in self._compiling if compiling.grammar.done()]
+        self._compiling = [c for c in self._compiling if not c.grammar.done()]
+        for compiling in ready:
+            self._schedule(compiling.requests, compiling.grammar)
+
+    # The step ----------------------------------------------------------------------------------
+
+    def step(self) -> CoreOutput:
+        self._schedule_compiled()
+        pool = self.kv.pool
+        queries, hits = pool.prefix_queries, pool.prefix_hits
+        out = self.scheduler.schedule()
+        run_started = time.perf_counter()
+        sampled: list[SampledToken] = []
+        if out.scheduled:
+            block_tables = self.kv.block_table.gather([s.request.request_id for s in out.scheduled])
+            logits = self.runner.execute(out.scheduled, block_tables)
+            sampling = [s.request for s in out.scheduled if s.samples]
+            for request, (token, logprob) in zip(
+                sampling, self._sample(logits, sampling), strict=True
+            ):
+                if token is not None:
+                    sampled.append(self._append(request, token, logprob))
+        failed, self._failed = self._failed, []
+        return CoreOutput(
+            scheduled=out.scheduled,
+            num_tokens=out.num_tokens,
+            sampled=sampled,
+            failed=failed,
+            preemptions=len(out.preempted),
+            prefix_queries=pool.prefix_queries - queries,
+            prefix_hits=pool.prefix_hits - hits,
+            run_started=run_started,
+        )
+
+    def _sample(
+        self, logits: torch.Tensor, requests: list[Request]
+    ) -> list[tuple[int | None, TokenLogprob | None]]:
+        """Sample the batch at once; should that fail (a logits processor, a grammar matcher, a
+        request's settings), sample row by row so that only the rows that fail again are lost:
+        each such request ends with an error, and the engine goes on."""
+        # The sampler edits logits in place and may fail half-way: keep them for the retry.
+        pristine = logits.clone() if edits_logits(requests) else logits
+        try:
+            return self.sampler(logits, requests)
+        except Exception:  # noqa: BLE001 - narrowed down to the failing requests below
+            logger.exception("sampling failed; sampling its %d rows one by one", len(requests))
+        results: list[tuple[int | None, TokenLogprob | None]] = []
+        for i, request in enumerate(requests):
+            try:
+                results.extend(self.sampler(pristine[i : i + 1].clone(), [request]))
+            except Exception as e:  # noqa: BLE001 - reported to the request's caller
+                self._fail_own(request, f"sampling failed: {e}", e)
+                results.append((None, None))
+        return results
+
+    def _append(self, request: Request, token: int, logprob: TokenLogprob | None) -> SampledToken:
+        """The token joins its request and advances its grammar; a token the grammar refuses
+        (a logits processor unmasked it) fails the request, the token kept."""
+        request.append_output_token(token)
+        if logprob is not None:
+            request.output_logprobs.append(logprob)
+        try:
+            ended = self.grammars.accept(request.request_id, token)
+        except Exception as e:  # noqa: BLE001 - e.g. a GrammarViolation; reported to the caller
+            self._fail_own(request, str(e), e)
+            ended = False
+        return SampledToken(request, token, ended)
