@@ -128,9 +128,7 @@ class Settings(EngineSettings):
     # wait or the oldest has waited this many ms, whichever comes first. request_counts move a
     # flush at a time; a worker that dies loses (and its shard's next run redoes) at most those.
     result_flush_lines: int = Field(64, ge=1)
-    # A second: each flush is two commits (the pool's pre-ping and the write), so on a CPU engine
-    # finishing a few lines a second, shorter windows cost more commits than lines.
-    result_flush_ms: int = Field(1000, ge=0, le=60_000)
+    result_flush_ms: int = Field(200, ge=0, le=60_000)
     # The slower upkeep jobs (expiring batches, re-driving stuck finalizations, sweeping
     # webhooks, deleting expired files) run this often; reaping shards runs every upkeep tick.
     reaper_interval_seconds: float = Field(15.0, gt=0, le=3600)
