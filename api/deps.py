@@ -29,7 +29,7 @@ class Services:
     session_factory: sessionmaker[Session]
     blobs: BlobStore
     queue: TaskQueue | None = None  # where batch work goes; None in a Files-only app
-    served_models: list[str] = field(default_factory=list)
+    served_models: list[str] = field(default_factory=list)  # default: the engine's model
     engine: AsyncLLM | None = None  # serves the realtime endpoints; None in the distributed API
     engines: EngineProxy | None = None  # the distributed API's way to the workers' engines
     started_at: int = field(default_factory=now)  # reported as each served model's `created`
@@ -42,6 +42,10 @@ class Services:
     prepare_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(4))
     # The engine's generated tokens per second, as `/v1/engine/stats` reports it.
     generation_rate: TokenRate = field(default_factory=TokenRate)
+
+    def __post_init__(self) -> None:
+        if self.engine is not None and not self.served_models:
+            self.served_models = [self.engine.engine.model_name]  # the model it serves
 
     async def models(self) -> list[str]:
         """The served models: the configured ones, and those of the live engines."""

@@ -106,7 +106,6 @@ def embedded(settings: Settings) -> Embedded:
         session_factory=session_factory,
         blobs=blobs,
         queue=queue,
-        served_models=[engine.engine.model_name],
         engine=engine,
     )
     return Embedded(create_app(settings, services), ctx, queue)
@@ -190,13 +189,10 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
 
 def engine_host_of(ctx: WorkerContext) -> EngineHost:
     """The engine host of a worker with an engine: its realtime door, on the worker's store."""
-    if ctx.engine is None:
-        raise RuntimeError("an engine host needs a worker with an engine")
     services = Services(
         settings=ctx.settings,
         session_factory=ctx.session_factory,
         blobs=ctx.blobs,
-        served_models=[ctx.engine.engine.model_name],
         engine=ctx.engine,
     )
     return EngineHost(services, ctx.worker_id)

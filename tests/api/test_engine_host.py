@@ -88,7 +88,6 @@ def worker_services(settings: Settings, engine: AsyncLLM) -> Services:
         settings=settings,
         session_factory=session_factory,
         blobs=blobs,
-        served_models=[engine.engine.model_name],
         engine=engine,
     )
 
