@@ -7,6 +7,8 @@ from __future__ import annotations
 
 import ast
 import functools
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -105,3 +107,18 @@ def test_a_forbidden_direction_is_caught(tmp_path):
     path.write_text("from pagedbatch.workers.context import WorkerContext\n")
     assert unit("pagedbatch.workers.context") not in MAY_IMPORT["api"]
     assert "pagedbatch.workers.context" in imported("pagedbatch.api.bad", path)
+
+
+def test_run_from_the_checkout_root_our_folders_hide_no_installed_package():
+    # `python -c` puts the checkout's root first on sys.path, where `kernels/` would shadow the
+    # installed `kernels` that transformers imports (the serve test of the engine settings died
+    # of it); importing pagedbatch takes the root off the path.
+    script = (
+        "import pagedbatch, importlib.util;"
+        "spec = importlib.util.find_spec('kernels');"
+        "print(spec.origin if spec else None)"
+    )
+    found = subprocess.run(
+        [sys.executable, "-c", script], cwd=ROOT, capture_output=True, text=True, check=True
+    ).stdout.strip()
+    assert not found.startswith(str(ROOT / "kernels")), found
