@@ -15,6 +15,7 @@ import time
 from dataclasses import dataclass
 from pathlib import Path
 
+from celery.signals import worker_shutting_down
 from fastapi import FastAPI
 from sqlalchemy.orm import Session, sessionmaker
 
@@ -84,6 +85,7 @@ class Embedded:
     queue: InProcessQueue
 
     def shutdown(self) -> None:
+        self.context.stopping.set()
         self.queue.shutdown()
         if self.context.engine is not None:
             self.context.engine.shutdown()
@@ -148,6 +150,8 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
         run_task(ctx, name, args)
 
     app = make_celery(settings, run=run)
+    # A warm shutdown waits for running tasks: shards hand theirs back rather than finish them.
+    worker_shutting_down.connect(lambda **_: ctx.stopping.set(), weak=False)
     # Celery would replace the root logger's handler, and with it the configured log format.
     app.conf.worker_hijack_root_logger = False
     ctx.queue = CeleryQueue(app)

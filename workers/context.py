@@ -40,6 +40,9 @@ class WorkerContext:
     worker_id: str = field(default_factory=default_worker_id)
     shard_slots: threading.BoundedSemaphore = field(init=False)
     liveness: Liveness = field(default_factory=Liveness)
+    # Set when the process begins to shut down: running shards stop at once and hand their shard
+    # back (pending, its finished lines kept) rather than hold the shutdown until they end.
+    stopping: threading.Event = field(default_factory=threading.Event)
 
     def __post_init__(self) -> None:
         # However many task threads the queue has, this engine runs this many shards at once.

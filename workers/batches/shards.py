@@ -8,7 +8,9 @@ another tenant's large one; within a tenant, older batches go first.
 Failures stay as small as they can: a line that cannot be run is that line's error line; a
 database outage is ridden out (writes are idempotent, so they are simply retried) and a lease
 that cannot be renewed in time stops the shard, which the reaper hands out again; a shard that
-has failed `max_shard_attempts` times fails its remaining lines rather than run once more.
+has failed `max_shard_attempts` times fails its remaining lines rather than run once more. A
+process that shuts down hands its running shards back at once: their unfinished lines wait for
+the next worker, which need not wait for a lease to lapse.
 """
 
 from __future__ import annotations
@@ -207,6 +209,7 @@ class _ShardRun:
         self.shard = shard
         self.stop = asyncio.Event()
         self.lease_lost = False
+        self.handing_back = False  # this process is shutting down
         # Up to an engine's worth of lines each: the engine runs max_num_seqs at once and queues
         # the rest by arrival, so the lines of concurrent shards take turns, and a shard running
         # alone, or the others while one drains its last lines, still fill every seat.
@@ -237,6 +240,15 @@ class _ShardRun:
                 self.shard.batch_id,
             )
             return
+        if self.handing_back:
+            retrying(self._hand_back, "handing a shard back")
+            logger.info(
+                "shutting down: handed shard %s of %s back", self.shard.index, self.shard.batch_id
+            )
+            # For another worker; a queue that has stopped takes nothing, and the next start
+            # queues the shard again (resume_work).
+            retrying(lambda: self.ctx.queue.enqueue("run_shard"), "queueing a shard run")
+            return
         retrying(self._mark_done, "marking a shard done")
         _finalize_when_done(self.ctx, self.shard.batch_id, told_to_stop=self.stop.is_set())
 
@@ -262,8 +274,23 @@ class _ShardRun:
                 .values(status=ShardStatus.DONE, lease_owner=None, lease_expires_at=None)
             )
 
+    def _hand_back(self) -> None:
+        """Make the shard pending again. Not an attempt that failed: its count is undone."""
+        with transaction(self.ctx.session_factory) as session:
+            session.execute(
+                update(Shard)
+                .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
+                .values(
+                    status=ShardStatus.PENDING,
+                    lease_owner=None,
+                    lease_expires_at=None,
+                    attempts=Shard.attempts - 1,
+                )
+            )
+
     async def _watch(self, looks: ThreadPoolExecutor) -> None:
-        """Renew the lease, and raise the stop flag when the batch is cancelled or expires.
+        """Renew the lease, and raise the stop flag when the batch is cancelled or expires, or
+        this process shuts down.
 
         A look that fails (the database restarting) is tried again at the next tick. If the lease
         cannot be renewed before it would lapse, the shard stops, its unfinished lines left
@@ -274,6 +301,10 @@ class _ShardRun:
         leased_until = self.shard.leased_until
         while True:
             await asyncio.sleep(STOP_CHECK_SECONDS)
+            if self.ctx.stopping.is_set() and not self.stop.is_set():  # else it ends anyway
+                self.handing_back = True
+                self.stop.set()
+                return
             asked_at = time.monotonic()
             renew = leased_until - asked_at <= lease * 2 / 3  # every third of the lease
             try:
