@@ -6,8 +6,11 @@ processes racing (a cancel against the last shard finishing, say) cannot both wi
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from dataclasses import dataclass
+
 from sqlalchemy import func, select, update
-from sqlalchemy.orm import Session, load_only
+from sqlalchemy.orm import Session
 
 from pagedbatch.ids import new_id, now
 from pagedbatch.store.models import (
@@ -68,67 +71,104 @@ def stopping(batch: Batch) -> bool:
     )
 
 
-def record_result(
-    session: Session,
-    request: BatchRequest,
-    status: RequestStatus,
-    result: dict,
-    prompt_tokens: int = 0,
-    cached_tokens: int = 0,
-    completion_tokens: int = 0,
-) -> bool:
-    """Persist one request's outcome and count it, exactly once (a retried shard may try again)."""
-    written = session.execute(
-        update(BatchRequest)
-        .where(BatchRequest.id == request.id, BatchRequest.status == RequestStatus.PENDING)
-        .values(
-            status=status.value,
-            result=result,
-            prompt_tokens=prompt_tokens,
-            cached_tokens=cached_tokens,
-            completion_tokens=completion_tokens,
-            finished_at=now(),
+@dataclass(frozen=True)
+class LineResult:
+    """One request's outcome: its output or error line, and the tokens it used."""
+
+    request_id: int
+    status: RequestStatus
+    result: dict
+    prompt_tokens: int = 0
+    cached_tokens: int = 0
+    completion_tokens: int = 0
+
+
+def holds_lease(session: Session, shard_id: int, worker_id: str) -> bool:
+    """Whether `worker_id` holds the shard's lease; if so, its row stays locked until the
+    transaction ends, so the reaper cannot hand the shard to another worker before what this
+    transaction writes under the lease is committed."""
+    held = session.scalar(
+        select(Shard.id)
+        .where(Shard.id == shard_id, Shard.lease_owner == worker_id)
+        .with_for_update()
+    )
+    return held is not None
+
+
+def record_results(
+    session: Session, batch_id: str, results: Sequence[LineResult]
+) -> list[LineResult]:
+    """Persist requests' outcomes and count them on the batch row, each exactly once; returns
+    those written.
+
+    Only requests still pending are written (locked first, so no other writer changes them
+    before the commit) and only those are counted: a retried write, a replayed shard's, or one
+    racing finalization's closing of a stopped batch writes and counts nothing twice. The batch
+    row is updated once, however many results there are.
+    """
+    pending = set(
+        session.scalars(
+            select(BatchRequest.id)
+            .where(
+                BatchRequest.id.in_([r.request_id for r in results]),
+                BatchRequest.status == RequestStatus.PENDING,
+            )
+            .with_for_update()
         )
     )
-    if written.rowcount != 1:
-        return False
-    succeeded = status == RequestStatus.SUCCEEDED
+    written = [r for r in results if r.request_id in pending]
+    if not written:
+        return []
+    finished_at = now()
+    session.execute(
+        update(BatchRequest),
+        [
+            {
+                "id": r.request_id,
+                "status": r.status.value,
+                "result": r.result,
+                "prompt_tokens": r.prompt_tokens,
+                "cached_tokens": r.cached_tokens,
+                "completion_tokens": r.completion_tokens,
+                "finished_at": finished_at,
+            }
+            for r in written
+        ],
+    )
+    succeeded = sum(r.status == RequestStatus.SUCCEEDED for r in written)
     session.execute(
         update(Batch)
-        .where(Batch.id == request.batch_id)
+        .where(Batch.id == batch_id)
         .values(
-            request_completed=Batch.request_completed + int(succeeded),
-            request_failed=Batch.request_failed + int(not succeeded),
-            input_tokens=Batch.input_tokens + prompt_tokens,
-            cached_tokens=Batch.cached_tokens + cached_tokens,
-            output_tokens=Batch.output_tokens + completion_tokens,
+            request_completed=Batch.request_completed + succeeded,
+            request_failed=Batch.request_failed + len(written) - succeeded,
+            input_tokens=Batch.input_tokens + sum(r.prompt_tokens for r in written),
+            cached_tokens=Batch.cached_tokens + sum(r.cached_tokens for r in written),
+            output_tokens=Batch.output_tokens + sum(r.completion_tokens for r in written),
         )
     )
-    return True
+    return written
 
 
 def fail_pending(session: Session, batch_id: str, shard_index: int, error: dict[str, str]) -> int:
     """Record every pending request of one shard as failed, its error-file line carrying `error`
     (`code` and `message`); returns how many were."""
-    pending = session.scalars(
-        select(BatchRequest)
-        .options(load_only(BatchRequest.id, BatchRequest.batch_id, BatchRequest.custom_id))
-        .where(
+    pending = session.execute(
+        select(BatchRequest.id, BatchRequest.custom_id).where(
             BatchRequest.batch_id == batch_id,
             BatchRequest.shard_index == shard_index,
             BatchRequest.status == RequestStatus.PENDING,
         )
     ).all()
-    failed = 0
-    for request in pending:
-        line = {
-            "id": new_id("batch_req_"),
-            "custom_id": request.custom_id,
-            "response": None,
-            "error": error,
-        }
-        failed += record_result(session, request, RequestStatus.FAILED, line)
-    return failed
+    results = [
+        LineResult(
+            request_id,
+            RequestStatus.FAILED,
+            {"id": new_id("batch_req_"), "custom_id": custom_id, "response": None, "error": error},
+        )
+        for request_id, custom_id in pending
+    ]
+    return len(record_results(session, batch_id, results))
 
 
 def unfinished_shards(session: Session, batch_id: str) -> int:

@@ -5,6 +5,9 @@ A `run_shard` task is not bound to a shard: it claims whichever pending shard is
 starts. Tenants with the fewest running shards go first, so a small batch is not stuck behind
 another tenant's large one; within a tenant, older batches go first.
 
+Results are written many lines to a transaction (`_ResultWriter`): with one a line, the job
+store's commits rather than the engine would bound a fast engine.
+
 Failures stay as small as they can: a line that cannot be run is that line's error line; a
 database outage is ridden out (writes are idempotent, so they are simply retried) and a lease
 that cannot be renewed in time stops the shard, which the reaper hands out again; a shard that
@@ -20,6 +23,7 @@ import contextlib
 import logging
 import time
 import uuid
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 from typing import Any
@@ -38,7 +42,14 @@ from pagedbatch.protocol.batch_lines import (
 )
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
-from pagedbatch.store.batches import fail_pending, record_result, stopping, unfinished_shards
+from pagedbatch.store.batches import (
+    LineResult,
+    fail_pending,
+    holds_lease,
+    record_results,
+    stopping,
+    unfinished_shards,
+)
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import (
     Batch,
@@ -214,6 +225,7 @@ class _ShardRun:
         # the rest by arrival, so the lines of concurrent shards take turns, and a shard running
         # alone, or the others while one drains its last lines, still fill every seat.
         self.in_flight = asyncio.Semaphore(engine.engine.args.max_num_seqs)
+        self.results = _ResultWriter(ctx, shard, lambda: self.lease_lost, self._lose_lease)
         # The batch's tenant, as for its realtime requests: no tenant learns from cached_tokens
         # what another's prompts began with.
         self.cache_salt = prefix_cache_salt(
@@ -222,12 +234,20 @@ class _ShardRun:
 
     async def run(self) -> None:
         requests = retrying(self._pending_requests, "reading a shard's requests")
-        # A thread of the watcher's own: lines writing their results, slowly while the database
-        # is struggling, must not delay the look that renews the lease.
+        # A thread of the watcher's own: flushes of results, slow while the database is
+        # struggling, must not delay the look that renews the lease.
         looks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-watch")
         watcher = asyncio.create_task(self._watch(looks))
+        writer = asyncio.create_task(self.results.run())
+        writer.add_done_callback(self._stop_if_failed)
         try:
-            await asyncio.gather(*(self._run_request(r) for r in requests))
+            try:
+                await asyncio.gather(*(self._run_request(r) for r in requests))
+            finally:
+                # What is buffered is written, however the lines ended (done, stopped, or the
+                # engine died), and under the lease: the watcher renews it till then.
+                self.results.close()
+                await writer
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -340,8 +360,9 @@ class _ShardRun:
                 leased_until = asked_at + lease
 
     def _look(self, renew: bool) -> tuple[bool, bool]:
-        """Whether the batch is stopping, and whether the lease was renewed (only if `renew`)."""
-        with transaction(self.ctx.session_factory) as session:
+        """Whether the batch is stopping, and whether the lease was renewed (only if `renew`).
+        A look that renews nothing commits nothing: there are two a second per shard."""
+        with self.ctx.session_factory() as session:
             batch = session.get(Batch, self.shard.batch_id)
             told_to_stop = batch is None or stopping(batch)
             if not renew:
@@ -351,11 +372,18 @@ class _ShardRun:
                 .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
                 .values(lease_expires_at=time.time() + self.ctx.settings.lease_seconds)
             )
+            session.commit()
             return told_to_stop, renewed.rowcount == 1
 
     def _lose_lease(self) -> None:
         self.lease_lost = True
         self.stop.set()
+
+    def _stop_if_failed(self, writer: asyncio.Task[None]) -> None:
+        """A writer that failed (an outage outlasting its retries) stops the lines: their
+        results could not be written anyway. `run` raises its error once they have stopped."""
+        if not writer.cancelled() and writer.exception() is not None:
+            self.stop.set()
 
     async def _run_request(self, request: BatchRequest) -> None:
         async with self.in_flight:
@@ -368,19 +396,21 @@ class _ShardRun:
             except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
                 failure = e if isinstance(e, OpenAIError) else line_crashed(request.custom_id)
                 line = openai_error_line(request.custom_id, failure).model_dump(mode="json")
-                await self._record(request, RequestStatus.FAILED, line)
+                self.results.add(LineResult(request.id, RequestStatus.FAILED, line))
                 return
             if body is None:
                 return  # stopped mid-way
             usage = body.get("usage") or {}
             cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
-            await self._record(
-                request,
-                RequestStatus.SUCCEEDED,
-                response_line(request.custom_id, 200, body).model_dump(mode="json"),
-                prompt_tokens=usage.get("prompt_tokens", 0),
-                cached_tokens=cached,
-                completion_tokens=usage.get("completion_tokens", 0),
+            self.results.add(
+                LineResult(
+                    request.id,
+                    RequestStatus.SUCCEEDED,
+                    response_line(request.custom_id, 200, body).model_dump(mode="json"),
+                    prompt_tokens=usage.get("prompt_tokens", 0),
+                    cached_tokens=cached,
+                    completion_tokens=usage.get("completion_tokens", 0),
+                )
             )
 
     async def _respond(self, request: BatchRequest) -> dict[str, Any] | None:
@@ -428,18 +458,84 @@ class _ShardRun:
             if not work.cancelled():
                 work.exception()
 
-    async def _record(
-        self, request: BatchRequest, status: RequestStatus, line: dict, **usage: int
+
+class _ResultWriter:
+    """A shard's finished lines on their way to the job store, a flush at a time: one transaction
+    that records every line buffered and bumps the batch's counters once. A flush starts when
+    `result_flush_lines` lines wait or the oldest has waited `result_flush_ms`, whichever comes
+    first, and once more at the end (`close`) for whatever is left. Flushes run one after
+    another, in a thread, riding out database outages; `request_counts` move a flush at a time.
+
+    Exactly once through crashes: a line is done only once its flush commits. A worker killed
+    before that leaves the line pending, and the shard's next run does it again; killed after,
+    the next run skips it. A flush writes only while this worker holds the shard's lease
+    (checked, and the shard's row locked, in the flush's own transaction) and only lines still
+    pending, counting exactly those: a retried flush, a replayed shard's, or one that lost the
+    lease to another worker writes and counts nothing twice.
+    """
+
+    def __init__(
+        self,
+        ctx: WorkerContext,
+        shard: ClaimedShard,
+        lease_lost: Callable[[], bool],
+        lose_lease: Callable[[], None],
     ) -> None:
-        """Write the line's result, riding out a database outage; in a thread, so that the
-        other lines and the watcher go on meanwhile. Idempotent: a retried write, or a retried
-        shard's, writes nothing and counts nothing."""
+        self.ctx = ctx
+        self.shard = shard
+        self.lease_lost = lease_lost
+        self.lose_lease = lose_lease
+        self.flush_lines = ctx.settings.result_flush_lines
+        self.flush_seconds = ctx.settings.result_flush_ms / 1000
+        self.buffer: list[LineResult] = []
+        self.oldest = 0.0  # the event loop's time when the oldest line in the buffer came
+        self.closed = False
+        self.waiting = asyncio.Event()  # set: a line is buffered, or closed
+        self.due = asyncio.Event()  # set: a flush's worth of lines is buffered, or closed
 
-        def write() -> bool:
+    def add(self, result: LineResult) -> None:
+        if not self.buffer:
+            self.oldest = asyncio.get_running_loop().time()
+            self.waiting.set()
+        self.buffer.append(result)
+        if len(self.buffer) >= self.flush_lines:
+            self.due.set()
+
+    def close(self) -> None:
+        """No more lines are coming: flush what is buffered now, and end `run`."""
+        self.closed = True
+        self.waiting.set()
+        self.due.set()
+
+    async def run(self) -> None:
+        loop = asyncio.get_running_loop()
+        while self.buffer or not self.closed:
+            await self.waiting.wait()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(
+                    self.due.wait(), self.oldest + self.flush_seconds - loop.time()
+                )
+            results, self.buffer = self.buffer, []
+            if not self.closed:
+                self.waiting.clear()
+                self.due.clear()
+            if results:
+                await self._flush(results)
+
+    async def _flush(self, results: list[LineResult]) -> None:
+        def write() -> list[LineResult] | None:
+            if self.lease_lost():  # also between retries: the next run does these lines
+                return None
             with transaction(self.ctx.session_factory) as session:
-                return record_result(session, request, status, line, **usage)
+                if not holds_lease(session, self.shard.id, self.ctx.worker_id):
+                    return None
+                return record_results(session, self.shard.batch_id, results)
 
-        what = f"recording line {request.line} of {self.shard.batch_id}"
-        if await asyncio.to_thread(retrying, write, what):
-            outcome = "completed" if status == RequestStatus.SUCCEEDED else "failed"
-            BATCH_REQUESTS.labels(outcome).inc()
+        what = f"recording {len(results)} results of {self.shard.batch_id}"
+        written = await asyncio.to_thread(retrying, write, what)
+        if written is None:
+            self.lose_lease()  # the reaper took the shard: another worker may be running it
+            return
+        succeeded = sum(r.status == RequestStatus.SUCCEEDED for r in written)
+        BATCH_REQUESTS.labels("completed").inc(succeeded)
+        BATCH_REQUESTS.labels("failed").inc(len(written) - succeeded)

@@ -78,7 +78,7 @@ def test_a_database_outage_mid_shard_is_ridden_out(make_batch_worker, database_p
     with database_proxy.outage():
         time.sleep(2.0)
     shard.finish(60)
-    assert retried(caplog, "recording line")
+    assert retried(caplog, "recording")
     assert shard_states(observer, batch_id) == [ShardStatus.DONE]
     ended, results = finalized(worker, batch_id)
     assert ended.status == BatchStatus.COMPLETED
