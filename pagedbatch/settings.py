@@ -124,6 +124,13 @@ class Settings(EngineSettings):
     shard_size: int = 256  # requests per shard
     worker_concurrency: int = 2  # shards one engine runs at once (embedded; workers' default)
     lease_seconds: float = 60.0  # a shard's lease; its worker renews it at a third of this
+    # A shard writes its finished lines a flush at a time, one transaction each: once this many
+    # wait or the oldest has waited this many ms, whichever comes first. request_counts move a
+    # flush at a time; a worker that dies loses (and its shard's next run redoes) at most those.
+    result_flush_lines: int = Field(64, ge=1)
+    # A second: each flush is two commits (the pool's pre-ping and the write), so on a CPU engine
+    # finishing a few lines a second, shorter windows cost more commits than lines.
+    result_flush_ms: int = Field(1000, ge=0, le=60_000)
     # The slower upkeep jobs (expiring batches, re-driving stuck finalizations, sweeping
     # webhooks, deleting expired files) run this often; reaping shards runs every upkeep tick.
     reaper_interval_seconds: float = Field(15.0, gt=0, le=3600)
