@@ -24,6 +24,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from itertools import zip_longest
 from typing import Any, TypeVar, cast
 
 import anyio.to_thread
@@ -313,14 +314,17 @@ async def _run(
     cache_salt: str | None,
     engine_done: Callable[[], None],
 ) -> AsyncGenerator[list[RequestOutput | None], None]:
-    """Runs `inputs` at realtime priority and yields the latest output of each (None before its
-    first) whenever one moves, until all have finished. Closing it aborts what still runs.
-    `engine_done` runs once the engine holds none of them, before the caller has seen the end.
+    """Runs `inputs` at realtime priority and yields, whenever one moves, what each said since
+    the previous yield (None if nothing), until all have finished. Closing it aborts what still
+    runs. `engine_done` runs once the engine holds none of them, before the caller has seen the
+    end.
 
-    A caller slower than the engine gets the steps it missed folded into one: it holds one output
-    per engine request, never a backlog of them.
+    Each input's params ask for its outputs: the final one alone (FINAL_ONLY), or the pieces of a
+    stream (DELTA). A caller slower than the engine gets the pieces it missed folded into one: it
+    holds one output per engine request, never a backlog of them.
     """
-    latest: list[RequestOutput | None] = [None] * len(inputs)
+    new: list[RequestOutput | None] = [None] * len(inputs)
+    finished = [False] * len(inputs)
     moved = asyncio.Event()
     failures: list[Exception] = []
     following = len(inputs)
@@ -335,7 +339,12 @@ async def _run(
                 priority=REALTIME_PRIORITY,
                 cache_salt=cache_salt,
             ):
-                latest[position] = output
+                waiting = new[position]
+                if waiting is None:
+                    new[position] = output
+                else:  # only a DELTA request has more than one output
+                    waiting.add(output)
+                finished[position] = output.finished
                 moved.set()
         except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
             failures.append(OpenAIError(str(exc)))
@@ -354,9 +363,9 @@ async def _run(
             moved.clear()
             if failures:
                 raise failures[0]
-            outputs = list(latest)
+            outputs, new[:] = list(new), [None] * len(new)
             yield outputs
-            if all(output is not None and output.finished for output in outputs):
+            if all(finished):
                 return
     finally:
         for follower in followers:
@@ -367,23 +376,23 @@ async def _run(
 async def _final_outputs(
     running: AsyncGenerator[list[RequestOutput | None], None],
 ) -> list[RequestOutput]:
+    """Each request's one output (they run as FINAL_ONLY)."""
     final: list[RequestOutput | None] = []
     async with contextlib.aclosing(running):
         async for outputs in running:
-            final = outputs
-    return cast("list[RequestOutput]", final)  # the last ones, all finished
+            final = [new if new is not None else old for new, old in zip_longest(outputs, final)]
+    return cast("list[RequestOutput]", final)  # all there, and finished
 
 
 async def _events(
     running: AsyncGenerator[list[RequestOutput | None], None], stream: StreamEncoder
 ) -> AsyncGenerator[bytes, None]:
-    outputs: list[RequestOutput | None] = []
     try:
         async with contextlib.aclosing(running):
             async for outputs in running:
                 if events := stream.events(outputs):
                     yield events
-        yield stream.end(cast("list[RequestOutput]", outputs))  # the last ones, all finished
+        yield stream.end()
     except OpenAIError as exc:
         yield stream.error(exc)
     except Exception:

@@ -48,6 +48,27 @@ class RequestOutput:
     error: str | None = None
     metrics: RequestMetrics | None = None
 
+    def add(self, later: RequestOutput) -> None:
+        """Fold `later`, the next DELTA output of the same request, into this one: for a caller
+        that fell behind, what the two said in one output. Both must be DELTA outputs."""
+        by_index = {completion.index: completion for completion in self.outputs}
+        for new in later.outputs:
+            old = by_index.get(new.index)
+            if old is None:
+                self.outputs.append(new)
+                by_index[new.index] = new
+                continue
+            old.text += new.text
+            old.token_ids = old.token_ids + new.token_ids
+            if new.logprobs is not None:
+                old.logprobs = (old.logprobs or []) + new.logprobs
+            old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+        self.outputs.sort(key=lambda completion: completion.index)
+        self.finished = later.finished
+        self.num_cached_tokens = later.num_cached_tokens
+        self.error = later.error
+        self.metrics = later.metrics
+
     # The first completion's fields, for the common n=1 case.
     @property
     def text(self) -> str:

@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from pagedbatch.engine import LLMEngine
+from pagedbatch.engine import LLMEngine, RequestOutputKind
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
@@ -334,3 +334,15 @@ class TestCompletions:
     def test_refusals(self, engine, fields, param):
         error = refusal(completion, engine, **fields)
         assert (error.status_code, error.detail.param) == (400, param)
+
+
+@pytest.mark.parametrize("prepare", [chat, completion])
+def test_a_stream_asks_the_engine_for_deltas_and_a_whole_response_for_the_final_output(
+    engine, prepare
+):
+    # Neither copies a request's whole output each step: a stream sends what is new, a whole
+    # response needs only the end.
+    (streamed,) = prepare(engine, stream=True).inputs
+    (whole,) = prepare(engine).inputs
+    assert streamed.params.output_kind is RequestOutputKind.DELTA
+    assert whole.params.output_kind is RequestOutputKind.FINAL_ONLY

@@ -87,6 +87,16 @@ def test_deltas_add_up_to_the_cumulative_output(tiny_llama):
         assert reasons[-1] is not None and reasons[:-1] == [None] * (len(reasons) - 1)
 
 
+def test_deltas_folded_into_one_equal_the_cumulative_output(tiny_llama):
+    # What a caller that fell behind gets: the deltas it missed, as one.
+    final = run(tiny_llama, CUMULATIVE)[-1]
+    first, *later = run(tiny_llama, DELTA)
+    for delta in later:
+        first.add(delta)
+    assert first.finished and as_dicts(first) == as_dicts(final)
+    assert [c.index for c in first.outputs] == [0, 1]
+
+
 def test_final_only_gives_one_output_equal_to_the_last_cumulative(tiny_llama):
     final = run(tiny_llama, CUMULATIVE)[-1]
     (only,) = run(tiny_llama, FINAL_ONLY)

@@ -17,7 +17,7 @@ from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
-from pagedbatch.engine.sampling_params import SamplingParams
+from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedbatch.engine.structured_output import StructuredOutput
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 from pagedbatch.protocol.errors import OpenAIError, from_validation_error
@@ -203,6 +203,8 @@ def sampling_params(
             logprobs=logprobs,
             logit_bias=request.logit_bias,
             structured=structured,
+            # A stream is sent piece by piece; anything else is answered whole.
+            output_kind=RequestOutputKind.DELTA if request.stream else RequestOutputKind.FINAL_ONLY,
         )
     except ValueError as exc:  # combinations the schema does not check, e.g. min_tokens > max
         raise OpenAIError(str(exc), code="invalid_value") from None
@@ -246,15 +248,20 @@ def finish_reason(choice: CompletionOutput, output: RequestOutput) -> Literal["s
 
 
 def usage(outputs: Sequence[RequestOutput]) -> Usage:
-    prompt = sum(len(o.prompt_token_ids) for o in outputs)
-    completion = sum(len(c.token_ids) for o in outputs for c in o.outputs)
+    """The usage of finished, whole (not DELTA) outputs."""
+    return counted_usage(
+        prompt=sum(len(o.prompt_token_ids) for o in outputs),
+        completion=sum(len(c.token_ids) for o in outputs for c in o.outputs),
+        cached=sum(o.num_cached_tokens for o in outputs),
+    )
+
+
+def counted_usage(prompt: int, completion: int, cached: int) -> Usage:
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(
-            cached_tokens=sum(o.num_cached_tokens for o in outputs)
-        ),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
     )
 
 

@@ -1,8 +1,8 @@
 """Streamed chat and completions: the server-sent events made from the engine's outputs.
 
-Each chunk carries what one choice gained since its last chunk. The engine's text only grows (it
-holds back an incomplete character, and anything that could still become a stop string), so the
-deltas never split a character, never show a stop string, and join into exactly the text that the
+The engine hands a stream DELTA outputs: what each choice gained since the last. Its text holds
+back an incomplete character, and anything that could still become a stop string, so the chunks
+never split a character, never show a stop string, and join into exactly the text that the
 non-streamed response holds. Free of any web framework: the realtime door feeds outputs in and
 sends the bytes out.
 """
@@ -30,7 +30,7 @@ from pagedbatch.protocol.schemas.chat import (
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.schemas.completions import Completion, CompletionChoice
 from pagedbatch.protocol.serving.chat import PreparedChat, new_tool_call, tool_calls_finish
-from pagedbatch.protocol.serving.common import finish_reason, usage
+from pagedbatch.protocol.serving.common import counted_usage, finish_reason
 from pagedbatch.protocol.serving.completions import LogprobsWriter, PreparedCompletion
 
 DONE = b"data: [DONE]\n\n"
@@ -57,16 +57,14 @@ class ChunkWriter(Protocol):
 
 @dataclass
 class _Sent:
-    """How much of one choice has been sent."""
+    """Where one choice stands."""
 
-    characters: int = 0
-    logprobs: int = 0
     started: bool = False
     finished: bool = False
 
 
 class StreamEncoder:
-    """The events of one streamed response: chunks as the outputs move, then usage and [DONE]."""
+    """The events of one streamed response: chunks as the outputs come, then usage and [DONE]."""
 
     def __init__(self, writer: ChunkWriter, request: SamplingRequest) -> None:
         self._writer = writer
@@ -74,17 +72,27 @@ class StreamEncoder:
         options = request.stream_options
         self._include_usage = options is not None and options.include_usage
         self._sent: defaultdict[int, _Sent] = defaultdict(_Sent)
+        # For the usage chunk, by engine request: its prompt's and cache's tokens, and the
+        # tokens its completions generated.
+        self._prompt_tokens: dict[int, int] = {}
+        self._cached_tokens: dict[int, int] = {}
+        self._completion_tokens = 0
 
     def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
-        """The events for what `outputs`, the latest of each engine request (None before its
-        first), add to what was sent. OpenAIError if a request was aborted or failed."""
+        """The events for `outputs`: what each engine request said since the previous call, as
+        a DELTA output (None if nothing). OpenAIError if a request was aborted or failed."""
         return b"".join(self._event(self._writer.chunk(delta)) for delta in self._deltas(outputs))
 
-    def end(self, outputs: Sequence[RequestOutput]) -> bytes:
-        """The events after the final outputs: usage if asked for, then [DONE]."""
+    def end(self) -> bytes:
+        """The events once every request has finished: usage if asked for, then [DONE]."""
         if not self._include_usage:
             return DONE
-        return self._event(self._writer.usage_chunk(usage(outputs))) + DONE
+        counted = counted_usage(
+            prompt=sum(self._prompt_tokens.values()),
+            completion=self._completion_tokens,
+            cached=sum(self._cached_tokens.values()),
+        )
+        return self._event(self._writer.usage_chunk(counted)) + DONE
 
     @staticmethod
     def error(error: OpenAIError) -> bytes:
@@ -100,22 +108,23 @@ class StreamEncoder:
         for position, output in enumerate(outputs):
             if output is None:
                 continue
+            self._prompt_tokens[position] = len(output.prompt_token_ids)
+            self._cached_tokens[position] = output.num_cached_tokens
             for choice in output.outputs:
+                self._completion_tokens += len(choice.token_ids)
                 index = position * self._n + choice.index  # as in the non-streamed response
                 sent = self._sent[index]
                 if sent.finished:
                     continue
                 delta = Delta(
                     index=index,
-                    text=choice.text[sent.characters :],
-                    logprobs=(choice.logprobs or [])[sent.logprobs :],
+                    text=choice.text,
+                    logprobs=choice.logprobs or [],
                     finish_reason=finish_reason(choice, output) if choice.finished else None,
                     first=not sent.started,
                 )
                 if not (delta.text or delta.logprobs or delta.finish_reason):
-                    continue
-                sent.characters += len(delta.text)
-                sent.logprobs += len(delta.logprobs)
+                    continue  # tokens whose text is held back (a stop string may be forming)
                 sent.started = True
                 sent.finished = choice.finished
                 yield delta
