@@ -2,7 +2,7 @@
 
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py            # 8 scenarios, ~6 min
     OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --requests 64 --prompt-lens 32
-    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --output-kind final_only
+    OMP_NUM_THREADS=1 python benchmarks/step_overhead.py --output-kind cumulative
 
 A tiny random-weight Llama (`pagedbatch.make_model`, made in a temporary directory) keeps the
 forward pass short, so what the engine does around it (scheduling, block tables, batch
@@ -21,7 +21,8 @@ Figures per scenario, medians over the timed steps, in milliseconds:
 
 `sampling` is `greedy` (argmax, the sampler's fast path) or `penalties` (temperature, top-p and
 the repetition, presence and frequency penalties: the sampler's full path). `--output-kind` is
-the requests' `SamplingParams.output_kind` (default cumulative, what every caller gets today).
+the requests' `SamplingParams.output_kind`: by default delta, what a stream gets (a whole
+response or a batch line gets final_only).
 """
 
 from __future__ import annotations
@@ -142,7 +143,7 @@ def main() -> None:
     parser.add_argument("--prompt-lens", default="32,1500", help="prompt tokens, comma-separated")
     parser.add_argument("--sampling", default="greedy,penalties", help=", ".join(SAMPLINGS))
     parser.add_argument(
-        "--output-kind", default="cumulative", choices=[k.value for k in RequestOutputKind]
+        "--output-kind", default="delta", choices=[k.value for k in RequestOutputKind]
     )
     parser.add_argument("--steps", type=int, default=30)
     parser.add_argument("--warmup-steps", type=int, default=3)
