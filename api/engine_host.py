@@ -116,7 +116,8 @@ def engine_host_app(
         nonlocal beats
         try:
             # Answered between two steps; during a long prefill step the last figures serve.
-            stats = await asyncio.wait_for(engine.get_stats(), settings.engine_heartbeat_seconds)
+            async with asyncio.timeout(settings.engine_heartbeat_seconds):
+                stats = await engine.get_stats()
             figures.update({name: stats[name] for name in ("running", "waiting", "kv_usage")})
             if beat:
                 at = time.monotonic()
@@ -138,6 +139,7 @@ def engine_host_app(
     @contextlib.asynccontextmanager
     async def lifespan(_app: FastAPI) -> AsyncIterator[None]:
         redis = Redis.from_url(settings.broker_url)
+        stopping = asyncio.Event()
         heartbeat = asyncio.create_task(
             _heartbeat(
                 redis,
@@ -145,11 +147,14 @@ def engine_host_app(
                 settings.engine_heartbeat_seconds,
                 lambda: engine.dead_error is not None,
                 engine_id,
+                stopping,
             )
         )
         try:
             yield
         finally:
+            # The event ends the loop even if a client library swallows the cancellation.
+            stopping.set()
             heartbeat.cancel()
             with contextlib.suppress(asyncio.CancelledError):
                 await heartbeat
@@ -180,8 +185,10 @@ async def _heartbeat(
     interval: float,
     engine_died: Callable[[], bool],
     engine_id: str,
+    stopping: asyncio.Event,
 ) -> None:
-    while True:
+    """Publish this host's record every `interval` seconds until `stopping` is set."""
+    while not stopping.is_set():
         started = time.monotonic()
         try:
             if engine_died():
@@ -194,7 +201,9 @@ async def _heartbeat(
         except RedisError as e:
             # The API cannot see this host until Redis is back; the next beat tries again.
             logger.warning("engine host heartbeat failed (%s); the next beat tries again", e)
-        await asyncio.sleep(max(0.0, interval - (time.monotonic() - started)))
+        with contextlib.suppress(TimeoutError):
+            async with asyncio.timeout(max(0.0, interval - (time.monotonic() - started))):
+                await stopping.wait()
 
 
 def _secret_check(secret: str | None) -> Callable[[Request], None]:

@@ -71,7 +71,8 @@ async def engine_stats(services: ServicesDep) -> EngineStats:
     if engine is None:
         return EngineStats(available=False, engines=[])
     try:
-        stats = await asyncio.wait_for(engine.get_stats(), STATS_TIMEOUT_SECONDS)
+        async with asyncio.timeout(STATS_TIMEOUT_SECONDS):
+            stats = await engine.get_stats()
     except TimeoutError:
         return EngineStats(available=False, engines=[])
     load = EngineLoad(

@@ -328,10 +328,8 @@ class _ShardRun:
             asked_at = time.monotonic()
             renew = leased_until - asked_at <= lease * 2 / 3  # every third of the lease
             try:
-                told_to_stop, renewed = await asyncio.wait_for(
-                    loop.run_in_executor(looks, self._look, renew),
-                    timeout=max(0.0, leased_until - asked_at - STOP_CHECK_SECONDS),
-                )
+                async with asyncio.timeout(leased_until - asked_at - STOP_CHECK_SECONDS):
+                    told_to_stop, renewed = await loop.run_in_executor(looks, self._look, renew)
             except Exception as e:  # noqa: BLE001 - whatever it is, the lease decides what next
                 if time.monotonic() >= leased_until - STOP_CHECK_SECONDS:
                     logger.error(
@@ -508,13 +506,11 @@ class _ResultWriter:
         self.due.set()
 
     async def run(self) -> None:
-        loop = asyncio.get_running_loop()
         while self.buffer or not self.closed:
             await self.waiting.wait()
             with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(
-                    self.due.wait(), self.oldest + self.flush_seconds - loop.time()
-                )
+                async with asyncio.timeout_at(self.oldest + self.flush_seconds):
+                    await self.due.wait()
             results, self.buffer = self.buffer, []
             if not self.closed:
                 self.waiting.clear()
