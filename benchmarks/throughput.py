@@ -4,9 +4,12 @@
     python benchmarks/throughput.py --quick    # tiny model, 8 requests; seconds
 
 Each engine (and each transformers batch size) runs in a child process of its own, so that peak
-RSS and cold start belong to that engine alone. The parent builds the workload, measures the
-machine's GEMM peak, starts the children, collects the one JSON line each prints, and prints one
-JSON line of figures.
+RSS and cold start belong to that engine alone. vllm (`--vllm-python`) gets what ours gets:
+`--max-num-seqs`, `--max-num-batched-tokens` and a KV cache of `--kv-cache-gib`, and every core
+(`VLLM_CPU_OMP_THREADS_BIND` over all CPUs, `VLLM_CPU_NUM_OF_RESERVED_CPU=0`; without them its
+CPU backend keeps a core for its frontend), all recorded in its figures. The parent builds the
+workload, measures the machine's GEMM peak, starts the children, collects the one JSON line each
+prints, and prints one JSON line of figures.
 
 Figures per engine:
 - output_tps: useful output tokens / wall seconds of the generation phase. For transformers a
@@ -238,9 +241,8 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
     engine_args = {
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
+        "kv_cache_memory_gib": spec["kv_cache_gib"],
     }
-    if spec["num_kv_blocks"] is not None:
-        engine_args["num_kv_blocks"] = spec["num_kv_blocks"]
     t_load = time.time()
     llm = LLM(model=spec["model"], dtype="float32", **engine_args)
     load_s = time.time() - t_load
@@ -370,10 +372,11 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
     llm = LLM(
         model=spec["model"],
         dtype="float32",
-        max_num_seqs=spec["vllm_max_num_seqs"],
-        # A fixed KV budget: otherwise its CPU backend reserves a fraction of all memory and
-        # refuses to start when other processes hold some of it.
-        kv_cache_memory_bytes=int(spec["vllm_kv_cache_gib"] * 2**30),
+        max_num_seqs=spec["max_num_seqs"],
+        max_num_batched_tokens=spec["max_num_batched_tokens"],
+        # Our KV budget. Fixed, too: otherwise its CPU backend reserves a fraction of all memory
+        # and refuses to start when other processes hold some of it.
+        kv_cache_memory_bytes=int(spec["kv_cache_gib"] * 2**30),
     )
     load_s = time.time() - t_load
 
@@ -397,8 +400,10 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
         # vllm does not report its step count here, so no traffic estimate.
         **throughput_figures(requests, shape, seconds, None, spec["gemm_peak"]),
         **child_figures(spec, "vllm", requests, outputs, cold_start_s, load_s, t_load - t_import),
-        "max_num_seqs": spec["vllm_max_num_seqs"],
-        "kv_cache_gib": spec["vllm_kv_cache_gib"],
+        "max_num_seqs": spec["max_num_seqs"],
+        "max_num_batched_tokens": spec["max_num_batched_tokens"],
+        "kv_cache_gib": spec["kv_cache_gib"],
+        "env": {name: value for name, value in os.environ.items() if name.startswith("VLLM_CPU_")},
     }
 
 
@@ -433,13 +438,25 @@ def measure_gemm_peak(reps: int) -> float:
     return 2 * n**3 / best / 1e9
 
 
-def run_child(label: str, python: str, worker_argv: list[str]) -> dict[str, Any]:
+def vllm_cpu_env() -> dict[str, str]:
+    """vllm-cpu's environment for a fair run: its OpenMP threads on every core, none kept back
+    for its frontend (else it computes on half of a two-core machine)."""
+    return {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
+def run_child(
+    label: str, python: str, worker_argv: list[str], env: dict[str, str] | None = None
+) -> dict[str, Any]:
     """Run one worker; return its JSON line plus the tree's peak RSS, or an error entry."""
     log(f"running {label}")
     spawn_time = time.time()
     argv = [python, str(Path(__file__).resolve()), *worker_argv, "--spawn-time", repr(spawn_time)]
     # stderr passes through, so progress and tracebacks show as they happen.
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
     try:
         stdout = proc.stdout.read() if proc.stdout else ""
         # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
@@ -524,9 +541,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "outputs_dir": str(outputs_dir),
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
-        "num_kv_blocks": args.num_kv_blocks,
-        "vllm_max_num_seqs": args.vllm_max_num_seqs,
-        "vllm_kv_cache_gib": args.vllm_kv_cache_gib,
+        "kv_cache_gib": args.kv_cache_gib,
     }
     spec_path.write_text(json.dumps(spec))
     common = ["--spec", str(spec_path)]
@@ -535,7 +550,9 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
     if not args.skip_hf:
         report["transformers"] = run_transformers(args, common)
     if args.vllm_python:
-        report["vllm"] = run_child("vllm", args.vllm_python, ["--worker", "vllm", *common])
+        report["vllm"] = run_child(
+            "vllm", args.vllm_python, ["--worker", "vllm", *common], env=vllm_cpu_env()
+        )
     add_comparisons(report, outputs_dir)
     report["machine"]["load_avg_1m_end"] = load_avg()
     return report
@@ -614,14 +631,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-output-len", type=int)
     p.add_argument("--max-num-seqs", type=int, default=128)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
-    p.add_argument("--num-kv-blocks", type=int, help="default: the engine's own choice")
+    p.add_argument(
+        "--kv-cache-gib", type=float, default=2.0, help="each engine's KV cache (vllm's too)"
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip transformers static batching")
     p.add_argument("--hf-batch-sizes", help="comma-separated (default 16,64)")
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv, to run vllm as well")
-    p.add_argument("--vllm-max-num-seqs", type=int, default=64)
-    p.add_argument(
-        "--vllm-kv-cache-gib", type=float, default=2.0, help="vllm's KV cache (ours defaults to 2)"
-    )
     # Internal: how the parent starts a child.
     p.add_argument("--worker", choices=["ours", "transformers", "vllm"], help=argparse.SUPPRESS)
     p.add_argument("--spec", help=argparse.SUPPRESS)
