@@ -58,10 +58,14 @@ class RequestOutput:
                 self.outputs.append(new)
                 by_index[new.index] = new
                 continue
+            # A delta's lists are its own (the engine slices them per output): extended in
+            # place, so folding many deltas costs what they carry, not their running total.
             old.text += new.text
-            old.token_ids = old.token_ids + new.token_ids
+            old.token_ids.extend(new.token_ids)
             if new.logprobs is not None:
-                old.logprobs = (old.logprobs or []) + new.logprobs
+                if old.logprobs is None:
+                    old.logprobs = []
+                old.logprobs.extend(new.logprobs)
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished

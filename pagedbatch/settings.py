@@ -127,7 +127,7 @@ class Settings(EngineSettings):
     # A shard writes its finished lines a flush at a time, one transaction each: once this many
     # wait or the oldest has waited this many ms, whichever comes first. request_counts move a
     # flush at a time; a worker that dies loses (and its shard's next run redoes) at most those.
-    result_flush_lines: int = Field(64, ge=1)
+    result_flush_lines: int = Field(64, ge=1, le=10_000)
     # A second: each flush is two commits (the pool's pre-ping and the write), so on a CPU engine
     # finishing a few lines a second, shorter windows cost more commits than lines.
     result_flush_ms: int = Field(1000, ge=0, le=60_000)

@@ -286,27 +286,21 @@ class _ShardRun:
                 ).all()
             )
 
-    def _mark_done(self) -> None:
+    def _release(self, status: ShardStatus, **values: Any) -> None:
+        """Give up the lease (if still held), leaving the shard `status`."""
         with transaction(self.ctx.session_factory) as session:
             session.execute(
                 update(Shard)
                 .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
-                .values(status=ShardStatus.DONE, lease_owner=None, lease_expires_at=None)
+                .values(status=status, lease_owner=None, lease_expires_at=None, **values)
             )
+
+    def _mark_done(self) -> None:
+        self._release(ShardStatus.DONE)
 
     def _hand_back(self) -> None:
         """Make the shard pending again. Not an attempt that failed: its count is undone."""
-        with transaction(self.ctx.session_factory) as session:
-            session.execute(
-                update(Shard)
-                .where(Shard.id == self.shard.id, Shard.lease_owner == self.ctx.worker_id)
-                .values(
-                    status=ShardStatus.PENDING,
-                    lease_owner=None,
-                    lease_expires_at=None,
-                    attempts=Shard.attempts - 1,
-                )
-            )
+        self._release(ShardStatus.PENDING, attempts=Shard.attempts - 1)
 
     async def _watch(self, looks: ThreadPoolExecutor) -> None:
         """Renew the lease, and raise the stop flag when the batch is cancelled or expires, or
