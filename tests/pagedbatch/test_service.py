@@ -25,6 +25,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
     given = {
         "model": str(tiny_llama),
         "served_model_name": "tiny",
+        "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
         "dtype": "float32",
         "device": "cpu",
         "max_model_len": 512,
