@@ -124,7 +124,8 @@ def ensure_model(model: str | None, size: str, arch: str = "llama") -> Path:
     """`model` if given, else the `pagedbatch make-model` checkpoint of this size and arch, built
     once into ~/.cache/pagedbatch and reused by every later run."""
     if model:
-        return Path(model).expanduser().resolve()
+        path = Path(model).expanduser().resolve()
+        return safetensors_copy(path) if path.suffix == ".gguf" else path
     target = CACHE_ROOT / f"bench-{size}-{arch}"
     if (target / "config.json").is_file() and (target / "model.safetensors").is_file():
         return target
@@ -138,6 +139,33 @@ def ensure_model(model: str | None, size: str, arch: str = "llama") -> Path:
     try:
         staging.rename(target)
     except OSError:  # another run finished first; its checkpoint is the same bytes
+        shutil.rmtree(staging, ignore_errors=True)
+    return target
+
+
+def safetensors_copy(gguf_file: Path) -> Path:
+    """A GGUF's weights dequantized to float32 safetensors, beside its config and tokenizer, in a
+    Hugging Face directory (made once, in ~/.cache/pagedbatch): the same weights for every engine,
+    whichever format each reads."""
+    import torch
+    from safetensors.torch import save_file
+
+    from pagedbatch.engine import gguf
+
+    meta = gguf.metadata_dir(gguf_file)
+    target = CACHE_ROOT / f"bench-{meta.name}"
+    if (target / "model.safetensors").is_file():
+        return target
+    log(f"writing {gguf_file.name}'s weights as float32 safetensors in {target}")
+    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
+    shutil.copytree(
+        meta, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("tensors.json")
+    )
+    weights = {name: tensor.to(torch.float32) for name, tensor in gguf.iterate_weights(gguf_file)}
+    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    try:
+        staging.rename(target)
+    except OSError:  # another run finished first
         shutil.rmtree(staging, ignore_errors=True)
     return target
 

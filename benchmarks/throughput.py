@@ -2,6 +2,8 @@
 
     python benchmarks/throughput.py            # small llama, 128 requests; ~10 min on a quiet CPU
     python benchmarks/throughput.py --quick    # tiny model, 8 requests; seconds
+    python benchmarks/throughput.py --model SmolLM2-135M-Instruct.Q4_1.gguf --chat
+                                               # a trained model, chat prompts, natural stopping
 
 Each engine (and each transformers batch size) runs in a child process of its own, so that peak
 RSS and cold start belong to that engine alone. vllm (`--vllm-python`) gets what ours gets:
@@ -182,15 +184,18 @@ def load_spec(path: str) -> tuple[dict[str, Any], list[Request], ModelShape]:
 
 def throughput_figures(
     requests: list[Request],
+    outputs: list[list[int]],
     shape: ModelShape,
     seconds: float,
     forward_passes: int | None,
     gemm_peak: float,
 ) -> dict[str, Any]:
-    """The figures every engine reports for the timed generation phase."""
-    prompt_tokens = sum(len(r.prompt) for r in requests)
-    output_tokens = sum(r.max_tokens for r in requests)
-    flops = sum(request_flops(shape, len(r.prompt), r.max_tokens) for r in requests)
+    """The figures every engine reports for the timed generation phase, on the tokens it
+    generated (with natural stopping, fewer than asked)."""
+    lengths = [(len(r.prompt), len(out)) for r, out in zip(requests, outputs, strict=True)]
+    prompt_tokens = sum(p for p, _ in lengths)
+    output_tokens = sum(o for _, o in lengths)
+    flops = sum(request_flops(shape, p, o) for p, o in lengths)
     gflops = flops / seconds / 1e9
     figures: dict[str, Any] = {
         "generation_s": round(seconds, 3),
@@ -202,7 +207,7 @@ def throughput_figures(
         "est_gbps": None,
     }
     if forward_passes is not None:
-        kv = sum(kv_read_bytes(shape, len(r.prompt), r.max_tokens) for r in requests)
+        kv = sum(kv_read_bytes(shape, p, o) for p, o in lengths)
         traffic = forward_passes * weight_bytes(shape) + kv
         figures["forward_passes"] = forward_passes
         figures["est_gbps"] = round(traffic / seconds / 1e9, 2)
@@ -220,12 +225,12 @@ def child_figures(
 ) -> dict[str, Any]:
     """Writes a child's generated ids to `<name>.json` (for the parent's agreement figures) and
     returns what every child reports beside its throughput. `wrong_lengths` counts the outputs
-    not exactly as long as asked (ignore_eos makes every length exact)."""
+    not exactly as long as asked where ignore_eos makes every length exact; with natural
+    stopping, `stopped` counts those that ended on an end token."""
     Path(spec["outputs_dir"], f"{name}.json").write_text(json.dumps(outputs))
+    short = sum(len(out) != r.max_tokens for r, out in zip(requests, outputs, strict=True))
     return {
-        "wrong_lengths": sum(
-            len(out) != r.max_tokens for r, out in zip(requests, outputs, strict=True)
-        ),
+        ("wrong_lengths" if spec["ignore_eos"] else "stopped"): short,
         "cold_start_s": round(cold_start_s, 3),
         "load_s": round(load_s, 3),
         "import_s": round(import_s, 3),
@@ -253,8 +258,10 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
     warm = SamplingParams(temperature=0, max_tokens=WARMUP_TOKENS, ignore_eos=True)
     llm.generate(warmup_prompts(spec["seed"]), [warm] * WARMUP_BATCH)
 
+    ignore_eos = spec["ignore_eos"]
     params = [
-        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos)
+        for r in requests
     ]
     before = llm.get_stats()
     start = time.perf_counter()
@@ -263,8 +270,9 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
     stats = _stats_delta(before, llm.get_stats())
 
     outputs = [list(r.token_ids) for r in results]
+    steps = stats.get("steps")
     return {
-        **throughput_figures(requests, shape, seconds, stats.get("steps"), spec["gemm_peak"]),
+        **throughput_figures(requests, outputs, shape, seconds, steps, spec["gemm_peak"]),
         **child_figures(spec, "ours", requests, outputs, cold_start_s, load_s, t_load - t_import),
         "engine_args": engine_args,
         "stats": stats,
@@ -299,9 +307,13 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
     model.eval()
     load_s = time.time() - t_load
     gen_config = model.generation_config
-    gen_config.eos_token_id = None  # ignore_eos: every row runs to max_new_tokens
+    eos_ids = gen_config.eos_token_id
+    eos_ids = set([eos_ids] if isinstance(eos_ids, int) else eos_ids or [])
+    if spec["ignore_eos"]:
+        gen_config.eos_token_id = None  # every row runs to max_new_tokens
+        eos_ids = set()
     if gen_config.pad_token_id is None:
-        gen_config.pad_token_id = 0
+        gen_config.pad_token_id = min(eos_ids, default=0)
     pad_id = gen_config.pad_token_id
 
     _hf_generate(model, [warmup_prompt(spec["seed"])], 1, pad_id)
@@ -317,7 +329,10 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
     for batch in batches:
         max_new = max(r.max_tokens for r in batch)
         generated = _hf_generate(model, [r.prompt for r in batch], max_new, pad_id)
-        outputs.extend(ids[: r.max_tokens] for r, ids in zip(batch, generated, strict=True))
+        outputs.extend(
+            _until_eos(ids[: r.max_tokens], eos_ids)
+            for r, ids in zip(batch, generated, strict=True)
+        )
         # Each generate call is one prefill pass and max_new - 1 decode passes; every row pays
         # for the longest prompt and the longest output of its batch.
         forward_passes += max_new
@@ -326,7 +341,7 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
     seconds = time.perf_counter() - start
 
     return {
-        **throughput_figures(requests, shape, seconds, forward_passes, spec["gemm_peak"]),
+        **throughput_figures(requests, outputs, shape, seconds, forward_passes, spec["gemm_peak"]),
         "executed_gflops": round(executed_flops / seconds / 1e9, 2),
         **child_figures(
             spec,
@@ -339,6 +354,14 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
         ),
         "batch_size": batch_size,
     }
+
+
+def _until_eos(ids: list[int], eos_ids: set[int]) -> list[int]:
+    """A row's tokens up to and including its first end token (generate pads after it)."""
+    for i, token in enumerate(ids):
+        if token in eos_ids:
+            return ids[: i + 1]
+    return ids
 
 
 def _hf_generate(
@@ -388,8 +411,10 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
     llm.generate(warm_prompts, warm, use_tqdm=False)
 
     prompts = [{"prompt_token_ids": r.prompt} for r in requests]
+    ignore_eos = spec["ignore_eos"]
     params = [
-        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=True) for r in requests
+        SamplingParams(temperature=0, max_tokens=r.max_tokens, ignore_eos=ignore_eos)
+        for r in requests
     ]
     start = time.perf_counter()
     results = llm.generate(prompts, params, use_tqdm=False)
@@ -398,7 +423,7 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
     outputs = [list(r.outputs[0].token_ids) for r in results]
     return {
         # vllm does not report its step count here, so no traffic estimate.
-        **throughput_figures(requests, shape, seconds, None, spec["gemm_peak"]),
+        **throughput_figures(requests, outputs, shape, seconds, None, spec["gemm_peak"]),
         **child_figures(spec, "vllm", requests, outputs, cold_start_s, load_s, t_load - t_import),
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
@@ -507,7 +532,7 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
     model_dir = ensure_model(args.model, args.size, args.arch)
     shape = read_model_shape(model_dir)
-    requests = workload_from_args(args)
+    requests = chat_requests(model_dir, args) if args.chat else workload_from_args(args)
     gemm_peak = measure_gemm_peak(reps=3 if args.quick else 10)
     log(f"GEMM peak {gemm_peak:.1f} GFLOP/s")
 
@@ -516,13 +541,14 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "dtype": "float32",
         "requests": len(requests),
         "seed": args.seed,
-        "prompt_len": [args.min_prompt_len, args.max_prompt_len],
+        "prompt_len": [min(len(r.prompt) for r in requests), max(len(r.prompt) for r in requests)],
         "output_len": [args.min_output_len, args.max_output_len],
         "prompt_tokens": sum(len(r.prompt) for r in requests),
-        "output_tokens": sum(r.max_tokens for r in requests),
+        "max_output_tokens": sum(r.max_tokens for r in requests),
         "non_embedding_params": shape.body_params + shape.head_params,
         "greedy": True,
-        "ignore_eos": True,
+        "ignore_eos": not args.chat,
+        "chat": args.chat,
     }
     report: dict[str, Any] = {"workload": workload, "gemm_peak_gflops": round(gemm_peak, 1)}
     # Other processes on a two-core machine skew everything; the load average shows whether
@@ -542,6 +568,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_gib": args.kv_cache_gib,
+        "ignore_eos": not args.chat,
     }
     spec_path.write_text(json.dumps(spec))
     common = ["--spec", str(spec_path)]
@@ -556,6 +583,54 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
     add_comparisons(report, outputs_dir)
     report["machine"]["load_avg_1m_end"] = load_avg()
     return report
+
+
+# The chat workload: every topic with every task, as a user of a chat model would ask.
+CHAT_TOPICS = [
+    "the ocean",
+    "volcanoes",
+    "the moon",
+    "honey bees",
+    "bread",
+    "chess",
+    "rain",
+    "trains",
+    "the piano",
+    "coffee",
+    "glaciers",
+    "owls",
+    "bicycles",
+    "the desert",
+    "libraries",
+    "tea",
+]
+CHAT_TASKS = [
+    "Write a short poem about {}.",
+    "Explain {} to a child in two sentences.",
+    "Give three facts about {}.",
+    "Write a one-paragraph story about {}.",
+    "What is the history of {}? Answer briefly.",
+    "Describe {} in one sentence.",
+    "List five words related to {}.",
+    "Why do people like {}?",
+]  # fmt: skip
+
+
+def chat_requests(model_dir: Path, args: argparse.Namespace) -> list[Request]:
+    """`--requests` chat prompts (topic x task, in that order, cycling) through the model's chat
+    template, each allowed `--max-output-len` tokens: with natural stopping, a trained model's
+    answers end where it ends them."""
+    from transformers import AutoTokenizer
+
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    questions = [task.format(topic) for topic in CHAT_TOPICS for task in CHAT_TASKS]
+    requests = []
+    for i in range(args.requests):
+        chat = [{"role": "user", "content": questions[i % len(questions)]}]
+        text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+        prompt = tokenizer.encode(text, add_special_tokens=False)
+        requests.append(Request(prompt, args.max_output_len))
+    return requests
 
 
 def run_transformers(args: argparse.Namespace, common: list[str]) -> dict[str, Any]:
@@ -619,7 +694,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument("--quick", action="store_true", help="tiny model, 8 short requests: a smoke run")
     p.add_argument(
-        "--model", help="checkpoint directory (default: build one in ~/.cache/pagedbatch)"
+        "--model",
+        help="checkpoint directory or GGUF file (default: build one in ~/.cache/pagedbatch); a "
+        "GGUF is dequantized to float32 safetensors once, so every engine reads the same weights",
+    )
+    p.add_argument(
+        "--chat",
+        action="store_true",
+        help="chat prompts (topic x task) through the model's chat template, with natural "
+        "stopping at --max-output-len (default 256): for a trained --model",
     )
     p.add_argument("--arch", default="llama", help="architecture of the built checkpoint")
     p.add_argument("--size", help="size of the built checkpoint (default small; tiny with --quick)")
@@ -644,6 +727,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
+    if args.chat:  # every chat request may run to --max-output-len; its answer ends it sooner
+        apply_defaults(args, {"max_output_len": 256})
+        apply_defaults(args, {"min_output_len": args.max_output_len})
     apply_defaults(args, QUICK_DEFAULTS if args.quick else FULL_DEFAULTS)
     args.hf_batch_sizes = [int(s) for s in str(args.hf_batch_sizes).split(",") if s.strip()]
     if args.min_prompt_len < 1 or args.max_prompt_len < args.min_prompt_len:
