@@ -15,7 +15,10 @@ like a context-hungry language model:
 - the LM head gives logits with a standard deviation of about five, a spread like a trained
   model's: sampling at temperature 1 is neither uniform nor greedy;
 - norm weights and Qwen2's biases are random rather than ones and zeros, so an engine that skips
-  them produces different tokens.
+  them produces different tokens;
+- Gemma 3, which normalises queries, keys and what each sublayer writes, and ties its LM head to
+  its embeddings, gets the same behaviour from its norms' scales, its query_pre_attn_scalar and
+  small embeddings (see GEMMA_EMBED_RMS).
 
 Every tensor is drawn from its own generator, seeded from the model seed and the tensor's name:
 the same arguments give the same bytes, and config overrides that keep a tensor's shape (a
@@ -46,6 +49,7 @@ ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
+    "gemma3": "Gemma3ForCausalLM",
 }
 
 
@@ -73,6 +77,14 @@ LM_HEAD_SCALE = 5.0
 # Larger v biases would add the same vector at every position and narrow the choice of tokens.
 BIAS_SCALE = 0.2
 QWEN2_BIASES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
+# Gemma 3 normalises what attention and the MLP write (post-attention and post-feedforward norms):
+# those norms' scales, not the o and down projections', set how much each sublayer writes.
+GEMMA_SUBLAYER_SCALE = 1.5
+# Gemma 3 ties its LM head to its embeddings, so a token's embedding favours the token itself as
+# the next one: where embeddings dominate the residual stream, greedy output cycles through a few
+# tokens. They enter it at this RMS (after Gemma's sqrt(hidden) scaling), well below what the
+# sublayers write; the final norm's scale then gives the logits their spread.
+GEMMA_EMBED_RMS = 0.25
 
 
 def model_config(
@@ -114,10 +126,46 @@ def model_config(
         # on by overrides, layers from max_window_layers on slide: half the layers, a mix to test.
         config |= {"use_sliding_window": False, "sliding_window": None}
         config["max_window_layers"] = shape.num_layers // 2
-    else:
+    elif arch == "mistral":
         # Mistral 7B v0.1's window: longer than tiny's context, so it acts only when overridden.
         config["sliding_window"] = 4096
+    else:
+        config = _gemma3_config(config, shape)
     return config | (config_overrides or {})
+
+
+def _gemma3_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
+    """Gemma 3's text config as transformers 5 writes it (Gemma3TextConfig), on `base`'s shape."""
+    # Gemma 3 has its own keys for these: hidden_activation, rope_parameters.
+    llama_keys = ("hidden_act", "rope_theta", "rope_scaling")
+    config = {key: value for key, value in base.items() if key not in llama_keys}
+    # Gemma 3's pattern, five sliding layers then a full one, cut to end in a full layer on models
+    # of fewer than six layers (tiny's four), so that every size has both kinds.
+    pattern = min(6, shape.num_layers)
+    layer_types = [
+        "sliding_attention" if (i + 1) % pattern else "full_attention"
+        for i in range(shape.num_layers)
+    ]
+    return config | {
+        "model_type": "gemma3_text",
+        "hidden_activation": "gelu_pytorch_tanh",
+        # q_norm and k_norm leave each head's query and key at unit RMS whatever the projections'
+        # scale: this scalar is what gives attention scores their standard deviation of about two.
+        "query_pre_attn_scalar": base["head_dim"] // 4,
+        # Well inside the context, so that tests go past it.
+        "sliding_window": shape.max_position_embeddings // 32,
+        "layer_types": layer_types,
+        "rope_parameters": {
+            "full_attention": {"rope_type": "default", "rope_theta": 1_000_000.0},
+            "sliding_attention": {"rope_type": "default", "rope_theta": 10_000.0},
+        },
+        "attention_bias": False,
+        "final_logit_softcapping": None,
+        "attn_logit_softcapping": None,
+        "use_bidirectional_attention": False,
+        "tie_word_embeddings": True,
+        "pad_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+    }
 
 
 def make_model(
@@ -147,18 +195,24 @@ def make_model(
 def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Float32 weights, named as transformers names them, for a config from `model_config`."""
     hidden = config["hidden_size"]
-    q_dim = config["num_attention_heads"] * config["head_dim"]
-    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    head_dim = config["head_dim"]
+    q_dim = config["num_attention_heads"] * head_dim
+    kv_dim = config["num_key_value_heads"] * head_dim
     inter = config["intermediate_size"]
+    gemma = config["model_type"] == "gemma3_text"
     weights: dict[str, torch.Tensor] = {}
 
     def normal(name: str, shape: tuple[int, ...], std: float) -> None:
         weights[name] = torch.randn(shape, generator=_generator(seed, name)) * std
 
-    def norm(name: str) -> None:
-        weights[name] = torch.rand(hidden, generator=_generator(seed, name)) + 0.5
+    def norm(name: str, size: int = hidden, scale: float = 1.0) -> None:
+        """A norm whose scales are uniform in [scale - 0.5, scale + 0.5]. Gemma's norms scale by
+        1 + weight, so its weights are drawn 1 lower, around 0 for the usual spread."""
+        low = scale - 0.5 - (1.0 if gemma else 0.0)
+        weights[name] = torch.rand(size, generator=_generator(seed, name)) + low
 
-    normal("model.embed_tokens.weight", (config["vocab_size"], hidden), 1.0)
+    embed_std = GEMMA_EMBED_RMS / hidden**0.5 if gemma else 1.0
+    normal("model.embed_tokens.weight", (config["vocab_size"], hidden), embed_std)
     for i in range(config["num_hidden_layers"]):
         layer = f"model.layers.{i}."
         projections = {
@@ -175,9 +229,19 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             if config["model_type"] == "qwen2" and name in QWEN2_BIASES:
                 normal(f"{layer}{name}.bias", (rows,), BIAS_SCALE * scale)
         norm(f"{layer}input_layernorm.weight")
-        norm(f"{layer}post_attention_layernorm.weight")
-    norm("model.norm.weight")
-    normal("lm_head.weight", (config["vocab_size"], hidden), LM_HEAD_SCALE / hidden**0.5)
+        if gemma:
+            norm(f"{layer}post_attention_layernorm.weight", scale=GEMMA_SUBLAYER_SCALE)
+            norm(f"{layer}pre_feedforward_layernorm.weight")
+            norm(f"{layer}post_feedforward_layernorm.weight", scale=GEMMA_SUBLAYER_SCALE)
+            norm(f"{layer}self_attn.q_norm.weight", head_dim)
+            norm(f"{layer}self_attn.k_norm.weight", head_dim)
+        else:
+            norm(f"{layer}post_attention_layernorm.weight")
+    if gemma:  # the LM head is the embedding, its rows of norm GEMMA_EMBED_RMS
+        norm("model.norm.weight", scale=LM_HEAD_SCALE / GEMMA_EMBED_RMS)
+    else:
+        norm("model.norm.weight")
+        normal("lm_head.weight", (config["vocab_size"], hidden), LM_HEAD_SCALE / hidden**0.5)
     return weights
 
 

@@ -78,11 +78,18 @@ class Attention(nn.Module):
         q = q.view(num_tokens, self.num_heads, self.head_dim)
         k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
         v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
-        q, k = self.rotary(positions, q, k, meta.rope_seq_lens)
+        q, k = self.rotate(positions, q, k, meta)
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
         out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries `[T, heads, D]` and keys `[T, kv_heads, D]` as attention reads and caches them:
+        rotated by position. (A subclass may transform them first: Gemma 3 normalises them.)"""
+        return self.rotary(positions, q, k, meta.rope_seq_lens)
 
 
 class MLP(nn.Module):
@@ -129,19 +136,24 @@ class LlamaForCausalLM(nn.Module):
         "gate_proj": ("gate_up_proj", 0),
         "up_proj": ("gate_up_proj", 1),
     }
+    # What a subclass of the same outline (embed, layers, norm, LM head) changes.
+    embedding_class: type[VocabParallelEmbedding] = VocabParallelEmbedding
+    norm_class: type[nn.Module] = RMSNorm
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
         self.cfg = cfg
-        rotary = RotaryEmbedding.from_config(cfg.raw, cfg.head_dim)
-        self.embed_tokens = VocabParallelEmbedding(cfg.vocab_size, cfg.hidden_size)
-        self.layers = nn.ModuleList(
-            DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)
-        )
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.embed_tokens = self.embedding_class(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.decoder_layers(cfg))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             self.lm_head.weight = self.embed_tokens.weight
+
+    def decoder_layers(self, cfg: ModelConfig) -> list[nn.Module]:
+        """The layers, each `layer(positions, x, residual, kv_cache, meta) -> (x, residual)`."""
+        rotary = RotaryEmbedding.from_config(cfg.raw, cfg.head_dim)
+        return [DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)]
 
     def forward(
         self,

@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 
 import torch
 
+from pagedbatch.engine.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.models.llama import LlamaForCausalLM
 
 ENTRY_POINT_GROUP = "pagedbatch.models"
@@ -23,6 +24,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "Gemma3ForCausalLM": Gemma3ForCausalLM,
 }
 
 

@@ -22,10 +22,11 @@ import torch
 from safetensors.torch import load_file
 from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
 
+from pagedbatch import cli
 from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
-from pagedbatch.make_model import make_model, model_config
+from pagedbatch.make_model import ARCHITECTURES, make_model, model_config
 
-ARCHS = ("llama", "qwen2", "mistral")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3")
 MakeCheckpoint = Callable[..., Path]
 FIRST_SPECIAL_ID = min(SPECIAL_TOKEN_IDS.values())
 
@@ -102,6 +103,41 @@ def test_config_names_the_architecture_and_a_gqa_shape(arch: str, architecture: 
     assert config["rope_theta"] == 10000.0
     assert config["rms_norm_eps"] == 1e-6
     assert config["num_key_value_heads"] < config["num_attention_heads"]
+
+
+@pytest.mark.parametrize("size", ["tiny", "small", "medium"])
+def test_gemma3_config_is_a_gemma3_text_config_with_both_layer_kinds(size: str) -> None:
+    config = model_config("gemma3", size)
+    assert config["architectures"] == ["Gemma3ForCausalLM"]
+    assert config["model_type"] == "gemma3_text"
+    assert config["tie_word_embeddings"] is True
+    assert {"sliding_attention", "full_attention"} == set(config["layer_types"])
+    assert config["sliding_window"] < config["max_position_embeddings"] // 8
+    hf_config = AutoConfig.for_model(**config)
+    assert hf_config.layer_types == config["layer_types"]
+    assert hf_config.rope_parameters == config["rope_parameters"]
+    assert "hidden_act" not in config and "rope_theta" not in config
+
+
+def test_gemma3_has_its_norms_and_no_lm_head_of_its_own(make_checkpoint: MakeCheckpoint) -> None:
+    names = load_file(make_checkpoint("gemma3") / "model.safetensors")
+    layer = {name.removeprefix("model.layers.0.") for name in names if ".layers.0." in name}
+    assert {
+        "input_layernorm.weight",
+        "post_attention_layernorm.weight",
+        "pre_feedforward_layernorm.weight",
+        "post_feedforward_layernorm.weight",
+        "self_attn.q_norm.weight",
+        "self_attn.k_norm.weight",
+    } <= layer
+    assert "lm_head.weight" not in names
+    # Gemma's norms scale by 1 + weight: drawn around 0, so that the scales spread around 1.
+    weight = names["model.layers.0.input_layernorm.weight"]
+    assert weight.min() >= -0.5 and weight.max() <= 0.5
+
+
+def test_the_cli_offers_every_architecture() -> None:
+    assert set(cli.ARCHS) == set(ARCHITECTURES)
 
 
 @pytest.mark.parametrize("arch, size", [("gpt2", "tiny"), ("llama", "huge")])
