@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 # Bump when what metadata_dir writes changes, so older cache entries are rebuilt.
-_FORMAT = 1
+_FORMAT = 2
 # general.architecture -> the architecture config.json would name.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -45,6 +45,9 @@ ARCHITECTURES = {
 }
 # Token ids a GGUF lists besides eos that end a turn (llama.cpp's end-of-generation tokens).
 _END_TOKEN_FIELDS = ("tokenizer.ggml.eos_token_id", "tokenizer.ggml.eot_token_id")
+# Special tokens that end a turn whatever the metadata says, as llama.cpp treats them: a GGUF
+# often names only its eos (Gemma's <eos>), while chat turns end with one of these.
+_END_OF_TURN_TOKENS = ("<end_of_turn>", "<|im_end|>", "<|eot_id|>", "<|end|>", "<|endoftext|>")
 
 
 @dataclass(frozen=True)
@@ -138,10 +141,12 @@ def _write_metadata(gguf_file: Path, out: Path) -> None:
     mistral = raw["model_type"] == "mistral"
     raw["architectures"] = ["MistralForCausalLM" if mistral else ARCHITECTURES[gguf_arch]]
     raw["dtype"] = "float32"  # what the weights are dequantized to
-    end_ids = sorted({int(fields[f]) for f in _END_TOKEN_FIELDS if f in fields})
+    end_ids = {int(fields[f]) for f in _END_TOKEN_FIELDS if f in fields}
+    specials = set(tokenizer.all_special_tokens) | set(tokenizer.added_tokens_encoder)
+    end_ids |= {tokenizer.convert_tokens_to_ids(t) for t in _END_OF_TURN_TOKENS if t in specials}
     (out / "config.json").write_text(json.dumps(raw, indent=2) + "\n")
     bos_id = fields.get("tokenizer.ggml.bos_token_id")
-    generation = {"eos_token_id": end_ids, "bos_token_id": bos_id}
+    generation = {"eos_token_id": sorted(end_ids), "bos_token_id": bos_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer.save_pretrained(out)
     entries = _tensor_entries(reader, config)

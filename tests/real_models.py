@@ -12,7 +12,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForCausalLM
 
-MAX_TOKENS = 48
+MAX_TOKENS = 32
 
 SYSTEM = {"role": "system", "content": "You are a terse assistant. Answer in one sentence."}
 CHATS = [
