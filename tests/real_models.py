@@ -59,6 +59,14 @@ GEMMA_TEMPLATE = (
 )
 # name in pagedbatch.pypi_models -> the chat_template setting it runs with
 MODELS = {"smollm2-135m-instruct": None, "gemma-3-270m": GEMMA_TEMPLATE}
+# Tuned to chat: these answer questions and end their turns. A base model continues text (asked
+# "What is the capital of France?" in a chat, Gemma 3 270M repeats the question), so only its
+# tokens are checked, and its knowledge through a completion prompt.
+INSTRUCT = {"smollm2-135m-instruct"}
+FEW_SHOT_FRANCE = (
+    "Q: What is the capital of Germany?\nA: Berlin\nQ: What is the capital of Italy?\nA: Rome\n"
+    "Q: What is the capital of France?\nA:"
+)
 
 
 @cache

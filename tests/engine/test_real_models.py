@@ -6,7 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
-from real_models import CHATS, MAX_TOKENS, MODELS, transformers_greedy
+from real_models import CHATS, FEW_SHOT_FRANCE, INSTRUCT, MAX_TOKENS, MODELS, transformers_greedy
 
 from pagedbatch.engine import LLM, SamplingParams
 
@@ -16,9 +16,10 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 
 
 @pytest.fixture(scope="module", params=list(MODELS))
-def served(request, real_model) -> tuple[Path, LLM]:
+def served(request, real_model) -> tuple[str, Path, LLM]:
     gguf_file = real_model(request.param)
-    return gguf_file, LLM(gguf_file, num_kv_blocks=512, chat_template=MODELS[request.param])
+    llm = LLM(gguf_file, num_kv_blocks=512, chat_template=MODELS[request.param])
+    return request.param, gguf_file, llm
 
 
 def chat_prompt(llm: LLM, chat: list[dict[str, str]]) -> list[int]:
@@ -28,7 +29,7 @@ def chat_prompt(llm: LLM, chat: list[dict[str, str]]) -> list[int]:
 
 
 def test_greedy_chats_equal_transformers_and_end_on_the_models_end_token(served):
-    gguf_file, llm = served
+    name, gguf_file, llm = served
     eos = sorted(llm.engine.eos_token_ids)
     prompts = [chat_prompt(llm, chat) for chat in CHATS]
     outputs = [request.outputs[0] for request in llm.generate(prompts, GREEDY)]
@@ -36,5 +37,9 @@ def test_greedy_chats_equal_transformers_and_end_on_the_models_end_token(served)
         assert output.token_ids == transformers_greedy(gguf_file, prompt, eos), chat
         if output.finish_reason == "stop":
             assert output.token_ids[-1] in eos
-    assert sum(o.finish_reason == "stop" for o in outputs) >= len(CHATS) // 2
-    assert "Paris" in outputs[0].text
+    if name in INSTRUCT:
+        assert sum(o.finish_reason == "stop" for o in outputs) >= len(CHATS) // 2
+        assert "Paris" in outputs[0].text
+    else:
+        (answer,) = llm.generate([FEW_SHOT_FRANCE], SamplingParams(temperature=0, max_tokens=3))
+        assert answer.outputs[0].text.startswith(" Paris")
