@@ -1,16 +1,17 @@
 """Gemma 3 (text only): the engine's greedy output is token-identical to transformers' float32
-`Gemma3ForCausalLM`, whatever the batching, chunking or caching, and past the sliding window.
+`Gemma3ForCausalLM`, whatever the chunking, and past the sliding window. (test_llm.py runs its
+batching, prefix-caching and preemption tests on Gemma 3 too.)
 
 The tiny checkpoint has four layers, three sliding (a window of 64) then one full, each kind with
 its own RoPE base; see make_model.
 """
 
 import json
-import random
 import shutil
 
 import pytest
 import torch
+from greedy_checks import GREEDY, assert_matches_oracle, random_prompts
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 from transformers.activations import ACT2FN
@@ -25,24 +26,7 @@ from pagedbatch.engine.models.gemma3 import (
     rope_parameters_by_layer_type,
 )
 
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
 WINDOW = 64
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def assert_matches_oracle(oracle, model_dir, prompts, outputs, max_tokens=16):
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.token_ids == oracle.greedy(model_dir, prompt, max_tokens)
-
-
-def assert_pool_whole(llm: LLM):
-    stats = llm.get_stats()
-    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
-    assert stats["running"] == stats["waiting"] == 0
 
 
 @pytest.fixture(scope="module")
@@ -56,23 +40,6 @@ def test_the_tiny_checkpoint_has_both_layer_kinds_and_a_window_tests_pass(gemma3
     assert config["layer_types"] == [SLIDING, SLIDING, SLIDING, FULL]
     assert config["sliding_window"] == WINDOW
     assert config["query_pre_attn_scalar"] != config["head_dim"]  # so a wrong scale shows
-
-
-def test_single_requests_match_transformers(gemma3, oracle):
-    llm = LLM(gemma3, num_kv_blocks=256)
-    for prompt in random_prompts(3, 1, 40, seed=1):
-        (output,) = llm.generate([prompt], GREEDY)
-        assert output.finish_reason == "length"
-        assert_matches_oracle(oracle, gemma3, [prompt], [output])
-    assert_pool_whole(llm)
-
-
-def test_concurrent_requests_of_mixed_lengths_match_transformers(gemma3, oracle):
-    prompts = random_prompts(16, 1, 120, seed=2)
-    llm = LLM(gemma3, num_kv_blocks=1024, max_num_seqs=16)
-    outputs = llm.generate(prompts, GREEDY)
-    assert_matches_oracle(oracle, gemma3, prompts, outputs)
-    assert_pool_whole(llm)
 
 
 def test_chunked_prefill_with_a_tiny_token_budget_matches(gemma3, oracle):
@@ -92,18 +59,6 @@ def test_prompts_and_outputs_past_the_sliding_window_match(gemma3, oracle):
         llm = LLM(gemma3, num_kv_blocks=256, max_num_batched_tokens=budget)
         outputs = llm.generate(prompts, params)
         assert_matches_oracle(oracle, gemma3, prompts, outputs, max_tokens=48)
-
-
-def test_shared_prefixes_hit_the_cache_and_change_nothing(gemma3, oracle):
-    system = random_prompts(1, 70, 70, seed=5)[0]
-    prompts = [system + tail for tail in random_prompts(8, 1, 20, seed=6)]
-    llm = LLM(gemma3, num_kv_blocks=512)
-    first = llm.generate(prompts[:1], GREEDY)
-    rest = llm.generate(prompts[1:], GREEDY)
-    stats = llm.get_stats()
-    assert stats["prefix_cache_hits"] >= 7 * 64  # four full 16-token blocks of the prefix, each
-    assert rest[0].num_cached_tokens >= 64
-    assert_matches_oracle(oracle, gemma3, prompts, first + rest)
 
 
 def test_logprobs_agree_with_transformers_log_softmax(gemma3, oracle):

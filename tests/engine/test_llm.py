@@ -1,31 +1,13 @@
 """The engine's greedy output is token-identical to transformers' float32 `generate`, whatever the
 batching, chunking, caching or preemption."""
 
-import random
-
 import pytest
 import torch
+from greedy_checks import GREEDY, assert_matches_oracle, assert_pool_whole, random_prompts
 
 from pagedbatch.engine import LLM, SamplingParams
 
-ARCHS = ["llama", "qwen2", "mistral"]
-GREEDY = SamplingParams(temperature=0.0, max_tokens=16, ignore_eos=True)
-
-
-def random_prompts(n: int, lo: int, hi: int, seed: int = 0) -> list[list[int]]:
-    rng = random.Random(seed)
-    return [[rng.randrange(10, 8000) for _ in range(rng.randint(lo, hi))] for _ in range(n)]
-
-
-def assert_matches_oracle(oracle, model_dir, prompts, outputs, max_tokens=16):
-    for prompt, output in zip(prompts, outputs, strict=True):
-        assert output.token_ids == oracle.greedy(model_dir, prompt, max_tokens)
-
-
-def assert_pool_whole(llm: LLM):
-    stats = llm.get_stats()
-    assert stats["free_kv_blocks"] == stats["total_kv_blocks"]
-    assert stats["running"] == stats["waiting"] == 0
+ARCHS = ["llama", "qwen2", "mistral", "gemma3"]
 
 
 @pytest.fixture(params=ARCHS)
