@@ -4,8 +4,9 @@ real services (PostgreSQL, the S3 server) from services.py."""
 from __future__ import annotations
 
 import json
+import logging
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -33,6 +34,20 @@ def pytest_configure(config: pytest.Config) -> None:
     # Test models are tiny, so a second thread gains nothing; on a busy two-core machine, OpenMP
     # threads spinning against other processes made the tests several times slower.
     torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True)
+def root_logging_restored() -> Iterator[None]:
+    """`pagedbatch.cli.main`, run in a test's process, gives the root logger a handler on the
+    stderr of that moment (pytest's capture of one test, closed after it): later log lines would
+    go to a closed file. Such handlers go when the test ends, and the root's level is restored."""
+    root = logging.getLogger()
+    handlers, level = set(root.handlers), root.level
+    yield
+    for handler in root.handlers[:]:
+        if handler not in handlers and type(handler) is logging.StreamHandler:
+            root.removeHandler(handler)
+    root.setLevel(level)
 
 
 @pytest.fixture(scope="session")

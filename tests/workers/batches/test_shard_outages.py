@@ -71,14 +71,15 @@ def test_a_database_outage_mid_shard_is_ridden_out(make_batch_worker, database_p
     worker = make_batch_worker(database_port=database_proxy.port, lease_seconds=6)
     observer = make_batch_worker()  # reaches the database directly
     # Lines that end one after another, so that some end while the database is away.
-    lines = [chat_line(f"l{i}", max_tokens=16 * (i + 1), ignore_eos=True) for i in range(10)]
+    lines = [chat_line(f"l{i}", max_tokens=32 * (i + 1), ignore_eos=True) for i in range(10)]
     batch_id = submit(worker, lines)
     shard = Background(lambda: run_shard(worker.ctx))
     eventually(lambda: batch(observer, batch_id).request_completed >= 1, timeout=20)
+    # Away until a write of results has failed (lines keep ending, and their results are flushed
+    # within result_flush_ms), and for less than the lease.
     with database_proxy.outage():
-        time.sleep(2.0)
+        eventually(lambda: retried(caplog, "recording"), timeout=4)
     shard.finish(60)
-    assert retried(caplog, "recording")
     assert shard_states(observer, batch_id) == [ShardStatus.DONE]
     ended, results = finalized(worker, batch_id)
     assert ended.status == BatchStatus.COMPLETED
