@@ -20,6 +20,7 @@ from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
+from pagedbatch.engine.parallel_layers import pack_weights
 from pagedbatch.engine.scheduler import ScheduledRequest
 from pagedbatch.kernels.attention import prepare_attention
 
@@ -99,7 +100,7 @@ class ModelRunner:
         self.block_size = args.block_size
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         started = time.perf_counter()
-        self.model = self._load_model()
+        self.model = self._load_model(args.max_num_seqs)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(
@@ -118,12 +119,15 @@ class ModelRunner:
         # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
         self.ranks: RankProcesses | None = None
 
-    def _load_model(self) -> torch.nn.Module:
+    def _load_model(self, rows: int) -> torch.nn.Module:
+        """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
+        packing (see parallel_layers.Packed)."""
         model_cls = resolve_model_class(self.cfg.architecture)
         with torch.device(self.device), distributed.building_for(self.tp):
             model = model_cls(self.cfg)
         model = model.to(self.dtype)
         model.load_weights(iterate_weights(self.cfg.path))
+        pack_weights(model, rows)
         return model.eval()
 
     @property

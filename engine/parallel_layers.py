@@ -36,6 +36,36 @@ def check_shape(loaded: Loaded, expected: Sequence[int]) -> None:
         raise ValueError(f"has shape {tuple(loaded.shape)}, the model expects {tuple(expected)}")
 
 
+def can_pack(weight: torch.Tensor) -> bool:
+    """Whether `Packed` applies: float32 weights on a CPU with oneDNN."""
+    return (
+        weight.device.type == "cpu"
+        and weight.dtype == torch.float32
+        and torch.backends.mkldnn.is_available()
+    )
+
+
+class Packed:
+    """A linear's weight reordered once into oneDNN's blocked layout, for matmuls of about
+    `rows` rows (any count works). On CPU, in float32, oneDNN's matmul on it takes a decode step
+    of SmolLM2-135M at 128 sequences from 470 to 403 ms against MKL's sgemm on the weight as
+    loaded (F.linear), most on the wide projections (gate/up, the LM head). Its sums are
+    ordered differently: results differ from F.linear's in the last bits."""
+
+    def __init__(self, weight: torch.Tensor, rows: int):
+        self.weight = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), rows)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
+
+
+def pack_weights(model: nn.Module, rows: int) -> None:
+    """Packs every linear of `model`, once its weights are loaded (see `Packed`)."""
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
+            module.pack(rows)
+
+
 def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
     """A parameter every rank holds whole (norm weights, a row-parallel bias)."""
     check_shape(loaded, param.shape)
@@ -55,13 +85,19 @@ class ColumnParallelLinear(nn.Module):
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), input_size))
         self.weight.weight_loader = self.weight_loader
+        self.packed: Packed | None = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.sizes)))
             self.bias.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, self.bias)
         return F.linear(x, self.weight, self.bias)
+
+    def pack(self, rows: int) -> None:
+        self.packed = _pack_and_release(self.weight, rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         index = shard or 0
@@ -98,6 +134,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = divide(input_size, self.tp.size, what)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size))
         self.weight.weight_loader = self.weight_loader
+        self.packed: Packed | None = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
@@ -105,9 +142,17 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return F.linear(x, self.weight, self.bias)
-        out = self.tp.all_reduce(F.linear(x, self.weight))
+            return self._matmul(x, self.bias)
+        out = self.tp.all_reduce(self._matmul(x, None))
         return out if self.bias is None else out + self.bias
+
+    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
+        if self.packed is not None:
+            return self.packed(x, bias)
+        return F.linear(x, self.weight, bias)
+
+    def pack(self, rows: int) -> None:
+        self.packed = _pack_and_release(self.weight, rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         check_shape(loaded, (param.shape[0], self.full_input_size))
@@ -146,8 +191,24 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection onto the vocabulary, split as the embedding is."""
 
+    packed: Packed | None = None
+
+    def pack(self, rows: int) -> None:
+        # The weight stays: a tied head shares it with the embedding.
+        self.packed = Packed(self.weight, rows) if can_pack(self.weight) else None
+
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = F.linear(hidden, self.weight)
+        logits = self.packed(hidden) if self.packed is not None else F.linear(hidden, self.weight)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[..., : self.vocab_size]
+
+
+def _pack_and_release(weight: nn.Parameter, rows: int) -> Packed | None:
+    """The packed weight, the loaded one emptied so that the model holds its weights once; None
+    (the weight kept) where packing does not apply."""
+    if not can_pack(weight):
+        return None
+    packed = Packed(weight, rows)
+    weight.data = weight.data.new_empty(0)
+    return packed
