@@ -92,7 +92,15 @@ def metadata_dir(gguf_file: Path) -> Path:
     target = cache_root() / f"{gguf_file.stem}-{digest}"
     if (target / "tensors.json").is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home, say: the machine's temporary directory serves
+        fallback = Path(tempfile.gettempdir()) / "pagedbatch" / "gguf" / target.name
+        logger.warning("cannot write to %s (%s); keeping GGUF metadata in %s", target, e, fallback)
+        target = fallback
+        if (target / "tensors.json").is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:

@@ -4,6 +4,7 @@ refused with a clear error (before anything is loaded) when they cannot be serve
 from __future__ import annotations
 
 import shutil
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -108,3 +109,15 @@ def test_a_chat_template_setting_is_inline_jinja_or_a_file(tmp_path: Path, tiny_
     assert llm.tokenizer.chat_template == inline
     with pytest.raises(ValueError, match="neither a Jinja template nor a file"):
         LLM(tiny_llama, num_kv_blocks=16, chat_template=str(tmp_path / "missing.jinja"))
+
+
+@pytest.mark.real_model
+def test_an_unwritable_cache_falls_back_to_the_temporary_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, real_model
+):
+    not_a_dir = tmp_path / "file"
+    not_a_dir.write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(not_a_dir))
+    config = ModelConfig.load(real_model("smollm2-135m-instruct"))
+    assert config.metadata_dir.is_relative_to(tempfile.gettempdir())
+    assert (config.metadata_dir / "tensors.json").is_file()
