@@ -1,6 +1,6 @@
 """Gemma 3 (text only): the engine's greedy output is token-identical to transformers' float32
-`Gemma3ForCausalLM`, whatever the chunking, and past the sliding window. (test_llm.py runs its
-batching, prefix-caching and preemption tests on Gemma 3 too.)
+`Gemma3ForCausalLM` past the sliding window, whole and chunked. (test_llm.py runs its batching,
+chunked-prefill, prefix-caching and preemption tests on Gemma 3 too.)
 
 The tiny checkpoint has four layers, three sliding (a window of 64) then one full, each kind with
 its own RoPE base; see make_model.
@@ -40,14 +40,6 @@ def test_the_tiny_checkpoint_has_both_layer_kinds_and_a_window_tests_pass(gemma3
     assert config["layer_types"] == [SLIDING, SLIDING, SLIDING, FULL]
     assert config["sliding_window"] == WINDOW
     assert config["query_pre_attn_scalar"] != config["head_dim"]  # so a wrong scale shows
-
-
-def test_chunked_prefill_with_a_tiny_token_budget_matches(gemma3, oracle):
-    prompts = random_prompts(6, 20, 90, seed=3)
-    llm = LLM(gemma3, num_kv_blocks=256, max_num_batched_tokens=7)
-    outputs = llm.generate(prompts, GREEDY)
-    assert_matches_oracle(oracle, gemma3, prompts, outputs)
-    assert llm.get_stats()["steps"] > sum(map(len, prompts)) // 7
 
 
 def test_prompts_and_outputs_past_the_sliding_window_match(gemma3, oracle):

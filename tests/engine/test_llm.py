@@ -32,11 +32,13 @@ def test_concurrent_requests_of_mixed_lengths_match_transformers(checkpoint, ora
     assert_pool_whole(llm)
 
 
-def test_chunked_prefill_with_a_tiny_token_budget_matches(tiny_llama, oracle):
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
+def test_chunked_prefill_with_a_tiny_token_budget_matches(make_checkpoint, oracle, arch):
+    model_dir = make_checkpoint(arch)
     prompts = random_prompts(6, 20, 90, seed=3)
-    llm = LLM(tiny_llama, num_kv_blocks=256, max_num_batched_tokens=7)
+    llm = LLM(model_dir, num_kv_blocks=256, max_num_batched_tokens=7)
     outputs = llm.generate(prompts, GREEDY)
-    assert_matches_oracle(oracle, tiny_llama, prompts, outputs)
+    assert_matches_oracle(oracle, model_dir, prompts, outputs)
     assert llm.get_stats()["steps"] > sum(map(len, prompts)) // 7
 
 
