@@ -132,15 +132,7 @@ def ensure_model(model: str | None, size: str, arch: str = "llama") -> Path:
     from pagedbatch.make_model import make_model
 
     log(f"building the {size} {arch} checkpoint in {target}")
-    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
-    # Built beside the target and renamed, so a concurrent run never sees half a checkpoint.
-    staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
-    make_model(staging, arch=arch, size=size)
-    try:
-        staging.rename(target)
-    except OSError:  # another run finished first; its checkpoint is the same bytes
-        shutil.rmtree(staging, ignore_errors=True)
-    return target
+    return _built_once(target, lambda staging: make_model(staging, arch=arch, size=size))
 
 
 def safetensors_copy(gguf_file: Path) -> Path:
@@ -157,15 +149,27 @@ def safetensors_copy(gguf_file: Path) -> Path:
     if (target / "model.safetensors").is_file():
         return target
     log(f"writing {gguf_file.name}'s weights as float32 safetensors in {target}")
+
+    def build(staging: Path) -> None:
+        shutil.copytree(
+            meta, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("tensors.json")
+        )
+        weights = {name: t.to(torch.float32) for name, t in gguf.iterate_weights(gguf_file)}
+        save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+
+    return _built_once(target, build)
+
+
+def _built_once(target: Path, build: Callable[[Path], None]) -> Path:
+    """`target`, built by `build` in a directory beside it and renamed into place, so that a
+    concurrent run never sees half of it; a run that loses the race keeps the winner's (the same
+    bytes)."""
+    CACHE_ROOT.mkdir(parents=True, exist_ok=True)
     staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=CACHE_ROOT))
-    shutil.copytree(
-        meta, staging, dirs_exist_ok=True, ignore=shutil.ignore_patterns("tensors.json")
-    )
-    weights = {name: tensor.to(torch.float32) for name, tensor in gguf.iterate_weights(gguf_file)}
-    save_file(weights, staging / "model.safetensors", metadata={"format": "pt"})
+    build(staging)
     try:
         staging.rename(target)
-    except OSError:  # another run finished first
+    except OSError:
         shutil.rmtree(staging, ignore_errors=True)
     return target
 
