@@ -512,6 +512,10 @@ class SeaweedFS:
             f"-s3.port={s3}", f"-s3.port.grpc={s3_grpc}", "-s3.port.iceberg=0", "-s3.port.lance=0",
             f"-s3.config={root / 's3.json'}", "-webdav=false", "-admin.ui=false",
             f"-admin.port={free_port_with_grpc_twin()}", "-master.telemetry=false",
+            # Each bucket is a collection with a volume of its own, and by default the volume
+            # count is free disk / 1 GiB: the suite's few hundred buckets ran out of volumes on a
+            # machine with 50 GB free. Volume files grow as written, so a high count costs nothing.
+            "-volume.max=1000", "-master.volumeSizeLimitMB=64",
         ]  # fmt: skip
         self._process: Process | None = None
 
