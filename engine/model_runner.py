@@ -22,6 +22,7 @@ from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
 from pagedbatch.engine.parallel_layers import pack_weights
 from pagedbatch.engine.scheduler import ScheduledRequest
+from pagedbatch.kernels import native
 from pagedbatch.kernels.attention import prepare_attention
 
 logger = logging.getLogger(__name__)
@@ -101,6 +102,8 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         started = time.perf_counter()
         self.model = self._load_model(args.max_num_seqs)
+        if self.device.type == "cpu":
+            native.library()  # built (once per machine) or loaded now, not on the first request
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(

@@ -14,13 +14,16 @@ Per step, the engine calls `prepare_attention` once and hands the result to ever
     reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = paged_attention(q, key_cache, value_cache, meta, scale, sliding_window)
 
-CPU strategy: torch cannot compute on scattered blocks in place, so each call gathers the keys and
-values it needs into a dense buffer (one `index_select` each) and hands them to
-`scaled_dot_product_attention`, whose CPU kernel accumulates in float32 for fp16/bf16. Decode
-sequences (one query token) are batched: sorted by context length, cut into chunks whose gathered
-K/V stay cache-sized, each chunk padded to its longest context and masked. Prefill chunks run one
-sequence at a time. Gather indices and masks depend only on the step, the layer's sliding window
-and the cache's row size, so they are built on first use and shared by every layer of the step.
+CPU strategy: decode sequences (one query token) in float32 go to the C kernel
+(`cpu_attention.c`, see `native`), which reads their keys and values in place from the blocks.
+Everything else goes through torch, which cannot compute on scattered blocks in place: each call
+gathers the keys and values it needs into a dense buffer (one `index_select` each) and hands them
+to `scaled_dot_product_attention`, whose CPU kernel accumulates in float32 for fp16/bf16. There,
+decode sequences are batched: sorted by context length, cut into chunks whose gathered K/V stay
+cache-sized, each chunk padded to its longest context and masked; prefill chunks run one sequence
+at a time. Gather indices and masks depend only on the step, the layer's sliding window, the
+cache's row size and whether the C kernel runs, so they are built on first use and shared by every
+layer of the step.
 """
 
 from __future__ import annotations
@@ -30,6 +33,8 @@ from dataclasses import dataclass, field
 
 import torch
 import torch.nn.functional as F
+
+from pagedbatch.kernels import native
 
 # Keys plus values gathered per decode call. Measured on the 2-core CPU: one gather of a whole
 # 64 x 400 batch ran up to twice as slow as chunks of 4-16 MiB, whose copy is still cached when
@@ -62,9 +67,21 @@ class _PrefillSeq:
 
 
 @dataclass
+class _DecodeRows:
+    """Every decode sequence, for the C kernel: sequence j attends keys first_keys[j] ..
+    seq_lens[j] - 1 through block table row table_rows[j]; its query is row token_rows[j]."""
+
+    token_rows: torch.Tensor  # int64 each
+    table_rows: torch.Tensor
+    first_keys: torch.Tensor
+    seq_lens: torch.Tensor
+
+
+@dataclass
 class _Plan:
     decode: list[_DecodeChunk]
     prefill: list[_PrefillSeq]
+    decode_rows: _DecodeRows | None = None  # instead of `decode`, where the C kernel runs
 
 
 @dataclass
@@ -82,8 +99,8 @@ class AttentionMetadata:
     max_seq_len: int
     _query_lens: list[int] = field(repr=False)
     _seq_lens: list[int] = field(repr=False)
-    # keyed by (sliding window, query dtype, gathered rows per decode call)
-    _plans: dict[tuple[int | None, torch.dtype, int], _Plan] = field(
+    # keyed by (sliding window, query dtype, gathered rows per decode call, C kernel or not)
+    _plans: dict[tuple[int | None, torch.dtype, int, bool], _Plan] = field(
         default_factory=dict, repr=False
     )
 
@@ -159,7 +176,9 @@ def paged_attention(
     values = value_cache.view(-1, num_kv_heads, head_dim)
     buffer = _workspace(key_cache)
     max_rows = buffer.shape[1]
-    plan = _plan(meta, sliding_window, query.dtype, max_rows)
+    in_place = query.dtype == torch.float32 and query.device.type == "cpu"
+    lib = native.library() if in_place else None
+    plan = _plan(meta, sliding_window, query.dtype, max_rows, lib is not None)
 
     def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         n = slots.numel()
@@ -170,6 +189,9 @@ def paged_attention(
         return k, v
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
+    if plan.decode_rows is not None:
+        _decode_in_place(lib, query.contiguous(), key_cache, value_cache, meta, plan.decode_rows,
+                         scale, out)  # fmt: skip
     for chunk in plan.decode:
         n = chunk.token_idx.numel()
         # The query heads sharing a KV head play the part of SDPA's query sequence.
@@ -195,6 +217,30 @@ def paged_attention(
     return out
 
 
+def _decode_in_place(
+    lib,
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    rows: _DecodeRows,
+    scale: float,
+    out: torch.Tensor,
+) -> None:
+    num_heads, head_dim = query.shape[1:]
+    tables = meta.block_tables.to(torch.int32).contiguous()
+    status = lib.paged_decode_attention(
+        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+        tables.data_ptr(), tables.shape[1],
+        rows.token_rows.data_ptr(), rows.table_rows.data_ptr(), rows.first_keys.data_ptr(),
+        rows.seq_lens.data_ptr(), rows.token_rows.numel(),
+        num_heads, key_cache.shape[2], head_dim, meta.block_size,
+        scale, torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    if status != 0:
+        raise MemoryError("the decode attention kernel could not allocate its scores")
+
+
 _local = threading.local()
 
 
@@ -216,18 +262,22 @@ def _workspace(cache: torch.Tensor) -> torch.Tensor:
 
 
 def _plan(
-    meta: AttentionMetadata, sliding_window: int | None, dtype: torch.dtype, max_rows: int
+    meta: AttentionMetadata,
+    sliding_window: int | None,
+    dtype: torch.dtype,
+    max_rows: int,
+    in_place: bool,
 ) -> _Plan:
     if sliding_window is not None and sliding_window >= meta.max_seq_len:
         sliding_window = None  # a window wider than every context changes nothing
-    key = (sliding_window, dtype, max_rows)
+    key = (sliding_window, dtype, max_rows, in_place)
     if key not in meta._plans:
-        meta._plans[key] = _build_plan(meta, sliding_window, dtype, max_rows)
+        meta._plans[key] = _build_plan(meta, sliding_window, dtype, max_rows, in_place)
     return meta._plans[key]
 
 
 def _build_plan(
-    meta: AttentionMetadata, window: int | None, dtype: torch.dtype, max_rows: int
+    meta: AttentionMetadata, window: int | None, dtype: torch.dtype, max_rows: int, in_place: bool
 ) -> _Plan:
     starts = meta.query_start_loc.tolist()
     decode: list[int] = []
@@ -237,6 +287,8 @@ def _build_plan(
             decode.append(i)
         elif q_len > 1:
             prefill.append(_prefill_seq(meta, i, starts[i], q_len, seq_len, window, dtype))
+    if in_place and decode:
+        return _Plan([], prefill, _decode_rows(meta, decode, starts, window))
     return _Plan(_decode_chunks(meta, decode, starts, window, dtype, max_rows), prefill)
 
 
@@ -275,6 +327,20 @@ def _prefill_seq(
         mask = _additive(attended, dtype)
     slots = _slots(meta.block_tables, meta.block_size, seq, key_pos)
     return _PrefillSeq(start, start + q_len, slots, mask)
+
+
+def _decode_rows(
+    meta: AttentionMetadata, seqs: list[int], starts: list[int], window: int | None
+) -> _DecodeRows:
+    def column(values: list[int]) -> torch.Tensor:
+        return torch.tensor(values, dtype=torch.int64)
+
+    return _DecodeRows(
+        token_rows=column([starts[i] for i in seqs]),
+        table_rows=column(seqs),
+        first_keys=column([_first_key(meta._seq_lens[i] - 1, window) for i in seqs]),
+        seq_lens=column([meta._seq_lens[i] for i in seqs]),
+    )
 
 
 def _decode_chunks(

@@ -1,0 +1,119 @@
+"""The CPU kernels written in C (`cpu_attention.c`), compiled on first use with the machine's C
+compiler and loaded with ctypes.
+
+They are plain C with OpenMP, not a torch extension: compiling one takes about a second, where a
+file including torch's headers takes a minute. The library is built for this CPU
+(`-march=native`) into `$XDG_CACHE_HOME/pagedbatch/kernels/`, keyed by the source, the compiler and
+the CPU's flags, so later processes load it at once. It links the OpenMP runtime that torch has
+already loaded (same soname), so the two share one thread pool.
+
+Where there is no compiler, or the build fails, `library()` returns None after one warning and the
+callers keep to their torch paths. `PAGEDBATCH_NATIVE_KERNELS=0` turns the C kernels off.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import logging
+import os
+import platform
+import shutil
+import subprocess
+import tempfile
+from pathlib import Path
+
+logger = logging.getLogger(__name__)
+
+SETTING = "PAGEDBATCH_NATIVE_KERNELS"
+SOURCES = (Path(__file__).with_name("cpu_attention.c"),)
+FLAGS = ("-O3", "-march=native", "-fopenmp", "-shared", "-fPIC", "-std=c11")
+
+_i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
+_ptr = ctypes.c_void_p
+# Argument types of each exported function, in order.
+SIGNATURES: dict[str, list[type]] = {
+    "paged_decode_attention": [
+        _ptr, _ptr, _ptr,  # query, key cache, value cache
+        _ptr, _i64,  # block tables, their width
+        _ptr, _ptr, _ptr, _ptr, _i64,  # token rows, table rows, first keys, seq lens, how many
+        _i64, _i64, _i64, _i64,  # heads, KV heads, head dim, block size
+        _f32, _i32, _ptr,  # scale, threads, out
+    ],
+}  # fmt: skip
+
+
+def enabled() -> bool:
+    return os.environ.get(SETTING, "1").strip() not in {"0", "false", "no", "off"}
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """The compiled kernels, built on first call; None where they cannot be (logged once)."""
+    if not enabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        logger.warning("no C compiler found: the CPU keeps to the torch attention path")
+        return None
+    try:
+        path = _build(compiler)
+        lib = ctypes.CDLL(str(path))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("could not build the C kernels (%s): using the torch paths", detail)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    return lib
+
+
+def _build(compiler: str) -> Path:
+    version = subprocess.run(
+        [compiler, "--version"], capture_output=True, text=True, check=True
+    ).stdout
+    digest = hashlib.sha256()
+    for part in (version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+        digest.update(part.encode())
+    for source in SOURCES:
+        digest.update(source.read_bytes())
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    target = Path(base) / "pagedbatch" / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    if target.is_file():
+        return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: the temporary directory serves
+        target = Path(tempfile.gettempdir()) / "pagedbatch" / "kernels" / target.name
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
+    # Built beside the target and renamed: a racing process loads a whole file or builds its own.
+    fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
+    os.close(fd)
+    try:
+        subprocess.run(
+            [compiler, *FLAGS, *map(str, SOURCES), "-o", staging, "-lm"],
+            capture_output=True,
+            text=True,
+            check=True,
+        )
+        os.replace(staging, target)
+    finally:
+        Path(staging).unlink(missing_ok=True)
+    logger.info("built the C kernels into %s", target)
+    return target
+
+
+def _cpu_flags() -> str:
+    """The CPU's feature flags, which `-march=native` compiles for."""
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith(("flags", "Features")):
+                return line
+    except OSError:
+        pass
+    return platform.processor()
