@@ -1,16 +1,29 @@
 """The trained models the real-model tests serve, the chats they ask, and the oracle: transformers'
 own GGUF loading of the same file, greedy, in float32.
 
+The oracle's answers are kept on disk beside the models, one file per answer, keyed by everything
+that decides it (the GGUF file's path, size and modification time, the transformers and torch
+versions, the prompt, the end tokens and the length): transformers loads a GGUF and generates far
+slower than we do, and re-asking it the same question on an unchanged machine learns nothing.
+
 A module of its own (not conftest.py) so test modules can import these names unambiguously.
 """
 
 from __future__ import annotations
 
+import hashlib
+import json
+import os
 from functools import cache
 from pathlib import Path
 
 import torch
+import transformers
 from transformers import AutoModelForCausalLM
+
+from pagedbatch.engine.gguf import cache_root
+
+ORACLE_ANSWERS = cache_root().parent / "oracle"
 
 MAX_TOKENS = 32
 
@@ -77,8 +90,26 @@ def _transformers_model(gguf_file: Path):
     return model.eval()
 
 
-@torch.inference_mode()
 def transformers_greedy(gguf_file: Path, prompt: list[int], eos: list[int]) -> list[int]:
+    stat = gguf_file.stat()
+    question = [
+        str(gguf_file.resolve()), stat.st_size, stat.st_mtime_ns,
+        transformers.__version__, torch.__version__, prompt, eos, MAX_TOKENS,
+    ]  # fmt: skip
+    digest = hashlib.sha256(json.dumps(question).encode()).hexdigest()[:32]
+    answer = ORACLE_ANSWERS / f"{gguf_file.stem}-{digest}.json"
+    if answer.is_file():
+        return json.loads(answer.read_text())
+    tokens = _generate(gguf_file, prompt, eos)
+    answer.parent.mkdir(parents=True, exist_ok=True)
+    staging = answer.with_suffix(f".{os.getpid()}.tmp")
+    staging.write_text(json.dumps(tokens))
+    staging.replace(answer)
+    return tokens
+
+
+@torch.inference_mode()
+def _generate(gguf_file: Path, prompt: list[int], eos: list[int]) -> list[int]:
     model = _transformers_model(gguf_file)
     ids = torch.tensor([prompt])
     out = model.generate(
