@@ -54,6 +54,7 @@ def make_batch(
     num_kv_heads: int,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    head_dim: int = HEAD_DIM,
 ) -> Batch:
     """A batch whose whole context is already cached, in shuffled blocks of a cache whose other
     slots hold NaN."""
@@ -69,19 +70,19 @@ def make_batch(
     for i, seq_blocks in enumerate(blocks):
         block_tables[i, : len(seq_blocks)] = torch.tensor(seq_blocks)
 
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, HEAD_DIM)
+    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
     key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = torch.full(shape, float("nan"), dtype=dtype)
     for seq_blocks, (seq_len, _) in zip(blocks, seqs, strict=True):
         slots = context_slots(seq_blocks, seq_len)
-        kv = torch.randn(2, seq_len, num_kv_heads, HEAD_DIM, generator=gen)
-        key_cache.view(-1, num_kv_heads, HEAD_DIM)[slots] = kv[0].to(dtype)
-        value_cache.view(-1, num_kv_heads, HEAD_DIM)[slots] = kv[1].to(dtype)
+        kv = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
+        key_cache.view(-1, num_kv_heads, head_dim)[slots] = kv[0].to(dtype)
+        value_cache.view(-1, num_kv_heads, head_dim)[slots] = kv[1].to(dtype)
 
     num_tokens = sum(q_len for _, q_len in seqs)
     # The model slices q out of a fused QKV projection, so the query is a strided view.
-    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * HEAD_DIM, generator=gen)
-    query = qkv.to(dtype)[:, : num_heads * HEAD_DIM].view(num_tokens, num_heads, HEAD_DIM)
+    qkv = torch.randn(num_tokens, (num_heads + 2 * num_kv_heads) * head_dim, generator=gen)
+    query = qkv.to(dtype)[:, : num_heads * head_dim].view(num_tokens, num_heads, head_dim)
     q_lens = torch.tensor([q_len for _, q_len in seqs])
     return Batch(
         query=query,
@@ -148,6 +149,17 @@ def test_matches_dense_reference(scenario, heads, window, dtype):
     assert out.shape == batch.query.shape and out.dtype == dtype
     expected = reference_attention(batch, scale, window)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+
+
+@pytest.mark.parametrize("head_dim", [20, 64, 128])
+def test_head_sizes_the_c_kernel_specializes_or_not(head_dim):
+    # 64 and 128 run as constants; 20 is no multiple of the vector width.
+    batch = make_batch(SCENARIOS["decode"] * 2, 6, 2, head_dim=head_dim)
+    scale = head_dim**-0.5
+    out = run(batch, scale, None)
+    torch.testing.assert_close(
+        out.double(), reference_attention(batch, scale, None), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("window", [1, 16, 17, 10_000])
