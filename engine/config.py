@@ -84,9 +84,10 @@ class EngineArgs:
     )
     kv_cache_memory_gib: float | None = arg(
         None,
-        doc="memory for the KV cache, per rank; default: 2 on CPU, 90% of free memory on GPU. "
-        "On CPU its pages are committed as blocks are first used, so RSS grows to it under "
-        "load and then stays",
+        doc="memory for the KV cache, per rank; default: on CPU a quarter of the memory available "
+        "at start (the cgroup's limit counted), at most 8 GiB, shared by the ranks; on GPU 90% "
+        "of free memory. On CPU its pages are committed as blocks are first used, so RSS grows "
+        "to it under load and then stays",
         gt=0,
     )
     enable_prefix_caching: bool = arg(

@@ -18,6 +18,7 @@ import torch
 from pagedbatch.engine import distributed
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.distributed import SINGLE, TensorParallel
+from pagedbatch.engine.host_memory import cpu_kv_budget_bytes
 from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
 from pagedbatch.engine.parallel_layers import pack_weights
@@ -30,7 +31,6 @@ logger = logging.getLogger(__name__)
 if TYPE_CHECKING:
     from pagedbatch.engine.ranks import RankProcesses
 
-DEFAULT_CPU_KV_GIB = 2.0
 GPU_MEMORY_FRACTION = 0.9
 
 
@@ -143,7 +143,8 @@ class ModelRunner:
             free, _ = torch.cuda.mem_get_info(self.device)
             budget = free * GPU_MEMORY_FRACTION
         else:
-            budget = (gib if gib is not None else DEFAULT_CPU_KV_GIB) * 2**30
+            # CPU ranks of one engine share the host's memory.
+            budget = gib * 2**30 if gib is not None else cpu_kv_budget_bytes() / self.tp.size
         return max(1, int(budget // self.kv_bytes_per_block))
 
     def _empty_cache(self) -> torch.Tensor:
