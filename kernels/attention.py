@@ -28,6 +28,7 @@ layer of the step.
 
 from __future__ import annotations
 
+import ctypes
 import threading
 from dataclasses import dataclass, field
 
@@ -69,12 +70,13 @@ class _PrefillSeq:
 @dataclass
 class _DecodeRows:
     """Every decode sequence, for the C kernel: sequence j attends keys first_keys[j] ..
-    seq_lens[j] - 1 through block table row table_rows[j]; its query is row token_rows[j]."""
+    seq_lens[j] - 1 through row table_rows[j] of `tables`; its query is row token_rows[j]."""
 
     token_rows: torch.Tensor  # int64 each
     table_rows: torch.Tensor
     first_keys: torch.Tensor
     seq_lens: torch.Tensor
+    tables: torch.Tensor  # the step's block tables as the kernel reads them: contiguous int32
 
 
 @dataclass
@@ -218,7 +220,7 @@ def paged_attention(
 
 
 def _decode_in_place(
-    lib,
+    lib: ctypes.CDLL,
     query: torch.Tensor,
     key_cache: torch.Tensor,
     value_cache: torch.Tensor,
@@ -228,7 +230,7 @@ def _decode_in_place(
     out: torch.Tensor,
 ) -> None:
     num_heads, head_dim = query.shape[1:]
-    tables = meta.block_tables.to(torch.int32).contiguous()
+    tables = rows.tables
     status = lib.paged_decode_attention(
         query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
         tables.data_ptr(), tables.shape[1],
@@ -340,6 +342,7 @@ def _decode_rows(
         table_rows=column(seqs),
         first_keys=column([_first_key(meta._seq_lens[i] - 1, window) for i in seqs]),
         seq_lens=column([meta._seq_lens[i] for i in seqs]),
+        tables=meta.block_tables.to(torch.int32).contiguous(),
     )
 
 
