@@ -89,6 +89,20 @@ static inline __attribute__((always_inline)) void block_values(
     }
 }
 
+/* Blocks asked for ahead of their use. The hardware prefetchers follow a stream only within a
+ * 4 KiB page, and a sequence's next block is anywhere in the cache: asked for two blocks ahead,
+ * decode attention on SmolLM2's shapes (30 layers' caches, 64 sequences) read 12 to 14 GB/s from
+ * memory, against 8.5 unasked; one, three or four ahead measured the same within the noise. */
+#define AHEAD 2
+
+/* Asks for block j of a sequence's table (every row of it), if it has one. */
+static inline void prefetch_block(const float *cache, const int32_t *table, int64_t j,
+                                  int64_t last_block, int64_t block_floats) {
+    if (j > last_block) return;
+    const float *start = cache + (int64_t)table[j] * block_floats;
+    for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(start + i, 0, 3);
+}
+
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
@@ -153,11 +167,14 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t h_lo = kv_lo * group, h_hi = kv_hi * group;
 
     /* Slot by slot through each block: a block's rows for all heads lie side by side. */
+    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
+        prefetch_block(key_cache, table, j, last_block, block_size * row);
     int64_t n = 0;
     for (int64_t j = first_block; j <= last_block; ++j) {
         const int64_t lo = j == first_block ? first % block_size : 0;
         const int64_t hi = j == last_block ? (len - 1) % block_size + 1 : block_size;
         const float *k = key_cache + ((int64_t)table[j] * block_size + lo) * row;
+        prefetch_block(key_cache, table, j + AHEAD, last_block, block_size * row);
         if (head_dim % 8 == 0) {
             block_scores(q, k, hi - lo, row, h_lo, h_hi, group, head_dim, scale, scores + n, ctx);
             n += hi - lo;
@@ -169,6 +186,8 @@ static inline __attribute__((always_inline)) void attend(
                     dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
     }
 
+    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
+        prefetch_block(value_cache, table, j, last_block, block_size * row);
     for (int64_t h = h_lo; h < h_hi; ++h) {
         softmax(scores + (h - h_lo) * ctx, ctx);
         float *o = out + h * head_dim;
@@ -180,6 +199,7 @@ static inline __attribute__((always_inline)) void attend(
         const int64_t lo = j == first_block ? first % block_size : 0;
         const int64_t hi = j == last_block ? (len - 1) % block_size + 1 : block_size;
         const float *v = value_cache + ((int64_t)table[j] * block_size + lo) * row;
+        prefetch_block(value_cache, table, j + AHEAD, last_block, block_size * row);
         if (head_dim % 8 == 0 && head_dim <= MAX_DIM) {
             block_values(scores + n, v, hi - lo, row, h_lo, h_hi, group, head_dim, ctx, out);
             n += hi - lo;
