@@ -21,9 +21,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from pagedbatch.engine.gguf import cache_root
+from pagedbatch.user_cache import cache_dir
 
-ORACLE_ANSWERS = cache_root().parent / "oracle"
+ORACLE_ANSWERS = cache_dir("oracle")
 
 MAX_TOKENS = 32
 
