@@ -102,8 +102,6 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         started = time.perf_counter()
         self.model = self._load_model(args.max_num_seqs)
-        if self.device.type == "cpu":
-            native.library()  # built (once per machine) or loaded now, not on the first request
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(
@@ -115,6 +113,8 @@ class ModelRunner:
                 # ru_maxrss is in KiB on Linux.
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
             )
+        if self.device.type == "cpu":
+            native.library()  # built (once per machine) or loaded now, not on the first request
         blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
         # Rank 0's block ids address every rank's cache: all hold as many blocks as the smallest.
         self.num_blocks = tp.min(blocks, self.device)
