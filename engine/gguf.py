@@ -20,6 +20,7 @@ from __future__ import annotations
 import hashlib
 import json
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -31,14 +32,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedbatch.user_cache import cache_entry
-
 logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 # Bump when what metadata_dir writes changes, so older cache entries are rebuilt.
 _FORMAT = 2
-GGUF_CACHE = "gguf"  # the user cache's directory for GGUF metadata
 # general.architecture -> the architecture config.json would name.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -79,6 +77,11 @@ def find_gguf(path: str | Path) -> Path | None:
     return files[0] if files else None
 
 
+def cache_root() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "pagedbatch" / "gguf"
+
+
 def metadata_dir(gguf_file: Path) -> Path:
     """A directory with the file's config.json, generation_config.json, tokenizer and
     tensors.json; made on first use, then reused while the file is unchanged."""
@@ -86,9 +89,18 @@ def metadata_dir(gguf_file: Path) -> Path:
     stat = gguf_file.stat()
     key = f"{_FORMAT}:{gguf_file}:{stat.st_size}:{stat.st_mtime_ns}"
     digest = hashlib.sha256(key.encode()).hexdigest()[:16]
-    target = cache_entry(GGUF_CACHE, f"{gguf_file.stem}-{digest}")
+    target = cache_root() / f"{gguf_file.stem}-{digest}"
     if (target / "tensors.json").is_file():
         return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError as e:  # a read-only home, say: the machine's temporary directory serves
+        fallback = Path(tempfile.gettempdir()) / "pagedbatch" / "gguf" / target.name
+        logger.warning("cannot write to %s (%s); keeping GGUF metadata in %s", target, e, fallback)
+        target = fallback
+        if (target / "tensors.json").is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     started = time.perf_counter()
     staging = Path(tempfile.mkdtemp(prefix=".staging-", dir=target.parent))
     try:

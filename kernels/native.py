@@ -3,9 +3,9 @@ compiler and loaded with ctypes.
 
 They are plain C with OpenMP, not a torch extension: compiling one takes about a second, where a
 file including torch's headers takes a minute. The library is built for this CPU
-(`-march=native`) into the user's cache (`pagedbatch.user_cache`, `kernels/`), keyed by the
-source, the compiler and the CPU's flags, so later processes load it at once. It links the OpenMP
-runtime that torch has already loaded (same soname), so the two share one thread pool.
+(`-march=native`) into `$XDG_CACHE_HOME/pagedbatch/kernels/`, keyed by the source, the compiler and
+the CPU's flags, so later processes load it at once. It links the OpenMP runtime that torch has
+already loaded (same soname), so the two share one thread pool.
 
 Where there is no compiler, or the build fails, `library()` returns None after one warning and the
 callers keep to their torch paths. `PAGEDBATCH_NATIVE_KERNELS=0` turns the C kernels off.
@@ -23,8 +23,6 @@ import shutil
 import subprocess
 import tempfile
 from pathlib import Path
-
-from pagedbatch.user_cache import cache_entry
 
 logger = logging.getLogger(__name__)
 
@@ -83,9 +81,17 @@ def _build(compiler: str) -> Path:
         digest.update(part.encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
-    target = cache_entry("kernels", f"cpu_kernels-{digest.hexdigest()[:16]}.so")
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    target = Path(base) / "pagedbatch" / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
+    try:
+        target.parent.mkdir(parents=True, exist_ok=True)
+    except OSError:  # a read-only home: the temporary directory serves
+        target = Path(tempfile.gettempdir()) / "pagedbatch" / "kernels" / target.name
+        if target.is_file():
+            return target
+        target.parent.mkdir(parents=True, exist_ok=True)
     # Built beside the target and renamed: a racing process loads a whole file or builds its own.
     fd, staging = tempfile.mkstemp(prefix=".build-", suffix=".so", dir=target.parent)
     os.close(fd)

