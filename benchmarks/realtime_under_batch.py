@@ -289,6 +289,8 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
     settings: dict[str, Any] = {"shard_size": -(-args.batch_lines // 2)}
     if args.low_priority_token_budget is not None:
         settings["low_priority_token_budget"] = args.low_priority_token_budget
+    if args.low_priority_step_ms is not None:
+        settings["low_priority_step_ms"] = args.low_priority_step_ms
     report: dict[str, Any] = {
         "workload": {
             "model": str(model_dir),
@@ -403,6 +405,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--low-priority-token-budget",
         type=int,
         help="PAGEDBATCH_LOW_PRIORITY_TOKEN_BUDGET (default: the service's)",
+    )
+    p.add_argument(
+        "--low-priority-step-ms",
+        type=float,
+        help="PAGEDBATCH_LOW_PRIORITY_STEP_MS (default: the service's)",
     )
     p.add_argument("--server-child", type=Path, help=argparse.SUPPRESS)  # how the child starts
     args = p.parse_args(argv)

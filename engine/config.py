@@ -107,6 +107,14 @@ class EngineArgs:
         "throughput meanwhile; max_num_batched_tokens or more: no bound of their own",
         ge=1,
     )
+    low_priority_step_ms: float | None = arg(
+        None,
+        doc="under the priority policy, while requests of the best priority present are in the "
+        "engine, the others get no more tokens than fit in a step of this many milliseconds, "
+        "by the engine's measure of its recent steps: the realtime requests' waits then stay "
+        "short whatever the model and the machine; unset: only low_priority_token_budget",
+        gt=0,
+    )
     tensor_parallel_size: int = arg(
         1,
         doc="ranks the model is split across: processes, each with a device of its own on CUDA "

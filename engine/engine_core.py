@@ -24,6 +24,7 @@ from pagedbatch.engine.ranks import start_runner
 from pagedbatch.engine.request import Request, RequestStatus, TokenLogprob
 from pagedbatch.engine.sampler import Sampler, edits_logits
 from pagedbatch.engine.scheduler import ScheduledRequest, Scheduler
+from pagedbatch.engine.step_cost import StepCostModel
 from pagedbatch.engine.structured_output import GrammarRuntime, StructuredOutput
 
 logger = logging.getLogger(__name__)
@@ -75,12 +76,16 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
+        self.step_cost = StepCostModel()
+        step_ms = args.low_priority_step_ms
         self.scheduler = Scheduler(
             self.kv,
             args.max_num_seqs,
             args.max_num_batched_tokens,
             args.scheduling_policy,
             args.low_priority_token_budget,
+            step_ms / 1000 if step_ms is not None else None,
+            self.step_cost,
         )
         self.grammars = GrammarRuntime(tokenizer, model_config.vocab_size, eos_token_ids)
         self.sampler = Sampler(self.grammars.apply_masks)
@@ -164,6 +169,7 @@ class EngineCore:
             ):
                 if token is not None:
                     sampled.append(self._append(request, token, logprob))
+            self.step_cost.observe(out.work, time.perf_counter() - run_started)
         failed, self._failed = self._failed, []
         return CoreOutput(
             scheduled=out.scheduled,

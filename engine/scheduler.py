@@ -5,9 +5,11 @@ next chunk of their prefill), best priority first; waiting requests then fill wh
 prefills cut into chunks that fit. Under the priority policy the best priority present (realtime
 requests) is served that way before any other, and alone in a step where one of them prefills (but
 never in two steps running), so that its first token is not held up by batch work; otherwise the
-rest share at most `low_priority_token_budget` tokens, which keeps the steps realtime requests wait
-on short. When the KV pool runs dry, the worst running request (lowest priority, latest arrival)
-is preempted: its blocks are freed and it is recomputed later, mostly from the prefix cache.
+rest share at most `low_priority_token_budget` tokens, and no more than fit in a step of
+`low_priority_step_seconds` by the engine's measure of its steps (`step_cost`), which keeps the
+steps realtime requests wait on short. When the KV pool runs dry, the worst running request
+(lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
+mostly from the prefix cache.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ from dataclasses import dataclass, field
 
 from pagedbatch.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedbatch.engine.request import Request, RequestStatus
+from pagedbatch.engine.step_cost import StepCostModel, StepWork
 
 
 @dataclass
@@ -45,6 +48,12 @@ class SchedulerOutput:
     def num_tokens(self) -> int:
         return sum(s.num_new_tokens for s in self.scheduled)
 
+    @property
+    def work(self) -> StepWork:
+        return sum(
+            (StepWork.of_chunk(s.start, s.num_new_tokens) for s in self.scheduled), StepWork()
+        )
+
 
 class Scheduler:
     def __init__(
@@ -54,6 +63,8 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "priority",
         low_priority_token_budget: int | None = None,
+        low_priority_step_seconds: float | None = None,
+        step_cost: StepCostModel | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -64,6 +75,9 @@ class Scheduler:
         # While better-priority requests are in the engine, the others' tokens per step: short
         # steps for realtime requests under a batch (None: max_num_batched_tokens bounds them).
         self.low_priority_token_budget = low_priority_token_budget
+        # ... and no more than fit in a step this long, once `step_cost` can tell.
+        self.low_priority_step_seconds = low_priority_step_seconds
+        self.step_cost = step_cost
         self.waiting: list[Request] = []  # sorted, best first
         self.running: list[Request] = []  # sorted, best first
         self.num_preemptions = 0
@@ -134,9 +148,7 @@ class Scheduler:
         placed = sum(1 for r in self.running if r.priority == top)  # they lie first
         others = len(self.running) > placed or (self.waiting and self.waiting[-1].priority != top)
         if top is not None and others:
-            low = budget
-            if self.low_priority_token_budget is not None:
-                low = min(budget, self.low_priority_token_budget)
+            low = min(budget, self._low_priority_tokens(out, self.running[placed:]))
             prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
             # A best-priority request is prefilling: its first token comes sooner from a step of
             # its own. Never twice in a row, so a stream of them takes at most half the steps.
@@ -147,6 +159,19 @@ class Scheduler:
             _, left = self._schedule_running(out, placed, low, None)
             self._schedule_waiting(out, left, None)
         return out
+
+    def _low_priority_tokens(self, out: SchedulerOutput, others: list[Request]) -> int:
+        """How many tokens the others may add to a step that holds the best priority's work."""
+        tokens = self.low_priority_token_budget or self.max_num_batched_tokens
+        cost = self.step_cost.cost if self.step_cost is not None else None
+        if self.low_priority_step_seconds is None or cost is None:
+            return tokens
+        room = self.low_priority_step_seconds - cost.seconds(out.work)
+        # Each of their tokens costs its matmuls and reading its context: most are decodes.
+        context = sum(r.num_computed_tokens for r in others) / max(1, len(others))
+        per_token = cost.per_token + cost.per_context * context
+        # At least one token a step: realtime traffic slows the others, never stops them.
+        return max(1, min(tokens, int(room / per_token)))
 
     def _top_priority(self) -> int | None:
         """The best priority in the engine; None under fcfs, where all are one class."""

@@ -83,6 +83,21 @@ def test_later_high_priority_request_finishes_first_under_a_full_engine(tiny_lla
     assert_pool_whole(engine)
 
 
+def test_the_engine_learns_what_its_steps_cost_and_bounds_batch_steps_by_it(tiny_llama):
+    engine = make_engine(tiny_llama, blocks=256, max_num_seqs=16, low_priority_step_ms=1000.0)
+    assert engine.scheduler.step_cost.cost is None
+    # Steps of many sizes: prefills of different lengths beside decodes.
+    short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    for i in range(40):
+        engine.add_request(f"batch-{i}", " ".join(["word"] * (1 + 7 * i % 60)), short, priority=10)
+        engine.step()
+    run_to_completion(engine)
+    cost = engine.scheduler.step_cost.cost
+    assert cost is not None and cost.per_token > 0
+    assert engine.scheduler.low_priority_step_seconds == 1.0
+    assert_pool_whole(engine)
+
+
 def test_prompt_longer_than_the_context_is_refused_clearly(tiny_llama):
     engine = make_engine(tiny_llama, max_model_len=64)
     with pytest.raises(ValueError, match="maximum context length is 64"):

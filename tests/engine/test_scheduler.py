@@ -6,6 +6,7 @@ from pagedbatch.engine.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.request import Request, RequestStatus
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.scheduler import Scheduler
+from pagedbatch.engine.step_cost import MIN_STEPS, REFIT_EVERY, StepCostModel, StepWork
 
 BLOCK = 4
 
@@ -225,3 +226,51 @@ def test_finishing_every_request_returns_every_block():
 def test_bad_policy_is_refused():
     with pytest.raises(ValueError, match="policy"):
         make_scheduler(policy="random")
+
+
+def fitted_cost(fixed, per_token, per_context=0.0):
+    """A cost model that has seen enough steps of a machine of exactly this cost."""
+    model = StepCostModel()
+    for i in range(MIN_STEPS + REFIT_EVERY):
+        work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
+        model.observe(work, fixed + per_token * work.tokens + per_context * work.context)
+    return model
+
+
+def test_while_realtime_requests_run_batch_work_fills_the_step_time_it_is_given():
+    # 10 ms a step and 1 ms a token: a 15.5 ms step holds the realtime decode and 4 more tokens.
+    cost = fitted_cost(0.010, 0.001)
+    kv = KVCacheManager(64, BLOCK, enable_caching=True)
+    sched = Scheduler(kv, 8, 64, "priority", None, 0.0155, cost)
+    for i in range(6):
+        sched.add(req(f"b{i}", 4, priority=10, arrival=i, first=10 * i))
+    assert len(run_step(sched).scheduled) == 6
+    sched.add(req("rt", 6, priority=0, arrival=9, first=100))
+    run_step(sched)  # the realtime prefill, alone
+    step = scheduled(run_step(sched))
+    assert step == [("rt", 1), ("b0", 1), ("b1", 1), ("b2", 1), ("b3", 1)]
+    sched.finish(sched.running[0], RequestStatus.FINISHED_STOPPED)
+    assert len(run_step(sched).scheduled) == 6  # the realtime request gone, so is the bound
+
+
+def test_batch_work_goes_on_when_realtime_work_fills_the_step_alone():
+    cost = fitted_cost(0.010, 0.001)
+    kv = KVCacheManager(64, BLOCK, enable_caching=True)
+    sched = Scheduler(kv, 8, 64, "priority", None, 0.005, cost)  # shorter than the fixed cost
+    sched.add(req("b0", 4, priority=10))
+    sched.add(req("b1", 4, priority=10, arrival=1, first=10))
+    run_step(sched)
+    sched.add(req("rt", 6, priority=0, arrival=2, first=100))
+    run_step(sched)
+    assert scheduled(run_step(sched)) == [("rt", 1), ("b0", 1)]
+
+
+def test_without_a_fitted_cost_the_token_budget_bounds_batch_work():
+    kv = KVCacheManager(64, BLOCK, enable_caching=True)
+    sched = Scheduler(kv, 8, 64, "priority", 2, 0.001, StepCostModel())
+    for i in range(4):
+        sched.add(req(f"b{i}", 4, priority=10, arrival=i, first=10 * i))
+    run_step(sched)
+    sched.add(req("rt", 6, priority=0, arrival=5, first=100))
+    run_step(sched)
+    assert scheduled(run_step(sched)) == [("rt", 1), ("b0", 1), ("b1", 1)]

@@ -37,6 +37,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "enable_prefix_caching": False,
         "scheduling_policy": "fcfs",
         "low_priority_token_budget": 32,
+        "low_priority_step_ms": 40.0,
         "tensor_parallel_size": 1,
         "seed": 7,
         "stats_log_interval_seconds": 0.5,

@@ -1,0 +1,77 @@
+"""How long a step will take, learned from the steps the engine has run.
+
+A step's time is close to linear in three things: a fixed cost (every weight is read once, the
+step's bookkeeping), its tokens (each goes through every matmul) and its attention work (each
+new token reads the keys and values of its context). `StepCostModel` fits
+
+    seconds = fixed + per_token * tokens + per_context * context
+
+by least squares over the last `WINDOW` steps, refitted every `REFIT_EVERY` steps, so it follows
+the model, the machine and its load without being told any of them. The scheduler asks it how
+much low-priority work fits in a step of a given length.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import numpy as np
+
+WINDOW = 256
+REFIT_EVERY = 16
+# Fewer steps than this, or a fit that says more work takes less time, predict nothing: the
+# caller then falls back to its token budget.
+MIN_STEPS = 32
+
+
+@dataclass(frozen=True)
+class StepWork:
+    """What a step computes: `tokens` new tokens, which attend `context` keys in all."""
+
+    tokens: int = 0
+    context: int = 0
+
+    def __add__(self, other: StepWork) -> StepWork:
+        return StepWork(self.tokens + other.tokens, self.context + other.context)
+
+    @staticmethod
+    def of_chunk(start: int, num_new: int) -> StepWork:
+        """New tokens at positions start .. start + num_new - 1; position i attends i + 1 keys."""
+        return StepWork(num_new, num_new * start + num_new * (num_new + 1) // 2)
+
+
+@dataclass(frozen=True)
+class StepCost:
+    fixed: float  # seconds
+    per_token: float
+    per_context: float
+
+    def seconds(self, work: StepWork) -> float:
+        return self.fixed + self.per_token * work.tokens + self.per_context * work.context
+
+
+class StepCostModel:
+    def __init__(self) -> None:
+        self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
+        self._since_fit = 0
+        self.cost: StepCost | None = None  # None until fitted on enough, and sensible
+
+    def observe(self, work: StepWork, seconds: float) -> None:
+        self._steps.append((work.tokens, work.context, seconds))
+        self._since_fit += 1
+        if len(self._steps) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
+            self._since_fit = 0
+            self.cost = self._fit()
+
+    def _fit(self) -> StepCost | None:
+        data = np.array(self._steps, dtype=np.float64)
+        design = np.column_stack([np.ones(len(data)), data[:, 0], data[:, 1]])
+        # Columns of one size, so that the rank test means something.
+        scale = np.maximum(np.abs(design).max(axis=0), 1.0)
+        solution, _, rank, _ = np.linalg.lstsq(design / scale, data[:, 2], rcond=None)
+        fixed, per_token, per_context = (float(x) for x in solution / scale)
+        if rank < 3 or per_token <= 0:  # steps all alike, or noise: the fit knows nothing yet
+            return None
+        # A context term the steps cannot tell from noise is left out, never made negative.
+        return StepCost(max(fixed, 0.0), per_token, max(per_context, 0.0))
