@@ -30,10 +30,10 @@ from typing import TYPE_CHECKING, Any
 
 import numpy as np
 import torch
-import xgrammar as xgr
 from pydantic import ValidationError
 
 if TYPE_CHECKING:
+    import xgrammar as xgr
     from transformers import PreTrainedTokenizerBase
 
     from pagedbatch.engine.request import Request
@@ -105,6 +105,8 @@ class StructuredOutput:
         between a begin and an end around a content, sequences, alternatives and repeats of
         formats, free text until a trigger opens a tag. A `{"type": "grammar"}` content is EBNF,
         such as another StructuredOutput's grammar. Raises ValueError naming what is wrong."""
+        import xgrammar as xgr  # here, not at start: the engine starts without it
+
         try:
             grammar = xgr.Grammar.from_structural_tag({"type": "structural_tag", "format": form})
         except RuntimeError as e:
@@ -169,6 +171,8 @@ def _canonical(schema: Mapping[str, Any] | bool) -> str:
 def _json_grammar(
     schema_text: str, strict: bool, limits: OutputLimits, json_object: bool = False
 ) -> str:
+    import xgrammar as xgr
+
     schema = _Bounder(json.loads(schema_text), strict, limits).bounded(json_object)
     try:
         grammar = xgr.Grammar.from_json_schema(
@@ -187,6 +191,8 @@ def _check_ebnf(grammar: str) -> None:
             f"the schema or tools are too large to enforce: their grammar has {len(grammar)} "
             f"characters, over the limit of {MAX_GRAMMAR_CHARS} (about 500 properties)"
         )
+    import xgrammar as xgr
+
     try:
         xgr.Grammar.from_ebnf(grammar)
     except (RuntimeError, ValidationError) as e:
@@ -450,8 +456,10 @@ class GrammarRuntime:
         self._executor: ThreadPoolExecutor | None = None  # started by the first grammar
         self._compiler: xgr.GrammarCompiler | None = None  # the worker's alone
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
-        self._scratch = xgr.allocate_token_bitmask(1, vocab_size)
-        allowed = np.zeros(self._scratch.shape[1] * 32, dtype=bool)
+        # One row of xgrammar's token bitmask (32 tokens a word), made as it makes them.
+        words = -(-vocab_size // 32)
+        self._scratch = torch.full((1, words), -1, dtype=torch.int32)
+        allowed = np.zeros(words * 32, dtype=bool)
         allowed[:vocab_size] = True
         allowed[self._stop_token_ids] = False
         self._non_stop = np.packbits(allowed, bitorder="little").view(np.uint32)
@@ -470,6 +478,8 @@ class GrammarRuntime:
         return future
 
     def _compile(self, grammar: str) -> xgr.CompiledGrammar:
+        import xgrammar as xgr
+
         if self._compiler is None:
             info = _tokenizer_info(self._tokenizer, self.vocab_size, self._stop_token_ids)
             threads = max(1, min(8, (os.cpu_count() or 2) // 2))
@@ -477,6 +487,8 @@ class GrammarRuntime:
         return self._compiler.compile_grammar(grammar)
 
     def start(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
+        import xgrammar as xgr
+
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)
 
     def release(self, request_id: str) -> None:
@@ -487,6 +499,8 @@ class GrammarRuntime:
         rows = [i for i, request in enumerate(requests) if request.request_id in self._matchers]
         if not rows:
             return
+        import xgrammar as xgr
+
         bitmask = xgr.allocate_token_bitmask(len(requests), self.vocab_size)
         for i in rows:
             self._matchers[requests[i].request_id].fill_next_token_bitmask(bitmask, i)
@@ -514,6 +528,8 @@ class GrammarRuntime:
 def _tokenizer_info(
     tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]
 ) -> xgr.TokenizerInfo:
+    import xgrammar as xgr
+
     detected = xgr.TokenizerInfo.from_huggingface(
         tokenizer, vocab_size=vocab_size, stop_token_ids=stop_token_ids
     )
