@@ -70,8 +70,9 @@ def test_a_database_outage_mid_shard_is_ridden_out(make_batch_worker, database_p
     caplog.set_level(logging.WARNING)
     worker = make_batch_worker(database_port=database_proxy.port, lease_seconds=6)
     observer = make_batch_worker()  # reaches the database directly
-    # Lines that end one after another, so that some end while the database is away.
-    lines = [chat_line(f"l{i}", max_tokens=32 * (i + 1), ignore_eos=True) for i in range(10)]
+    # Lines that end one after another, so that some end while the database is away: 160 tokens
+    # apart, a few tenths of a second on a fast machine, which the outage outlasts.
+    lines = [chat_line(f"l{i}", max_tokens=32 + 160 * i, ignore_eos=True) for i in range(10)]
     batch_id = submit(worker, lines)
     shard = Background(lambda: run_shard(worker.ctx))
     eventually(lambda: batch(observer, batch_id).request_completed >= 1, timeout=20)
