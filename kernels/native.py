@@ -1,5 +1,5 @@
-"""The CPU kernels written in C (`cpu_attention.c`), compiled on first use with the machine's C
-compiler and loaded with ctypes.
+"""The CPU kernels written in C (`cpu_attention.c`, `cpu_rotary.c`), compiled on first use with
+the machine's C compiler and loaded with ctypes.
 
 They are plain C with OpenMP, not a torch extension: compiling one takes about a second, where a
 file including torch's headers takes a minute. The library is built for this CPU
@@ -27,7 +27,7 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SETTING = "PAGEDBATCH_NATIVE_KERNELS"
-SOURCES = (Path(__file__).with_name("cpu_attention.c"),)
+SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_rotary.c"))
 # -std=c11 alone would turn off fused multiply-adds (ISO C's default contraction rule).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -41,6 +41,13 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _ptr, _ptr, _ptr, _i64,  # token rows, table rows, first keys, seq lens, how many
         _i64, _i64, _i64, _i64,  # heads, KV heads, head dim, block size
         _f32, _i32, _ptr,  # scale, threads, out
+    ],
+    "rotary_embedding": [
+        _ptr, _i64,  # positions, how many
+        _ptr, _i64, _i64,  # query, its token stride, its heads
+        _ptr, _i64, _i64,  # key, its token stride, its heads
+        _i64, _ptr, _i64, _i32,  # head dim, cos/sin table, its rows, threads
+        _ptr, _ptr,  # query out, key out
     ],
 }  # fmt: skip
 

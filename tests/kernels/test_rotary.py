@@ -1,15 +1,33 @@
-"""The rotary kernel against transformers' apply_rotary_pos_emb."""
+"""The rotary kernel against transformers' apply_rotary_pos_emb, on the C kernel (float32 on the
+CPU) and on torch alike."""
 
 from __future__ import annotations
+
+import shutil
 
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
+from pagedbatch.kernels import native
 from pagedbatch.kernels.rotary import apply_rotary_embedding
 
 HEAD_DIM = 64
 NUM_HEADS, NUM_KV_HEADS = 6, 2
+
+
+@pytest.fixture(params=["c_kernel", "torch"], autouse=True)
+def rotary_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
+    """Every test runs twice: float32 through the C kernel, and through torch alone."""
+    native.library.cache_clear()
+    if request.param == "torch":
+        monkeypatch.setenv(native.SETTING, "0")
+    elif shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler to build the C kernel")
+    else:
+        assert native.library() is not None, "the C kernels did not build; see the warning"
+    yield request.param
+    native.library.cache_clear()
 
 
 def cos_sin_table(num_positions: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
@@ -45,3 +63,26 @@ def test_matches_transformers_bitwise(dtype, scaling):
     torch.testing.assert_close(out_q, expected_q, atol=0, rtol=0)
     torch.testing.assert_close(out_k, expected_k, atol=0, rtol=0)
     assert torch.equal(qkv, before), "the inputs are left as they were"
+
+
+@pytest.mark.parametrize("num_tokens", [1, 3, 700], ids=lambda n: f"{n}-tokens")
+def test_many_tokens_match_one_at_a_time(num_tokens):
+    # 700 tokens take the kernel's threaded loop; every row must still be its own.
+    _, table = cos_sin_table(1024, 1.0)
+    gen = torch.Generator().manual_seed(1)
+    positions = torch.randint(0, 1024, (num_tokens,), generator=gen)
+    q = torch.randn(num_tokens, NUM_HEADS, HEAD_DIM, generator=gen)
+    k = torch.randn(num_tokens, NUM_KV_HEADS, HEAD_DIM, generator=gen)
+    out_q, out_k = apply_rotary_embedding(positions, q, k, table)
+    for t in (0, num_tokens // 2, num_tokens - 1):
+        one_q, one_k = apply_rotary_embedding(
+            positions[t : t + 1], q[t : t + 1], k[t : t + 1], table
+        )
+        assert torch.equal(out_q[t : t + 1], one_q) and torch.equal(out_k[t : t + 1], one_k)
+
+
+def test_a_position_past_the_table_is_refused():
+    _, table = cos_sin_table(16, 1.0)
+    q, k = torch.zeros(2, NUM_HEADS, HEAD_DIM), torch.zeros(2, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(IndexError):
+        apply_rotary_embedding(torch.tensor([3, 16]), q, k, table)
