@@ -1,4 +1,5 @@
-"""What every Triton kernel test module (`test_triton_*.py`) needs, said once.
+"""What the kernel test modules need, said once: the Triton modules (`test_triton_*.py`) and the
+C kernels' two paths.
 
 Each Triton kernel is tested against its torch counterpart (the reference). On a GPU machine the
 tests run the compiled kernels on CUDA tensors; without a GPU the same tests run the kernels in
@@ -10,11 +11,14 @@ them run in every case.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import shutil
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 
 import pytest
 import torch
+
+from pagedbatch.kernels import native
 
 TRITON_MODULES = "test_triton_*.py"
 
@@ -41,3 +45,19 @@ def pytest_pycollect_makemodule(
 def device() -> str:
     """Where the Triton kernels' tensors live: CUDA on a GPU machine, else the CPU."""
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+@pytest.fixture(params=["c_kernel", "torch"])
+def native_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> Iterator[str]:
+    """Runs a test twice: through the C kernels where they apply (float32 on the CPU), and with
+    them turned off, through torch alone. Modules whose every test should, say
+    `pytestmark = pytest.mark.usefixtures("native_path")`."""
+    native.library.cache_clear()
+    if request.param == "torch":
+        monkeypatch.setenv(native.SETTING, "0")
+    elif shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler to build the C kernels")
+    else:
+        assert native.library() is not None, "the C kernels did not build; see the warning"
+    yield request.param
+    native.library.cache_clear()

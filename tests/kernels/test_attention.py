@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import math
-import shutil
 import threading
 from dataclasses import dataclass
 
@@ -11,8 +10,11 @@ import pytest
 import torch
 from transformers.masking_utils import causal_mask_function, sliding_window_causal_mask_function
 
-from pagedbatch.kernels import attention, native
+from pagedbatch.kernels import attention
 from pagedbatch.kernels.attention import paged_attention, prepare_attention, reshape_and_cache
+
+# Every test runs twice: float32 decode through the C kernel, and through torch alone.
+pytestmark = pytest.mark.usefixtures("native_path")
 
 BLOCK_SIZE = 16
 HEAD_DIM = 32
@@ -117,20 +119,6 @@ def reference_attention(batch: Batch, scale: float, window: int | None) -> torch
         scores = scores.masked_fill(~allowed, float("-inf"))
         out[start:end] = torch.einsum("hqk,khd->qhd", scores.softmax(-1), v)
     return out
-
-
-@pytest.fixture(params=["c_kernel", "torch"], autouse=True)
-def decode_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs twice: float32 decode through the C kernel, and through torch alone."""
-    native.library.cache_clear()
-    if request.param == "torch":
-        monkeypatch.setenv(native.SETTING, "0")
-    elif shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler to build the C kernel")
-    else:
-        assert native.library() is not None, "the C kernel did not build; see the warning"
-    yield request.param
-    native.library.cache_clear()
 
 
 def run(batch: Batch, scale: float, window: int | None) -> torch.Tensor:
@@ -246,12 +234,12 @@ def test_reshape_and_cache_writes_where_the_block_table_says():
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
-def test_only_float32_decode_goes_to_the_c_kernel(decode_path, dtype):
+def test_only_float32_decode_goes_to_the_c_kernel(native_path, dtype):
     batch = make_batch(SCENARIOS["mixed"], 6, 2, dtype=dtype)
     meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
     paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, 0.3)
     (plan,) = meta._plans.values()
-    in_place = decode_path == "c_kernel" and dtype == torch.float32
+    in_place = native_path == "c_kernel" and dtype == torch.float32
     assert (plan.decode_rows is not None) == in_place
     assert len(plan.decode) == (0 if in_place else 1)  # three decode sequences, one chunk
     assert len(plan.prefill) == 2

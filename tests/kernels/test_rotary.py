@@ -3,31 +3,16 @@ CPU) and on torch alike."""
 
 from __future__ import annotations
 
-import shutil
-
 import pytest
 import torch
 from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
 
-from pagedbatch.kernels import native
 from pagedbatch.kernels.rotary import apply_rotary_embedding
+
+pytestmark = pytest.mark.usefixtures("native_path")
 
 HEAD_DIM = 64
 NUM_HEADS, NUM_KV_HEADS = 6, 2
-
-
-@pytest.fixture(params=["c_kernel", "torch"], autouse=True)
-def rotary_path(request: pytest.FixtureRequest, monkeypatch: pytest.MonkeyPatch) -> str:
-    """Every test runs twice: float32 through the C kernel, and through torch alone."""
-    native.library.cache_clear()
-    if request.param == "torch":
-        monkeypatch.setenv(native.SETTING, "0")
-    elif shutil.which("cc") is None and shutil.which("gcc") is None:
-        pytest.skip("no C compiler to build the C kernel")
-    else:
-        assert native.library() is not None, "the C kernels did not build; see the warning"
-    yield request.param
-    native.library.cache_clear()
 
 
 def cos_sin_table(num_positions: int, scaling: float) -> tuple[torch.Tensor, torch.Tensor]:
