@@ -76,8 +76,9 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
-        self.step_cost = StepCostModel()
+        # Steps are measured only where the scheduler uses the measure.
         step_ms = args.low_priority_step_ms
+        self.step_cost = StepCostModel() if step_ms is not None else None
         self.scheduler = Scheduler(
             self.kv,
             args.max_num_seqs,
@@ -169,7 +170,8 @@ class EngineCore:
             ):
                 if token is not None:
                     sampled.append(self._append(request, token, logprob))
-            self.step_cost.observe(out.work, time.perf_counter() - run_started)
+            if self.step_cost is not None:
+                self.step_cost.observe(out.work, time.perf_counter() - run_started)
         failed, self._failed = self._failed, []
         return CoreOutput(
             scheduled=out.scheduled,

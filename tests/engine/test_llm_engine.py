@@ -96,6 +96,7 @@ def test_the_engine_learns_what_its_steps_cost_and_bounds_batch_steps_by_it(tiny
     assert cost is not None and cost.per_token > 0
     assert engine.scheduler.low_priority_step_seconds == 1.0
     assert_pool_whole(engine)
+    assert make_engine(tiny_llama).scheduler.step_cost is None  # unset: nothing measured
 
 
 def test_prompt_longer_than_the_context_is_refused_clearly(tiny_llama):
