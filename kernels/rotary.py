@@ -24,7 +24,7 @@ def apply_rotary_embedding(
 
     Matches transformers' `q * cos + rotate_half(q) * sin` bitwise: its cos and sin repeat the same
     D/2 values twice, and x1 * c + (-x2) * s equals x1 * c - x2 * s exactly."""
-    lib = native.library() if _fits_c_kernel(query, key, cos_sin_cache) else None
+    lib = native.library() if _fits_c_kernel(positions, query, key, cos_sin_cache) else None
     if lib is not None:
         return _rotate_in_c(lib, positions, query, key, cos_sin_cache)
     cos, sin = cos_sin_cache.index_select(0, positions).to(query.dtype).unsqueeze(1).chunk(2, -1)
@@ -41,11 +41,18 @@ def _rotate(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tens
     return out
 
 
-def _fits_c_kernel(query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor) -> bool:
-    """Float32 on the CPU, each token's heads contiguous (views of a fused QKV projection are)."""
-    return all(
-        t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key, cos_sin)
-    ) and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key))
+def _fits_c_kernel(
+    positions: torch.Tensor, query: torch.Tensor, key: torch.Tensor, cos_sin: torch.Tensor
+) -> bool:
+    """Float32 on the CPU, each token's heads contiguous (views of a fused QKV projection are),
+    and shapes that agree: the kernel trusts them, where torch would refuse what does not fit."""
+    return (
+        all(t.device.type == "cpu" and t.dtype == torch.float32 for t in (query, key, cos_sin))
+        and all(t.stride(2) == 1 and t.stride(1) == t.shape[2] for t in (query, key))
+        and positions.numel() == query.shape[0] == key.shape[0]
+        and cos_sin.dim() == 2
+        and cos_sin.shape[1] == query.shape[2] == key.shape[2]
+    )
 
 
 def _rotate_in_c(

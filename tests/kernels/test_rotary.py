@@ -71,3 +71,10 @@ def test_a_position_past_the_table_is_refused():
     q, k = torch.zeros(2, NUM_HEADS, HEAD_DIM), torch.zeros(2, NUM_KV_HEADS, HEAD_DIM)
     with pytest.raises(IndexError):
         apply_rotary_embedding(torch.tensor([3, 16]), q, k, table)
+
+
+def test_positions_that_do_not_match_the_tokens_are_refused():
+    _, table = cos_sin_table(16, 1.0)
+    q, k = torch.zeros(2, NUM_HEADS, HEAD_DIM), torch.zeros(2, NUM_KV_HEADS, HEAD_DIM)
+    with pytest.raises(RuntimeError):
+        apply_rotary_embedding(torch.tensor([0, 1, 2]), q, k, table)
