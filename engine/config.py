@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import MISSING, dataclass, field, fields
 from pathlib import Path
 from typing import Any
@@ -139,6 +140,9 @@ def _check(name: str, value: Any, metadata: Any) -> None:
     if value is None:
         return
     choices, ge, gt = metadata["choices"], metadata["ge"], metadata["gt"]
+    # inf passes a lower bound and nan every comparison: neither is a value any setting means.
+    if isinstance(value, float) and not math.isfinite(value):
+        raise ValueError(f"{name} must be a finite number, got {value}")
     if choices is not None and value not in choices:
         raise ValueError(f"{name} must be one of {', '.join(map(str, choices))}; got {value!r}")
     if ge is not None and value < ge:

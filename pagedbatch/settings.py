@@ -15,7 +15,7 @@ import dataclasses
 from collections.abc import Mapping
 from functools import cached_property
 from pathlib import Path
-from typing import Annotated, Any, Literal, get_type_hints
+from typing import Annotated, Any, Literal, get_args, get_type_hints
 
 from pydantic import Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
@@ -41,9 +41,11 @@ def _engine_setting(arg: dataclasses.Field, hint: Any) -> tuple[Any, Any]:
         default = None
     if meta["choices"] is not None:
         hint = Literal[meta["choices"]]
+    # As EngineArgs refuses them: inf and nan are no value a setting means.
+    finite = {"allow_inf_nan": False} if float in get_args(hint) or hint is float else {}
     if default is None:
         hint = hint | None
-    return hint, Field(default, description=meta["doc"], ge=meta["ge"], gt=meta["gt"])
+    return hint, Field(default, description=meta["doc"], ge=meta["ge"], gt=meta["gt"], **finite)
 
 
 _hints = get_type_hints(EngineArgs)
