@@ -338,6 +338,7 @@ async def _run(
                 request_id=engine_input.request_id,
                 priority=REALTIME_PRIORITY,
                 cache_salt=cache_salt,
+                images=engine_input.images,
             ):
                 waiting = new[position]
                 if waiting is None:

@@ -22,6 +22,7 @@ from typing import Any, TypeVar
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
+from pagedbatch.engine.multimodal import ImageItem
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -96,6 +97,7 @@ class AsyncLLM:
         timeout: float | None = None,
         final_only: bool = False,
         cache_salt: str | None = None,
+        images: tuple[ImageItem, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its params' `output_kind` asks (by default, the
         cumulative output each step it moves), the last one finished; `final_only` makes it
@@ -115,7 +117,7 @@ class AsyncLLM:
 
         def add() -> None:
             self.engine.add_request(
-                request_id, prompt, sampling_params, priority, timeout, cache_salt
+                request_id, prompt, sampling_params, priority, timeout, cache_salt, images
             )
             self._streams[request_id] = stream
 

@@ -116,6 +116,34 @@ class EngineArgs:
         "short whatever the model and the machine; unset: only low_priority_token_budget",
         gt=0,
     )
+    media_allowed_hosts: str | None = arg(
+        None,
+        doc="comma-separated host names whose http(s) image URLs are fetched (redirects only "
+        "among them, within max_image_bytes and 10 s); unset: images come only as data: URLs",
+    )
+    max_num_encoder_tokens: int = arg(
+        2048,
+        doc="image embeddings a vision-language model's encoder may produce in one step: a "
+        "bound on the step time that images add; an image of more embeddings is refused",
+        ge=1,
+    )
+    encoder_cache_size: int = arg(
+        8192,
+        doc="image embeddings kept after encoding, so that an image sent again is not encoded "
+        "again (least recently used first out); an image of more embeddings is refused",
+        ge=1,
+    )
+    max_images_per_request: int = arg(
+        16, doc="images one chat request may hold (a vision-language model's)", ge=0
+    )
+    max_image_bytes: int = arg(
+        20 * 2**20, doc="bytes of one image as sent (decoded from base64)", ge=1
+    )
+    max_image_pixels: int = arg(
+        4096 * 4096,
+        doc="pixels (width times height) of one image as sent, checked before it is decoded",
+        ge=1,
+    )
     tensor_parallel_size: int = arg(
         1,
         doc="ranks the model is split across: processes, each with a device of its own on CUDA "
@@ -172,7 +200,18 @@ class ModelConfig:
     o_proj_bias: bool
     sliding_windows: list[int | None]  # per layer
     torch_dtype: torch.dtype
-    raw: dict[str, Any] = field(repr=False)
+    raw: dict[str, Any] = field(repr=False)  # the language model's config
+    # A vision-language model's whole config.json, whose text_config `raw` is; None for text
+    # models.
+    multimodal: dict[str, Any] | None = field(default=None, repr=False)
+
+    @property
+    def image_token_id(self) -> int | None:
+        """The prompt token that an image's embeddings take the places of; None: no images."""
+        if self.multimodal is None:
+            return None
+        top = self.multimodal
+        return top.get("image_token_id", top.get("image_token_index"))
 
     def check_tensor_parallel(self, size: int) -> None:
         """Raises ValueError unless each of `size` ranks can hold whole heads and an equal share of
@@ -202,13 +241,15 @@ class ModelConfig:
             raise ValueError(f"{config_file} lacks a required field: {e}") from e
 
     @classmethod
-    def _from_raw(cls, path: Path, meta: Path, raw: dict[str, Any]) -> ModelConfig:
-        architectures = raw.get("architectures") or []
+    def _from_raw(cls, path: Path, meta: Path, top: dict[str, Any]) -> ModelConfig:
+        architectures = top.get("architectures") or []
         if not architectures:
             raise ValueError(f"{meta / 'config.json'} names no architectures")
+        # A vision-language model nests its language model's config.
+        raw = top.get("text_config", top)
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
-        dtype_name = raw.get("dtype") or raw.get("torch_dtype") or "float32"
+        dtype_name = top.get("dtype") or top.get("torch_dtype") or "float32"
         is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
         return cls(
             path=path,
@@ -230,6 +271,7 @@ class ModelConfig:
             sliding_windows=_sliding_windows(raw, num_layers),
             torch_dtype=DTYPES.get(dtype_name, torch.float32),
             raw=raw,
+            multimodal=top if raw is not top else None,
         )
 
 

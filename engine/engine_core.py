@@ -18,6 +18,7 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.config import EngineArgs, ModelConfig
+from pagedbatch.engine.encoder_cache import EncoderCache
 from pagedbatch.engine.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.model_runner import ModelRunner
 from pagedbatch.engine.ranks import start_runner
@@ -79,6 +80,9 @@ class EngineCore:
         # Steps are measured only where the scheduler uses the measure.
         step_ms = args.low_priority_step_ms
         self.step_cost = StepCostModel() if step_ms is not None else None
+        # Image embeddings, for a model that reads images.
+        multimodal = model_config.image_token_id is not None
+        self.encoder_cache = EncoderCache(args.encoder_cache_size) if multimodal else None
         self.scheduler = Scheduler(
             self.kv,
             args.max_num_seqs,
@@ -87,6 +91,8 @@ class EngineCore:
             args.low_priority_token_budget,
             step_ms / 1000 if step_ms is not None else None,
             self.step_cost,
+            self.encoder_cache,
+            args.max_num_encoder_tokens,
         )
         self.grammars = GrammarRuntime(tokenizer, model_config.vocab_size, eos_token_ids)
         self.sampler = Sampler(self.grammars.apply_masks)
@@ -163,7 +169,8 @@ class EngineCore:
         sampled: list[SampledToken] = []
         if out.scheduled:
             block_tables = self.kv.block_table.gather([s.request.request_id for s in out.scheduled])
-            logits = self.runner.execute(out.scheduled, block_tables)
+            encoder = self.encoder_cache.take_work() if self.encoder_cache is not None else None
+            logits = self.runner.execute(out.scheduled, block_tables, encoder)
             sampling = [s.request for s in out.scheduled if s.samples]
             for request, (token, logprob) in zip(
                 sampling, self._sample(logits, sampling), strict=True

@@ -11,9 +11,11 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
+import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.kv_cache_manager import cdiv
+from pagedbatch.engine.multimodal import ImageItem, ImageSpec
 from pagedbatch.engine.request import Request
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -27,13 +29,19 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         block_size: int,
         num_kv_blocks: int,
+        image_spec: ImageSpec | None = None,
+        max_image_tokens: int = 0,
     ):
+        """`image_spec` for a model that reads images, each of at most `max_image_tokens`
+        embeddings (what the encoder may do in a step and its cache hold)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
+        self.image_spec = image_spec
+        self.max_image_tokens = max_image_tokens
 
     def process(
         self,
@@ -43,10 +51,12 @@ class InputProcessor:
         priority: int,
         timeout: float | None,
         cache_salt: str | None,
+        images: tuple[ImageItem, ...] = (),
     ) -> list[Request]:
         """The request's completions, `{request_id}#{i}` for i < n; a seeded request's i-th
         completion has seed + i, so that they differ yet each reproduces."""
         prompt_ids = self._encode(prompt)
+        self._check_images(prompt_ids, images)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         self._check_vocabulary(params)
         if timeout is not None and timeout <= 0:
@@ -70,9 +80,48 @@ class InputProcessor:
                     deadline=now + timeout if timeout is not None else None,
                     max_tokens=max_tokens,
                     cache_salt=cache_salt,
+                    images=tuple(images),
                 )
             )
         return children
+
+    def _check_images(self, prompt_ids: list[int], images: tuple[ImageItem, ...]) -> None:
+        """Each image fills a run of image tokens of its own, in order, with pixel values the
+        model reads; no image token of the prompt is left without one."""
+        spec = self.image_spec
+        if spec is None:
+            if images:
+                raise ValueError("this model reads text only: it takes no images")
+            return
+        image_token = spec.token_id
+        covered = 0
+        previous_end = 0
+        for i, item in enumerate(images):
+            if not isinstance(item, ImageItem):
+                raise ValueError(f"images[{i}] is not an ImageItem")
+            pixels = item.pixel_values
+            if not isinstance(pixels, torch.Tensor) or tuple(pixels.shape) != spec.shape:
+                raise ValueError(f"images[{i}]'s pixel values are not a tensor of {spec.shape}")
+            if item.length != spec.tokens:
+                raise ValueError(
+                    f"images[{i}] has {item.length} placeholders; this model gives an image "
+                    f"{spec.tokens} embeddings"
+                )
+            if not bool(pixels.isfinite().all()):
+                raise ValueError(f"images[{i}] has pixel values that are not finite")
+            if item.length > self.max_image_tokens:
+                raise ValueError(
+                    f"images[{i}] takes {item.length} embeddings, more than the encoder's "
+                    f"budget and cache allow ({self.max_image_tokens})"
+                )
+            if item.offset < previous_end or item.end > len(prompt_ids):
+                raise ValueError(f"images[{i}] overlaps another or lies beyond the prompt")
+            if any(t != image_token for t in prompt_ids[item.offset : item.end]):
+                raise ValueError(f"images[{i}] does not lie on image tokens of the prompt")
+            covered += item.length
+            previous_end = item.end
+        if prompt_ids.count(image_token) != covered:
+            raise ValueError("the prompt holds image tokens that no image fills")
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

@@ -9,6 +9,8 @@ least that many of its full blocks (they survive preemption; the registration do
 
 from __future__ import annotations
 
+import struct
+
 from pagedbatch.engine.block_pool import Block, BlockHash, BlockPool, hash_block, salt_root
 from pagedbatch.engine.block_table import BlockTable
 from pagedbatch.engine.request import Request
@@ -16,6 +18,16 @@ from pagedbatch.engine.request import Request
 
 def cdiv(a: int, b: int) -> int:
     return -(-a // b)
+
+
+def _images_in(request: Request, start: int, end: int) -> bytes:
+    """The images whose placeholders overlap positions [start, end): each one's content hash and
+    where it starts relative to `start`."""
+    return b"".join(
+        item.content_hash + struct.pack("<q", item.offset - start)
+        for item in request.images
+        if item.offset < end and item.end > start
+    )
 
 
 class KVCacheManager:
@@ -41,7 +53,9 @@ class KVCacheManager:
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else salt_root(request.cache_salt)
-            hashes.append(hash_block(parent, tokens[i * bs : (i + 1) * bs]))
+            start, end = i * bs, (i + 1) * bs
+            extra = _images_in(request, start, end) if request.images else b""
+            hashes.append(hash_block(parent, tokens[start:end], extra))
         return hashes
 
     def find_cached_prefix(self, request: Request) -> list[Block]:

@@ -10,10 +10,13 @@ from tqdm import tqdm
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
+from pagedbatch.engine.multimodal import ImageItem
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
-Prompt = str | list[int]
+# Text or token ids; or, for a vision-language model, a dict of one of those ("prompt") and
+# the images ("images", PIL images) that fill its image tokens in order.
+Prompt = str | list[int] | dict[str, Any]
 
 
 class LLM:
@@ -36,7 +39,7 @@ class LLM:
         `output_kind` (they run as FINAL_ONLY: no output is built before). The prompts share
         prefix-cache blocks with requests of the same `cache_salt` only (see
         LLMEngine.add_request)."""
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, as text or token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params or SamplingParams()] * len(prompts)
@@ -52,9 +55,15 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
                 prio = priority[i] if priority is not None else 0
+                tokens, images = self._with_images(prompt)
                 ids.append(
                     self.engine.add_request(
-                        None, prompt, final[id(params)], priority=prio, cache_salt=cache_salt
+                        None,
+                        tokens,
+                        final[id(params)],
+                        priority=prio,
+                        cache_salt=cache_salt,
+                        images=images,
                     )
                 )
         except ValueError:
@@ -63,6 +72,22 @@ class LLM:
             self.engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def _with_images(self, prompt: Prompt) -> tuple[str | list[int], tuple[ImageItem, ...]]:
+        """The prompt as the engine takes it, and its images placed in it."""
+        if not isinstance(prompt, dict):
+            return prompt, ()
+        text, images = prompt["prompt"], prompt.get("images") or []
+        processor = self.engine.image_processor
+        if processor is None:
+            if images:
+                raise ValueError("this model reads text only: it takes no images")
+            return text, ()
+        ids = (
+            self.tokenizer.encode(text, add_special_tokens=True) if isinstance(text, str) else text
+        )
+        ids, items = processor.place(list(ids), [processor(image) for image in images])
+        return ids, tuple(items)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:
         pending = set(ids)

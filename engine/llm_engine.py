@@ -19,6 +19,7 @@ from pagedbatch.engine.input_processor import InputProcessor
 from pagedbatch.engine.loggers import StatLogger
 from pagedbatch.engine.metrics import EngineMetrics
 from pagedbatch.engine.model_runner import ModelRunner
+from pagedbatch.engine.multimodal import ImageItem, ImageLimits, ImageProcessor, image_spec
 from pagedbatch.engine.output_processor import OutputProcessor
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import SamplingParams
@@ -42,6 +43,18 @@ class LLMEngine:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
         self.max_model_len = args.max_model_len or limit
         self.core = EngineCore(self.model_config, args, self.tokenizer, self.eos_token_ids)
+        spec = image_spec(self.model_config)
+        # For callers to make images ready with, off the engine thread; None: no images.
+        self.image_processor = None
+        if spec is not None:
+            hosts = (args.media_allowed_hosts or "").lower().split(",")
+            limits = ImageLimits(
+                args.max_images_per_request,
+                args.max_image_bytes,
+                args.max_image_pixels,
+                tuple(host.strip() for host in hosts if host.strip()),
+            )
+            self.image_processor = ImageProcessor(self.model_config, limits)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -49,6 +62,8 @@ class LLMEngine:
             self.eos_token_ids,
             args.block_size,
             self.core.kv.pool.num_blocks,
+            spec,
+            min(args.max_num_encoder_tokens, args.encoder_cache_size),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.core)
         self.stats = EngineStats()  # what get_stats() reports
@@ -82,17 +97,22 @@ class LLMEngine:
         priority: int = 0,
         timeout: float | None = None,
         cache_salt: str | None = None,
+        images: tuple[ImageItem, ...] = (),
     ) -> str:
         """Queue a request; raises ValueError naming the problem if it cannot run.
 
         Requests share prefix-cache blocks only when their `cache_salt`s are equal (None
         included): a tenant's salt keeps others from learning, through cached_tokens, what it sent.
+        A vision-language model's `images` come from `image_processor`, placed in the prompt
+        by its `place`.
         """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
-        completions = self.inputs.process(request_id, prompt, params, priority, timeout, cache_salt)
+        completions = self.inputs.process(
+            request_id, prompt, params, priority, timeout, cache_salt, images
+        )
         self.outputs.add(request_id, completions)
         self.core.add(completions, params.structured)
         return request_id
@@ -124,6 +144,12 @@ class LLMEngine:
         for logger in self.loggers:
             logger.idle(now)
 
+    def _encoder_stats(self) -> dict:
+        cache = self.core.encoder_cache
+        if cache is None:
+            return {}
+        return {"images_encoded": cache.images_encoded, "encoder_cache_hits": cache.cache_hits}
+
     def get_stats(self) -> dict:
         pool = self.core.kv.pool
         return {
@@ -135,5 +161,6 @@ class LLMEngine:
             "prefix_cache_queries": pool.prefix_queries,
             "prefix_cache_hits": pool.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,
+            **self._encoder_stats(),
             **self.stats.as_dict(),
         }

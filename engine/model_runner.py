@@ -9,7 +9,7 @@ from __future__ import annotations
 import logging
 import resource
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -18,6 +18,7 @@ import torch
 from pagedbatch.engine import distributed
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.distributed import SINGLE, TensorParallel
+from pagedbatch.engine.encoder_cache import EncoderWork
 from pagedbatch.engine.host_memory import cpu_kv_budget_bytes
 from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
@@ -72,13 +73,31 @@ class StepInput:
     seq_lens: list[int]  # each sequence's context length after this step
     block_tables: np.ndarray  # [num_seqs, width] int32: row i is sequence i's, padded with 0
     sample_rows: list[int]  # the tokens whose next-token logits are wanted
+    # A vision-language model's: the images to encode (and cached outputs to drop first), and
+    # the batch rows that take image embeddings: (first row, image hash, its embeddings from, to).
+    encoder: EncoderWork | None = None
+    image_rows: list[tuple[int, bytes, int, int]] = field(default_factory=list)
 
     @classmethod
-    def build(cls, scheduled: list[ScheduledRequest], block_tables: np.ndarray) -> StepInput:
+    def build(
+        cls,
+        scheduled: list[ScheduledRequest],
+        block_tables: np.ndarray,
+        encoder: EncoderWork | None = None,
+    ) -> StepInput:
         input_ids: list[int] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
+        image_rows: list[tuple[int, bytes, int, int]] = []
         for s in scheduled:
+            first_row = len(input_ids)
+            for item in s.request.images:
+                start, end = max(s.start, item.offset), min(s.end, item.end)
+                if start < end:
+                    row = first_row + start - s.start
+                    image_rows.append(
+                        (row, item.content_hash, start - item.offset, end - item.offset)
+                    )
             input_ids.extend(s.request.all_token_ids[s.start : s.end])
             query_start_loc.append(len(input_ids))
             if s.samples:
@@ -89,6 +108,8 @@ class StepInput:
             seq_lens=[s.end for s in scheduled],
             block_tables=block_tables,
             sample_rows=sample_rows,
+            encoder=encoder,
+            image_rows=image_rows,
         )
 
 
@@ -121,6 +142,9 @@ class ModelRunner:
         self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)]
         # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
         self.ranks: RankProcesses | None = None
+        # Image embeddings by content hash, as the engine's EncoderCache says (a multimodal
+        # model's; every rank keeps its own copy).
+        self.encoder_outputs: dict[bytes, torch.Tensor] = {}
 
     def _load_model(self, rows: int) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
@@ -152,10 +176,15 @@ class ModelRunner:
         # Uninitialised on purpose: attention only reads slots that were written.
         return torch.empty(shape, dtype=self.dtype, device=self.device)
 
-    def execute(self, scheduled: list[ScheduledRequest], block_tables: np.ndarray) -> torch.Tensor:
+    def execute(
+        self,
+        scheduled: list[ScheduledRequest],
+        block_tables: np.ndarray,
+        encoder: EncoderWork | None = None,
+    ) -> torch.Tensor:
         """Run one step on every rank; returns float32 logits for the requests that sample, in
         order. `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
-        step = StepInput.build(scheduled, block_tables)
+        step = StepInput.build(scheduled, block_tables, encoder)
         if self.ranks is None:
             return self.run(step)
         return self.ranks.run(step, self.run)
@@ -170,11 +199,36 @@ class ModelRunner:
             block_tables=torch.from_numpy(step.block_tables).to(device),
             block_size=self.block_size,
         )
-        hidden = self.model(
-            torch.tensor(step.input_ids, device=device), meta.positions, self.kv_caches, meta
-        )
+        input_ids = torch.tensor(step.input_ids, device=device)
+        if step.encoder is not None:
+            self._encode(step.encoder)
+        if step.image_rows:
+            rows, embeds = self._image_embeddings(step.image_rows)
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, rows, embeds)
+        else:
+            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _encode(self, work: EncoderWork) -> None:
+        """Drop what the cache evicted, then encode the new images, those of one shape at once."""
+        for content_hash in work.free:
+            del self.encoder_outputs[content_hash]
+        by_shape: dict[tuple[int, ...], list] = {}
+        for item in work.encode:
+            by_shape.setdefault(tuple(item.pixel_values.shape), []).append(item)
+        for items in by_shape.values():
+            pixels = torch.stack([item.pixel_values for item in items]).to(self.device)
+            for item, embeds in zip(items, self.model.encode_images(pixels), strict=True):
+                self.encoder_outputs[item.content_hash] = embeds
+
+    def _image_embeddings(
+        self, image_rows: list[tuple[int, bytes, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch rows that hold image positions, and their embeddings in the same order."""
+        rows = [torch.arange(row, row + end - start) for row, _, start, end in image_rows]
+        embeds = [self.encoder_outputs[h][start:end] for _, h, start, end in image_rows]
+        return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     def shutdown(self) -> None:
         """Stops the other ranks, if any."""

@@ -200,6 +200,7 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
+            num_image_tokens=sum(item.length for item in first.images),
             error=error,
             metrics=_metrics(first),
         )

@@ -45,6 +45,7 @@ class RequestOutput:
     outputs: list[CompletionOutput]
     finished: bool = False
     num_cached_tokens: int = 0
+    num_image_tokens: int = 0  # prompt tokens that images' embeddings fill
     error: str | None = None
     metrics: RequestMetrics | None = None
 

@@ -6,6 +6,7 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+from pagedbatch.engine.multimodal import ImageItem
 from pagedbatch.engine.sampling_params import SamplingParams
 
 
@@ -95,6 +96,7 @@ class Request:
     deadline: float | None = None  # monotonic time after which the request is aborted
     max_tokens: int = 0  # resolved by the engine from sampling_params and the context length
     cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
+    images: tuple[ImageItem, ...] = ()  # in prompt order, their placeholders apart
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -10,6 +10,11 @@ rest share at most `low_priority_token_budget` tokens, and no more than fit in a
 steps realtime requests wait on short. When the KV pool runs dry, the worst running request
 (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
 mostly from the prefix cache.
+
+A request's images are encoded in the step that first reaches their placeholders, within a
+per-step encoder budget and the encoder cache's room (`encoder_cache`): a chunk is cut before
+the first image whose embeddings cannot be had this step. A chunk may end inside an image; the
+next goes on from the cached embeddings.
 """
 
 from __future__ import annotations
@@ -18,6 +23,7 @@ import bisect
 import time
 from dataclasses import dataclass, field
 
+from pagedbatch.engine.encoder_cache import EncoderCache
 from pagedbatch.engine.kv_cache_manager import KVCacheManager, cdiv
 from pagedbatch.engine.request import Request, RequestStatus
 from pagedbatch.engine.step_cost import StepCostModel, StepWork
@@ -65,6 +71,8 @@ class Scheduler:
         low_priority_token_budget: int | None = None,
         low_priority_step_seconds: float | None = None,
         step_cost: StepCostModel | None = None,
+        encoder_cache: EncoderCache | None = None,
+        max_num_encoder_tokens: int = 0,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -78,6 +86,14 @@ class Scheduler:
         # ... and no more than fit in a step this long, once `step_cost` can tell.
         self.low_priority_step_seconds = low_priority_step_seconds
         self.step_cost = step_cost
+        # A vision-language model's: which images' embeddings the runner holds, and how many
+        # embeddings it may encode in one step.
+        self.encoder_cache = encoder_cache
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        self._encoder_budget = 0  # left in the step being scheduled
+        # (request id, image hash) whose placeholders the last step finished: released next step,
+        # once the runner has read them.
+        self._images_passed: list[tuple[str, bytes]] = []
         self.waiting: list[Request] = []  # sorted, best first
         self.running: list[Request] = []  # sorted, best first
         self.num_preemptions = 0
@@ -102,10 +118,16 @@ class Scheduler:
         request.transition(status)
         request.finished_time = time.monotonic()
         self.kv.forget(request)
+        self._release_images(request)
+
+    def _release_images(self, request: Request) -> None:
+        if self.encoder_cache is not None and request.images:
+            self.encoder_cache.release(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
+        self._release_images(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -137,6 +159,11 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        if self.encoder_cache is not None:
+            for request_id, content_hash in self._images_passed:
+                self.encoder_cache.release(request_id, content_hash)
+            self._images_passed.clear()
+            self._encoder_budget = self.max_num_encoder_tokens
         if self.policy == "priority":
             self._make_room_for_better_waiting(out)
         budget = self.max_num_batched_tokens
@@ -173,6 +200,26 @@ class Scheduler:
         # At least one token a step: realtime traffic slows the others, never stops them.
         return max(1, min(tokens, int(room / per_token)))
 
+    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, cut before the first image the chunk reaches whose
+        embeddings cannot be had this step; takes the request's hold on the others (encoding
+        those not cached, within the step's encoder budget)."""
+        cache = self.encoder_cache
+        end = start + num_new
+        for item in request.images:
+            if item.end <= start or item.offset >= end:
+                continue
+            h = item.content_hash
+            if not cache.holds(request.request_id, h):
+                if not cache.cached(h):
+                    if item.length > self._encoder_budget or not cache.room_for(item.length):
+                        return max(0, item.offset - start)
+                    self._encoder_budget -= item.length
+                cache.hold(request.request_id, item)
+            if item.end <= end:
+                self._images_passed.append((request.request_id, h))
+        return num_new
+
     def _top_priority(self) -> int | None:
         """The best priority in the engine; None under fcfs, where all are one class."""
         if self.policy != "priority":
@@ -192,6 +239,11 @@ class Scheduler:
             if only is not None and request.priority != only:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if request.images:
+                num_new = self._fit_images(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next image cannot be encoded this step
+                    i += 1
+                    continue
             while not self.kv.allocate(request, num_new):
                 victim = self.running[-1]
                 self._preempt(victim)
@@ -221,7 +273,10 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if not self.kv.allocate(request, num_new, cached):
+            if request.images:
+                num_new = self._fit_images(request, num_cached, num_new)
+            if num_new == 0 or not self.kv.allocate(request, num_new, cached):
+                self._release_images(request)
                 break
             self.waiting.pop(0)
             request.transition(RequestStatus.RUNNING)

@@ -15,7 +15,7 @@ from pagedbatch.addresses import is_loopback
 logger = logging.getLogger(__name__)
 
 NONE = type(None)
-ARCHS = ("llama", "qwen2", "mistral", "gemma3")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava")
 SIZES = ("tiny", "small", "medium")
 
 

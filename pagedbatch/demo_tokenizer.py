@@ -41,14 +41,19 @@ VOCAB_SIZE = 16384
 SPECIAL_TOKEN_IDS = {t: VOCAB_SIZE - len(SPECIAL_TOKENS) + i for i, t in enumerate(SPECIAL_TOKENS)}
 
 # ChatML, with tools and tool calls laid out as Qwen2.5 does. Content may be a string or a list of
-# {"type": "text", "text": ...} parts; the system turn lists the tools, if any, as JSON.
-CHAT_TEMPLATE = r"""
+# {"type": "text", "text": ...} and {"type": "image"} parts, images where `chat_template` says;
+# the system turn lists the tools, if any, as JSON.
+_CHAT_TEMPLATE = r"""
 {%- macro text(content) -%}
     {%- if content is string -%}
         {{- content -}}
     {%- elif content is iterable -%}
-        {%- for part in content if part.type == "text" -%}
-            {{- part.text -}}
+        {%- for part in content -%}
+            {%- if part.type == "text" -%}
+                {{- part.text -}}
+            {%- elif part.type == "image" -%}
+                {{- IMAGE_PLACEHOLDER -}}
+            {%- endif -%}
         {%- endfor -%}
     {%- endif -%}
 {%- endmacro -%}
@@ -107,6 +112,15 @@ CHAT_TEMPLATE = r"""
     {{- "<|im_start|>assistant\n" -}}
 {%- endif -%}
 """.strip()
+
+
+def chat_template(image_placeholder: str = "") -> str:
+    """The chat template, writing `image_placeholder` for each image part (nothing by default:
+    a text-only model's template leaves images out)."""
+    return _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", json.dumps(image_placeholder))
+
+
+CHAT_TEMPLATE = chat_template()
 
 # Qwen2's pre-tokenizer split (digits one by one, words with their leading space or punctuation).
 # transformers 5 rebuilds a qwen2 checkpoint's tokenizer with it and NFC, whatever tokenizer.json
@@ -248,21 +262,33 @@ def tokenizer_json(nfc: bool = False) -> str:
     return tokenizer.to_str()
 
 
-def write_tokenizer(out_dir: Path, nfc: bool = False) -> None:
-    """Write tokenizer.json and tokenizer_config.json, as transformers' AutoTokenizer reads them."""
-    (out_dir / "tokenizer.json").write_text(tokenizer_json(nfc), encoding="utf-8")
+def write_tokenizer(
+    out_dir: Path, nfc: bool = False, extra_special: tuple[str, ...] = (), template: str = ""
+) -> None:
+    """Write tokenizer.json and tokenizer_config.json, as transformers' AutoTokenizer reads them.
+
+    `extra_special` tokens (a multimodal model's placeholders) take the ids from VOCAB_SIZE on;
+    `template` is the chat template (default: the text-only one)."""
+    text = tokenizer_json(nfc)
+    if extra_special:
+        tokenizer = Tokenizer.from_str(text)
+        tokenizer.add_special_tokens(
+            [AddedToken(t, special=True, normalized=False) for t in extra_special]
+        )
+        text = tokenizer.to_str()
+    (out_dir / "tokenizer.json").write_text(text, encoding="utf-8")
     config = {
         "tokenizer_class": "PreTrainedTokenizerFast",
         "bos_token": None,
         "eos_token": IM_END,
         "pad_token": ENDOFTEXT,
         "unk_token": None,
-        "additional_special_tokens": [IM_START, IM_END],
+        "additional_special_tokens": [IM_START, IM_END, *extra_special],
         "add_bos_token": False,
         "add_eos_token": False,
         # The default would rewrite " ." as "." on decode and break the exact round trip.
         "clean_up_tokenization_spaces": False,
-        "chat_template": CHAT_TEMPLATE,
+        "chat_template": template or CHAT_TEMPLATE,
     }
     text = json.dumps(config, indent=2, ensure_ascii=False) + "\n"
     (out_dir / "tokenizer_config.json").write_text(text, encoding="utf-8")

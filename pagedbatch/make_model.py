@@ -42,6 +42,7 @@ from pagedbatch.demo_tokenizer import (
     IM_END,
     SPECIAL_TOKEN_IDS,
     VOCAB_SIZE,
+    chat_template,
     write_tokenizer,
 )
 
@@ -50,6 +51,7 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "llava": "LlavaForConditionalGeneration",
 }
 
 
@@ -68,6 +70,29 @@ SIZES = {
     "small": ModelSize(768, 12, 12, 4, 2048, 4096),  # about 100M, for CPU benchmarks
     "medium": ModelSize(1536, 20, 12, 4, 4096, 4096),  # about 0.5B, for GPU benchmarks
 }
+
+
+@dataclass(frozen=True)
+class VisionSize:
+    hidden_size: int
+    num_layers: int
+    num_heads: int
+    intermediate_size: int
+    image_size: int  # pixels a side, after the processor's resize and crop
+
+
+# LLaVA-1.5's tower reads 336-pixel images in 14-pixel patches: 576 image tokens.
+VISION_SIZES = {
+    "tiny": VisionSize(64, 3, 4, 256, 56),  # 16 image tokens
+    "small": VisionSize(384, 6, 6, 1536, 336),  # 576 image tokens, as LLaVA-1.5's
+    "medium": VisionSize(768, 12, 12, 3072, 336),
+}
+PATCH_SIZE = 14
+IMAGE_TOKEN = "<image>"
+IMAGE_TOKEN_ID = VOCAB_SIZE  # the first id after the demo tokenizer's own
+# CLIP's pixel statistics, which LLaVA's processor normalises with.
+CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
+CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
 # Standard deviations of projection outputs for unit-RMS inputs (see the module docstring).
 QK_SCALE = 1.5
@@ -95,6 +120,8 @@ def model_config(
         raise ValueError(f"arch must be one of {sorted(ARCHITECTURES)}, got {arch!r}")
     if size not in SIZES:
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
+    if arch == "llava":
+        return _llava_config(size) | (config_overrides or {})
     shape = SIZES[size]
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -168,6 +195,41 @@ def _gemma3_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
     }
 
 
+def _llava_config(size: str) -> dict[str, Any]:
+    """LLaVA-1.5's config as transformers 5 writes it: a CLIP vision tower, a two-layer
+    projector and a Llama whose vocabulary ends in the image token."""
+    text = model_config("llama", size) | {"vocab_size": VOCAB_SIZE + 1}
+    del text["architectures"]
+    vision = VISION_SIZES[size]
+    return {
+        "architectures": [ARCHITECTURES["llava"]],
+        "model_type": "llava",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "clip_vision_model",
+            "hidden_size": vision.hidden_size,
+            "intermediate_size": vision.intermediate_size,
+            "num_hidden_layers": vision.num_layers,
+            "num_attention_heads": vision.num_heads,
+            "image_size": vision.image_size,
+            "patch_size": PATCH_SIZE,
+            "num_channels": 3,
+            "hidden_act": "quick_gelu",
+            "layer_norm_eps": 1e-5,
+            "attention_dropout": 0.0,
+            "projection_dim": vision.hidden_size,
+        },
+        "image_token_index": IMAGE_TOKEN_ID,
+        "image_seq_length": (vision.image_size // PATCH_SIZE) ** 2,
+        "projector_hidden_act": "gelu",
+        "vision_feature_select_strategy": "default",
+        "vision_feature_layer": -2,
+        "multimodal_projector_bias": True,
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
 def make_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -179,7 +241,8 @@ def make_model(
     config = model_config(arch, size, config_overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    save_file(init_weights(config, seed), out / "model.safetensors", metadata={"format": "pt"})
+    weights = init_llava_weights(config, seed) if arch == "llava" else init_weights(config, seed)
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     generation_config = {
         "bos_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
@@ -187,9 +250,49 @@ def make_model(
         "pad_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
     }
     _write_json(out / "generation_config.json", generation_config)
-    # transformers normalises Qwen2 input to NFC whatever the file says: the file says so too.
-    write_tokenizer(out, nfc=arch == "qwen2")
+    if arch == "llava":
+        _write_llava_processor(out, config)
+    else:
+        # transformers normalises Qwen2 input to NFC whatever the file says: the file says so too.
+        write_tokenizer(out, nfc=arch == "qwen2")
     return out
+
+
+def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
+    """The tokenizer with its image token, and what AutoProcessor reads: the image processor
+    (resize, crop, CLIP's normalisation) and the processor, which expands each image token of
+    the chat template's text into one per patch."""
+    template = chat_template(IMAGE_TOKEN)
+    write_tokenizer(out, extra_special=(IMAGE_TOKEN,), template=template)
+    side = config["vision_config"]["image_size"]
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "CLIPImageProcessor",
+            "do_resize": True,
+            "size": {"shortest_edge": side},
+            "resample": 3,
+            "do_center_crop": True,
+            "crop_size": {"height": side, "width": side},
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "do_convert_rgb": True,
+        },
+    )
+    _write_json(
+        out / "processor_config.json",
+        {
+            "processor_class": "LlavaProcessor",
+            "patch_size": PATCH_SIZE,
+            "vision_feature_select_strategy": "default",
+            "num_additional_image_tokens": 1,  # CLIP's class token, which "default" drops
+            "image_token": IMAGE_TOKEN,
+        },
+    )
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
 def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
@@ -242,6 +345,63 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     else:
         norm("model.norm.weight")
         normal("lm_head.weight", (config["vocab_size"], hidden), LM_HEAD_SCALE / hidden**0.5)
+    return weights
+
+
+def init_llava_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The Llama's weights (as `init_weights`) and the vision tower's and projector's, named as
+    transformers saves LLaVA. Patch and position embeddings and the projector are scaled so
+    that image tokens reach the language model at the token embeddings' RMS, each carrying
+    its own patch: change one patch and the continuation changes."""
+    weights = {
+        f"language_model.{name}": tensor
+        for name, tensor in init_weights(config["text_config"], seed).items()
+    }
+    vision = config["vision_config"]
+    hidden, inter = vision["hidden_size"], vision["intermediate_size"]
+    patch = vision["patch_size"]
+    patch_inputs = vision["num_channels"] * patch * patch
+    num_positions = (vision["image_size"] // patch) ** 2 + 1
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        weights[name] = torch.randn(shape, generator=_generator(seed, name)) * std
+
+    def layer_norm(name: str) -> None:
+        weights[f"{name}.weight"] = torch.rand(hidden, generator=_generator(seed, name)) + 0.5
+        normal(f"{name}.bias", (hidden,), BIAS_SCALE)
+
+    tower = "vision_tower."
+    normal(f"{tower}embeddings.class_embedding", (hidden,), 1.0)
+    normal(
+        f"{tower}embeddings.patch_embedding.weight",
+        (hidden, vision["num_channels"], patch, patch),
+        1.0 / patch_inputs**0.5,
+    )
+    normal(f"{tower}embeddings.position_embedding.weight", (num_positions, hidden), 0.5)
+    layer_norm(f"{tower}pre_layrnorm")
+    for i in range(vision["num_hidden_layers"]):
+        layer = f"{tower}encoder.layers.{i}."
+        projections = {
+            "self_attn.q_proj": (hidden, hidden, QK_SCALE),
+            "self_attn.k_proj": (hidden, hidden, QK_SCALE),
+            "self_attn.v_proj": (hidden, hidden, 1.0),
+            "self_attn.out_proj": (hidden, hidden, 1.0),
+            "mlp.fc1": (inter, hidden, 1.0),
+            "mlp.fc2": (hidden, inter, 1.0),
+        }
+        for name, (rows, cols, scale) in projections.items():
+            normal(f"{layer}{name}.weight", (rows, cols), scale / cols**0.5)
+            normal(f"{layer}{name}.bias", (rows,), BIAS_SCALE)
+        layer_norm(f"{layer}layer_norm1")
+        layer_norm(f"{layer}layer_norm2")
+    layer_norm(f"{tower}post_layernorm")
+    text_hidden = config["text_config"]["hidden_size"]
+    projector = "multi_modal_projector."
+    normal(f"{projector}linear_1.weight", (text_hidden, hidden), 1.0 / hidden**0.5)
+    normal(f"{projector}linear_1.bias", (text_hidden,), BIAS_SCALE)
+    # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
+    normal(f"{projector}linear_2.weight", (text_hidden, text_hidden), 2.0 / text_hidden**0.5)
+    normal(f"{projector}linear_2.bias", (text_hidden,), BIAS_SCALE)
     return weights
 
 

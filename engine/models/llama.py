@@ -161,9 +161,11 @@ class LlamaForCausalLM(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """Hidden states of every token in the flattened batch."""
-        x = self.embed_tokens(input_ids)
+        """Hidden states of every token in the flattened batch; `inputs_embeds`, where given,
+        replace the tokens' embeddings (a vision-language model's, with its images in)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         residual = None
         for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
             x, residual = layer(positions, x, residual, kv_cache, meta)

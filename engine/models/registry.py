@@ -17,6 +17,7 @@ import torch
 
 from pagedbatch.engine.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.models.llama import LlamaForCausalLM
+from pagedbatch.engine.models.llava import LlavaForConditionalGeneration
 
 ENTRY_POINT_GROUP = "pagedbatch.models"
 
@@ -25,6 +26,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
 }
 
 

@@ -136,7 +136,10 @@ class TestChatPrompt:
                             "role": "user",
                             "content": [
                                 {"type": "text", "text": "What is this?"},
-                                {"type": "image_url", "image_url": {"url": "https://x/y.png"}},
+                                {
+                                    "type": "input_audio",
+                                    "input_audio": {"data": "AAAA", "format": "wav"},
+                                },
                             ],
                         }
                     ]
@@ -202,7 +205,11 @@ class TestChatResponse:
             "prompt_tokens": prompt_tokens,
             "completion_tokens": 5,
             "total_tokens": prompt_tokens + 5,
-            "prompt_tokens_details": {"cached_tokens": output.num_cached_tokens, "audio_tokens": 0},
+            "prompt_tokens_details": {
+                "cached_tokens": output.num_cached_tokens,
+                "audio_tokens": 0,
+                "image_tokens": 0,
+            },
             "completion_tokens_details": {
                 "reasoning_tokens": 0,
                 "audio_tokens": 0,

@@ -26,7 +26,7 @@ from pagedbatch import cli
 from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
 from pagedbatch.make_model import ARCHITECTURES, make_model, model_config
 
-ARCHS = ("llama", "qwen2", "mistral", "gemma3")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3")  # the text models
 MakeCheckpoint = Callable[..., Path]
 FIRST_SPECIAL_ID = min(SPECIAL_TOKEN_IDS.values())
 
@@ -397,3 +397,35 @@ def test_long_prompts_stay_finite(tiny_model: PreTrainedModel) -> None:
         logits = tiny_model(torch.tensor([_prompt(500, seed=5)])).logits
     assert torch.isfinite(logits).all()
     assert logits.abs().max() < 100
+
+
+# LLaVA
+
+
+@pytest.mark.parametrize("size, tokens", [("tiny", 16), ("small", 576)])
+def test_llava_config_nests_a_llama_and_a_clip_tower(size: str, tokens: int) -> None:
+    config = model_config("llava", size)
+    assert config["architectures"] == ["LlavaForConditionalGeneration"]
+    assert config["text_config"]["model_type"] == "llama"
+    assert config["vision_config"]["model_type"] == "clip_vision_model"
+    # The image token is the one id past the demo tokenizer's, inside the Llama's vocabulary.
+    assert config["image_token_index"] == 16384 == config["text_config"]["vocab_size"] - 1
+    assert config["image_seq_length"] == tokens
+
+
+def test_transformers_loads_llava_with_its_processor(make_checkpoint: MakeCheckpoint) -> None:
+    from PIL import Image
+    from transformers import AutoProcessor, LlavaForConditionalGeneration
+
+    path = make_checkpoint("llava")
+    _, info = LlavaForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    processor = AutoProcessor.from_pretrained(path)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert text == "<|im_start|>user\n<image>Hi<|im_end|>\n<|im_start|>assistant\n"
+    inputs = processor(images=[Image.new("RGB", (90, 30))], text=text, return_tensors="pt")
+    assert inputs["pixel_values"].shape == (1, 3, 56, 56)
+    assert (inputs["input_ids"] == 16384).sum() == 16  # one placeholder per 14x14 patch

@@ -122,6 +122,7 @@ class BatchRunner:
                         engine_input.prompt_token_ids,
                         engine_input.params,
                         priority=self.priority,
+                        images=engine_input.images,
                     )
                 except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
                     raise OpenAIError(str(exc)) from None

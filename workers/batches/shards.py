@@ -408,7 +408,9 @@ class _ShardRun:
     async def _respond(self, request: BatchRequest) -> dict[str, Any] | None:
         """The line's response body; None if the shard was told to stop. Raises OpenAIError with
         what the endpoint would have answered instead, or whatever else went wrong."""
-        prepared = ENDPOINTS[self.shard.endpoint](request.body, self.engine.engine)
+        # On a thread: decoding a line's images takes long enough to hold up the other lines.
+        prepare = ENDPOINTS[self.shard.endpoint]
+        prepared = await asyncio.to_thread(prepare, request.body, self.engine.engine)
         try:
             outputs = await self._generate(prepared)
         except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small
@@ -430,6 +432,7 @@ class _ShardRun:
                 priority=BATCH_PRIORITY,
                 final_only=True,
                 cache_salt=self.cache_salt,
+                images=engine_input.images,
             ):
                 final = output
             return final

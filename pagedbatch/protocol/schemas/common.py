@@ -128,6 +128,7 @@ class SamplingRequest(RequestBody):
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     audio_tokens: int = 0
+    image_tokens: int = 0
 
 
 class CompletionTokensDetails(BaseModel):

@@ -16,6 +16,7 @@ from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from pagedbatch.engine.multimodal import ImageItem, ImageProcessor
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedbatch.engine.structured_output import StructuredOutput
@@ -37,15 +38,18 @@ class ServedModel(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     model_name: str
+    image_processor: ImageProcessor | None  # None: the model reads text only
 
 
 @dataclass
 class EngineInput:
-    """One engine request: `engine.add_request(request_id, prompt_token_ids, params)`."""
+    """One engine request: `engine.add_request(request_id, prompt_token_ids, params, ...,
+    images=images)`."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
+    images: tuple[ImageItem, ...] = ()
 
 
 class Prepared(Protocol):
@@ -253,15 +257,16 @@ def usage(outputs: Sequence[RequestOutput]) -> Usage:
         prompt=sum(len(o.prompt_token_ids) for o in outputs),
         completion=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         cached=sum(o.num_cached_tokens for o in outputs),
+        images=sum(o.num_image_tokens for o in outputs),
     )
 
 
-def counted_usage(prompt: int, completion: int, cached: int) -> Usage:
+def counted_usage(prompt: int, completion: int, cached: int, images: int = 0) -> Usage:
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached),
+        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, image_tokens=images),
     )
 
 

@@ -76,6 +76,7 @@ class StreamEncoder:
         # tokens its completions generated.
         self._prompt_tokens: dict[int, int] = {}
         self._cached_tokens: dict[int, int] = {}
+        self._image_tokens: dict[int, int] = {}
         self._completion_tokens = 0
 
     def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
@@ -91,6 +92,7 @@ class StreamEncoder:
             prompt=sum(self._prompt_tokens.values()),
             completion=self._completion_tokens,
             cached=sum(self._cached_tokens.values()),
+            images=sum(self._image_tokens.values()),
         )
         return self._event(self._writer.usage_chunk(counted)) + DONE
 
@@ -110,6 +112,7 @@ class StreamEncoder:
                 continue
             self._prompt_tokens[position] = len(output.prompt_token_ids)
             self._cached_tokens[position] = output.num_cached_tokens
+            self._image_tokens[position] = output.num_image_tokens
             for choice in output.outputs:
                 self._completion_tokens += len(choice.token_ids)
                 index = position * self._n + choice.index  # as in the non-streamed response
