@@ -1,11 +1,13 @@
 """Chat requests with images through the engine, preprocessing off the engine thread.
 
-    python benchmarks/multimodal.py                  # llava small: 64 requests, ~5 min
-    python benchmarks/multimodal.py --size tiny      # a quick look
+    python benchmarks/multimodal.py                     # llava small: 64 requests, ~3 min
+    python benchmarks/multimodal.py --arch qwen2_vl     # qwen2_vl small, 448x448 images
+    python benchmarks/multimodal.py --size tiny         # a quick look
 
-Three runs on one generated LLaVA checkpoint (`pagedbatch make-model --arch llava`), each of
-`--requests` chat requests of one image (the checkpoint's size, 336x336 for `small`, sent as PNG
-bytes) and a `--question-len`-token question, `--output-len` tokens out (greedy, ignore_eos):
+Three runs on one generated checkpoint (`pagedbatch make-model --arch {llava,qwen2_vl}`), each of
+`--requests` chat requests of one image (`--image-side` pixels square, by default 336 for LLaVA,
+whose tower reads that size, and 448 for Qwen2-VL; sent as PNG bytes) and a
+`--question-len`-token question, `--output-len` tokens out (greedy, ignore_eos):
 - distinct: a different image each;
 - same_image: one image for all (the encoder cache's hits, and prefix-cache hits);
 - text_only: prompts of the same token counts, without images.
@@ -99,7 +101,9 @@ def run(engine: LLMEngine, requests: list[tuple[list[int], bytes | None]], args)
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--arch", default="llava", choices=("llava", "qwen2_vl"))
     parser.add_argument("--size", default="small", choices=("tiny", "small"))
+    parser.add_argument("--image-side", type=int, help="default: 336 (llava), 448 (qwen2_vl)")
     parser.add_argument("--requests", type=int, default=64)
     parser.add_argument("--question-len", type=int, default=64)
     parser.add_argument("--output-len", type=int, default=64)
@@ -108,7 +112,7 @@ def main() -> None:
     args = parser.parse_args()
     torch.manual_seed(0)
     with tempfile.TemporaryDirectory() as tmp:
-        model = make_model(tmp, arch="llava", size=args.size)
+        model = make_model(tmp, arch=args.arch, size=args.size)
 
         def fresh() -> LLMEngine:
             """An engine per run: no run finds another's images or prefixes cached."""
@@ -119,7 +123,7 @@ def main() -> None:
 
         engine = fresh()
         processor = engine.image_processor
-        side = processor.spec.shape[-1]
+        side = args.image_side or {"llava": 336, "qwen2_vl": 448}[args.arch]
         template = engine.tokenizer.apply_chat_template(
             [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Q"}]}],
             add_generation_prompt=True,
@@ -134,11 +138,12 @@ def main() -> None:
         images = [png(i, side) for i in range(args.requests)]
         image_prompts = [head + random_tokens(args.question_len) + tail for _ in images]
         # Text-only prompts: the image token's place taken by as many text tokens.
-        image_token, tokens = processor.spec.token_id, processor.spec.tokens
+        image_token = processor.spec.token_id
+        tokens = processor(Image.open(io.BytesIO(images[0])).convert("RGB")).num_tokens
         figures = {
-            "model": f"llava-{args.size}",
+            "model": f"{args.arch}-{args.size}",
             "image_side": side,
-            "image_tokens": processor.spec.tokens,
+            "image_tokens": tokens,
             "requests": args.requests,
             "question_len": args.question_len,
             "output_len": args.output_len,

@@ -250,7 +250,7 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         dtype_name = top.get("dtype") or top.get("torch_dtype") or "float32"
-        is_qwen2 = architectures[0] == "Qwen2ForCausalLM"
+        is_qwen2 = architectures[0] in ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration")
         return cls(
             path=path,
             metadata_dir=meta,

@@ -11,11 +11,10 @@ from __future__ import annotations
 import time
 from dataclasses import replace
 
-import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.kv_cache_manager import cdiv
-from pagedbatch.engine.multimodal import ImageItem, ImageSpec
+from pagedbatch.engine.multimodal import ImageItem, ImageSpec, mrope_positions
 from pagedbatch.engine.request import Request
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -57,6 +56,9 @@ class InputProcessor:
         completion has seed + i, so that they differ yet each reproduces."""
         prompt_ids = self._encode(prompt)
         self._check_images(prompt_ids, images)
+        positions, delta = None, 0
+        if images and self.image_spec.mrope:
+            positions, delta = mrope_positions(len(prompt_ids), images, self.image_spec.merge)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         self._check_vocabulary(params)
         if timeout is not None and timeout <= 0:
@@ -81,6 +83,8 @@ class InputProcessor:
                     max_tokens=max_tokens,
                     cache_salt=cache_salt,
                     images=tuple(images),
+                    mrope_positions=positions,
+                    mrope_delta=delta,
                 )
             )
         return children
@@ -99,15 +103,16 @@ class InputProcessor:
         for i, item in enumerate(images):
             if not isinstance(item, ImageItem):
                 raise ValueError(f"images[{i}] is not an ImageItem")
-            pixels = item.pixel_values
-            if not isinstance(pixels, torch.Tensor) or tuple(pixels.shape) != spec.shape:
-                raise ValueError(f"images[{i}]'s pixel values are not a tensor of {spec.shape}")
-            if item.length != spec.tokens:
+            try:
+                tokens = spec.tokens_for(item.pixel_values, item.grid)
+            except ValueError as e:
+                raise ValueError(f"images[{i}]: {e}") from None
+            if item.length != tokens:
                 raise ValueError(
-                    f"images[{i}] has {item.length} placeholders; this model gives an image "
-                    f"{spec.tokens} embeddings"
+                    f"images[{i}] has {item.length} placeholders; this model gives it {tokens} "
+                    "embeddings"
                 )
-            if not bool(pixels.isfinite().all()):
+            if not bool(item.pixel_values.isfinite().all()):
                 raise ValueError(f"images[{i}] has pixel values that are not finite")
             if item.length > self.max_image_tokens:
                 raise ValueError(

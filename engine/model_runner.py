@@ -77,6 +77,8 @@ class StepInput:
     # the batch rows that take image embeddings: (first row, image hash, its embeddings from, to).
     encoder: EncoderWork | None = None
     image_rows: list[tuple[int, bytes, int, int]] = field(default_factory=list)
+    # A model with M-RoPE: every token's positions along time, height and width, [3, tokens].
+    mrope_positions: np.ndarray | None = None
 
     @classmethod
     def build(
@@ -84,8 +86,12 @@ class StepInput:
         scheduled: list[ScheduledRequest],
         block_tables: np.ndarray,
         encoder: EncoderWork | None = None,
+        mrope: bool = False,
     ) -> StepInput:
         input_ids: list[int] = []
+        # Text alone sits at its indices on all three axes: plain positions do.
+        mrope = mrope and any(s.request.mrope_positions is not None for s in scheduled)
+        mrope_columns: list[np.ndarray] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
         image_rows: list[tuple[int, bytes, int, int]] = []
@@ -99,6 +105,8 @@ class StepInput:
                         (row, item.content_hash, start - item.offset, end - item.offset)
                     )
             input_ids.extend(s.request.all_token_ids[s.start : s.end])
+            if mrope:
+                mrope_columns.append(_mrope_columns(s))
             query_start_loc.append(len(input_ids))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
@@ -110,7 +118,20 @@ class StepInput:
             sample_rows=sample_rows,
             encoder=encoder,
             image_rows=image_rows,
+            mrope_positions=np.concatenate(mrope_columns, axis=1) if mrope else None,
         )
+
+
+def _mrope_columns(s: ScheduledRequest) -> np.ndarray:
+    """The M-RoPE positions of a scheduled chunk, `[3, num_new_tokens]`: the prompt's table where
+    the request has one, then each token's index plus the request's delta."""
+    request = s.request
+    table = request.mrope_positions
+    known = table.shape[1] if table is not None else 0
+    head = table[:, s.start : min(s.end, known)] if s.start < known else None
+    tail = np.arange(max(s.start, known), s.end) + request.mrope_delta
+    tail = np.broadcast_to(tail, (3, tail.size))
+    return tail if head is None else np.concatenate([head, tail], axis=1)
 
 
 class ModelRunner:
@@ -145,6 +166,8 @@ class ModelRunner:
         # Image embeddings by content hash, as the engine's EncoderCache says (a multimodal
         # model's; every rank keeps its own copy).
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
+        # Whether the model's positions are M-RoPE's three per token (Qwen2-VL).
+        self.mrope: bool = getattr(self.model, "uses_mrope", False)
 
     def _load_model(self, rows: int) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
@@ -184,7 +207,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step on every rank; returns float32 logits for the requests that sample, in
         order. `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
-        step = StepInput.build(scheduled, block_tables, encoder)
+        step = StepInput.build(scheduled, block_tables, encoder, self.mrope)
         if self.ranks is None:
             return self.run(step)
         return self.ranks.run(step, self.run)
@@ -200,26 +223,26 @@ class ModelRunner:
             block_size=self.block_size,
         )
         input_ids = torch.tensor(step.input_ids, device=device)
+        positions = meta.positions
+        if step.mrope_positions is not None:
+            positions = torch.from_numpy(step.mrope_positions).to(device)
         if step.encoder is not None:
             self._encode(step.encoder)
         if step.image_rows:
             rows, embeds = self._image_embeddings(step.image_rows)
-            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta, rows, embeds)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, embeds)
         else:
-            hidden = self.model(input_ids, meta.positions, self.kv_caches, meta)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows]).float()
 
     def _encode(self, work: EncoderWork) -> None:
-        """Drop what the cache evicted, then encode the new images, those of one shape at once."""
+        """Drop what the cache evicted, then encode the new images, all at once."""
         for content_hash in work.free:
             del self.encoder_outputs[content_hash]
-        by_shape: dict[tuple[int, ...], list] = {}
-        for item in work.encode:
-            by_shape.setdefault(tuple(item.pixel_values.shape), []).append(item)
-        for items in by_shape.values():
-            pixels = torch.stack([item.pixel_values for item in items]).to(self.device)
-            for item, embeds in zip(items, self.model.encode_images(pixels), strict=True):
+        if work.encode:
+            embeddings = self.model.encode_images(work.encode)
+            for item, embeds in zip(work.encode, embeddings, strict=True):
                 self.encoder_outputs[item.content_hash] = embeds
 
     def _image_embeddings(

@@ -10,6 +10,7 @@ image's embeddings take the places of, and returns the `ImageItem`s that a reque
 from __future__ import annotations
 
 import hashlib
+from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -19,15 +20,18 @@ import torch
 
 from pagedbatch.engine.config import ModelConfig
 
+Grid = tuple[int, int, int]  # an image's patches along time (frames), height and width
+
 
 @dataclass(frozen=True, eq=False)
 class ImageItem:
     """One image of a request: its pixel values and the prompt positions its embeddings fill."""
 
-    pixel_values: torch.Tensor  # float32 [channels, height, width], as the vision tower reads
+    pixel_values: torch.Tensor  # float32, as the vision tower reads them
     content_hash: bytes  # of the pixel values: one image's encoding, and KV, is shared
     offset: int  # the first placeholder's position in the prompt
     length: int  # placeholders, one per embedding the encoder gives
+    grid: Grid | None = None  # a dynamic-resolution model's (Qwen2-VL's) patch grid
 
     @property
     def end(self) -> int:
@@ -51,6 +55,7 @@ class ProcessedImage:
     pixel_values: torch.Tensor
     content_hash: bytes
     num_tokens: int
+    grid: Grid | None = None
 
 
 def content_hash(pixel_values: torch.Tensor) -> bytes:
@@ -62,25 +67,82 @@ def content_hash(pixel_values: torch.Tensor) -> bytes:
 
 @dataclass(frozen=True)
 class ImageSpec:
-    """What a vision-language model reads of an image."""
+    """What a vision-language model reads of an image: one fixed shape (LLaVA-1.5 resizes every
+    image to one square), or rows of patches on a grid of the image's own size (Qwen2-VL)."""
 
     token_id: int  # the placeholder token
-    shape: tuple[int, int, int]  # of the pixel values: channels, height, width
-    tokens: int  # embeddings per image, so placeholders per image
+    shape: tuple[int, int, int] | None = None  # fixed: channels, height, width
+    tokens: int = 0  # fixed: embeddings per image
+    patch_values: int = 0  # grid: values per patch row (channels x frames x patch x patch)
+    merge: int = 1  # grid: patches merged into one embedding along each side
+    mrope: bool = False  # positions along time, height and width (Qwen2-VL's M-RoPE)
+
+    def tokens_for(self, pixel_values: Any, grid: Grid | None) -> int:
+        """The embeddings an image gives; ValueError if the model cannot read these values."""
+        if not isinstance(pixel_values, torch.Tensor):
+            raise ValueError("pixel values must be a tensor")
+        shape = tuple(pixel_values.shape)
+        if self.shape is not None:
+            if shape != self.shape:
+                raise ValueError(f"pixel values of shape {shape}; the model reads {self.shape}")
+            return self.tokens
+        m = self.merge
+        if (
+            grid is None
+            or len(grid) != 3
+            or any(not isinstance(n, int) or n < 1 for n in grid)
+            or grid[1] % m
+            or grid[2] % m
+        ):
+            raise ValueError(f"a grid of (frames, height, width) patches, sides multiples of {m}")
+        patches = grid[0] * grid[1] * grid[2]
+        if shape != (patches, self.patch_values):
+            raise ValueError(
+                f"pixel values of shape {shape}; grid {grid} needs {(patches, self.patch_values)}"
+            )
+        return patches // (m * m)
 
 
 def image_spec(cfg: ModelConfig) -> ImageSpec | None:
-    """None for a model without images. (LLaVA-1.5 resizes every image to one square.)"""
+    """None for a model without images."""
     top = cfg.multimodal
-    if top is None or cfg.image_token_id is None:
+    token = cfg.image_token_id
+    if top is None or token is None:
         return None
     vision = top["vision_config"]
+    if cfg.architecture == "Qwen2VLForConditionalGeneration":
+        patch = vision.get("patch_size", 14)
+        values = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * patch * patch
+        merge = vision.get("spatial_merge_size", 2)
+        return ImageSpec(token, patch_values=values, merge=merge, mrope=True)
     side = vision["image_size"]
     patches = (side // vision["patch_size"]) ** 2
     full = top.get("vision_feature_select_strategy", "default") == "full"
-    return ImageSpec(
-        cfg.image_token_id, (vision.get("num_channels", 3), side, side), patches + int(full)
-    )
+    return ImageSpec(token, (vision.get("num_channels", 3), side, side), patches + int(full))
+
+
+def mrope_positions(
+    prompt_len: int, images: Sequence[ImageItem], merge: int
+) -> tuple[np.ndarray, int]:
+    """Qwen2-VL's M-RoPE positions of a prompt, `[3, prompt_len]` (time, height, width), and the
+    delta that later tokens' positions add to their index, as transformers' `get_rope_index`:
+    text counts up on all three; an image's embeddings sit on its grid, from where the text
+    before it left off, and the text after goes on from past the grid's longer side."""
+    columns = []
+    index = position = 0
+    for item in images:
+        text = item.offset - index
+        columns.append(np.broadcast_to(np.arange(position, position + text), (3, text)))
+        position += text
+        frames, height, width = item.grid[0], item.grid[1] // merge, item.grid[2] // merge
+        t, h, w = np.meshgrid(np.arange(frames), np.arange(height), np.arange(width), indexing="ij")
+        columns.append(np.stack([t, h, w]).reshape(3, -1) + position)
+        position += max(height, width)
+        index = item.end
+    text = prompt_len - index
+    columns.append(np.broadcast_to(np.arange(position, position + text), (3, text)))
+    table = np.concatenate(columns, axis=1).astype(np.int64)
+    return table, int(table.max()) + 1 - prompt_len
 
 
 class ImageProcessor:
@@ -98,9 +160,16 @@ class ImageProcessor:
 
     def __call__(self, image: Any) -> ProcessedImage:
         """A PIL image (any mode; converted to RGB) made ready for the engine."""
-        pixels = self._processor(images=[image], return_tensors="np")["pixel_values"][0]
+        out = self._processor(images=[image], return_tensors="np")
+        grid = None
+        if "image_grid_thw" in out:  # one image's patch rows, on its grid
+            grid = tuple(int(n) for n in out["image_grid_thw"][0])
+            pixels = out["pixel_values"]
+        else:
+            pixels = out["pixel_values"][0]
         pixel_values = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
-        return ProcessedImage(pixel_values, content_hash(pixel_values), self.spec.tokens)
+        tokens = self.spec.tokens_for(pixel_values, grid)
+        return ProcessedImage(pixel_values, content_hash(pixel_values), tokens, grid)
 
     def place(
         self, prompt_ids: list[int], images: list[ProcessedImage]
@@ -122,7 +191,9 @@ class ImageProcessor:
                 continue
             image = next(pending)
             items.append(
-                ImageItem(image.pixel_values, image.content_hash, len(ids), image.num_tokens)
+                ImageItem(
+                    image.pixel_values, image.content_hash, len(ids), image.num_tokens, image.grid
+                )
             )
             ids.extend([token] * image.num_tokens)
         return ids, items

@@ -6,6 +6,8 @@ import enum
 import time
 from dataclasses import dataclass, field
 
+import numpy as np
+
 from pagedbatch.engine.multimodal import ImageItem
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -97,6 +99,10 @@ class Request:
     max_tokens: int = 0  # resolved by the engine from sampling_params and the context length
     cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
     images: tuple[ImageItem, ...] = ()  # in prompt order, their placeholders apart
+    # A model with M-RoPE (Qwen2-VL): the prompt's positions, [3, prompt tokens], when images
+    # make them other than the tokens' indices; later tokens sit at their index plus the delta.
+    mrope_positions: np.ndarray | None = field(default=None, repr=False)
+    mrope_delta: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -15,7 +15,7 @@ from pagedbatch.addresses import is_loopback
 logger = logging.getLogger(__name__)
 
 NONE = type(None)
-ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava", "qwen2_vl")
 SIZES = ("tiny", "small", "medium")
 
 

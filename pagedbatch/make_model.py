@@ -52,6 +52,7 @@ ARCHITECTURES = {
     "mistral": "MistralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
+    "qwen2_vl": "Qwen2VLForConditionalGeneration",
 }
 
 
@@ -90,6 +91,15 @@ VISION_SIZES = {
 PATCH_SIZE = 14
 IMAGE_TOKEN = "<image>"
 IMAGE_TOKEN_ID = VOCAB_SIZE  # the first id after the demo tokenizer's own
+# Qwen2-VL's vision tokens, after the demo tokenizer's own; an image is written as
+# <|vision_start|><|image_pad|><|vision_end|>, the pad expanded to one per 2x2 patches.
+QWEN2_VL_TOKENS = ("<|vision_start|>", "<|vision_end|>", "<|image_pad|>", "<|video_pad|>")
+QWEN2_VL_PLACEHOLDER = "<|vision_start|><|image_pad|><|vision_end|>"
+SPATIAL_MERGE = 2
+TEMPORAL_PATCH = 2
+# Qwen2-VL resizes an image, keeping its aspect ratio, to a multiple of 28 pixels a side and at
+# most this many pixels: 448x448 (256 image tokens) for small, 112x112 (16) for tiny.
+QWEN2_VL_MAX_PIXELS = {"tiny": 112 * 112, "small": 448 * 448, "medium": 448 * 448}
 # CLIP's pixel statistics, which LLaVA's processor normalises with.
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
@@ -122,6 +132,8 @@ def model_config(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if arch == "llava":
         return _llava_config(size) | (config_overrides or {})
+    if arch == "qwen2_vl":
+        return _qwen2_vl_config(size) | (config_overrides or {})
     shape = SIZES[size]
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -230,6 +242,59 @@ def _llava_config(size: str) -> dict[str, Any]:
     }
 
 
+def _qwen2_vl_config(size: str) -> dict[str, Any]:
+    """Qwen2-VL's config as transformers 5 writes it: a ViT with 2-D rotary embeddings and a
+    2x2 patch merger, and a Qwen2 whose rotary embedding is M-RoPE (positions along time,
+    height and width, in sections of each head's frequencies)."""
+    text = model_config("qwen2", size)
+    for key in ("architectures", "rope_theta", "rope_scaling", "max_window_layers"):
+        del text[key]
+    half = text["head_dim"] // 2
+    # Qwen2-VL's split of 64 frequencies, [16, 24, 24], scaled to this head size.
+    temporal = half // 4
+    text |= {
+        "model_type": "qwen2_vl_text",
+        "vocab_size": VOCAB_SIZE + len(QWEN2_VL_TOKENS),
+        "layer_types": ["full_attention"] * text["num_hidden_layers"],
+        "rope_parameters": {
+            "rope_type": "default",
+            "rope_theta": 10000.0,
+            "mrope_section": [
+                temporal,
+                (half - temporal) // 2,
+                half - temporal - (half - temporal) // 2,
+            ],
+        },
+    }
+    vision = VISION_SIZES[size]
+    token_ids = {token: VOCAB_SIZE + i for i, token in enumerate(QWEN2_VL_TOKENS)}
+    return {
+        "architectures": [ARCHITECTURES["qwen2_vl"]],
+        "model_type": "qwen2_vl",
+        "text_config": text,
+        "vision_config": {
+            "model_type": "qwen2_vl_vision",
+            "depth": vision.num_layers,
+            "embed_dim": vision.hidden_size,
+            "hidden_size": text["hidden_size"],
+            "hidden_act": "quick_gelu",
+            "mlp_ratio": vision.intermediate_size // vision.hidden_size,
+            "num_heads": vision.num_heads,
+            "in_channels": 3,
+            "patch_size": PATCH_SIZE,
+            "spatial_merge_size": SPATIAL_MERGE,
+            "temporal_patch_size": TEMPORAL_PATCH,
+            "rope_parameters": {"rope_type": "axial", "rope_theta": 10000.0},
+        },
+        "vision_start_token_id": token_ids["<|vision_start|>"],
+        "vision_end_token_id": token_ids["<|vision_end|>"],
+        "image_token_id": token_ids["<|image_pad|>"],
+        "video_token_id": token_ids["<|video_pad|>"],
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
 def make_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -241,7 +306,12 @@ def make_model(
     config = model_config(arch, size, config_overrides)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
-    weights = init_llava_weights(config, seed) if arch == "llava" else init_weights(config, seed)
+    if arch == "llava":
+        weights = init_llava_weights(config, seed)
+    elif arch == "qwen2_vl":
+        weights = init_qwen2_vl_weights(config, seed)
+    else:
+        weights = init_weights(config, seed)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     generation_config = {
@@ -252,6 +322,8 @@ def make_model(
     _write_json(out / "generation_config.json", generation_config)
     if arch == "llava":
         _write_llava_processor(out, config)
+    elif arch == "qwen2_vl":
+        _write_qwen2_vl_processor(out, size)
     else:
         # transformers normalises Qwen2 input to NFC whatever the file says: the file says so too.
         write_tokenizer(out, nfc=arch == "qwen2")
@@ -295,6 +367,35 @@ def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
+def _write_qwen2_vl_processor(out: Path, size: str) -> None:
+    """The tokenizer with the vision tokens, and what AutoProcessor reads: Qwen2-VL's image
+    processor (resize to a multiple of 28 pixels within a pixel budget, 14x14x2 patches) and the
+    processor, which expands each <|image_pad|> into one per merged patch."""
+    template = chat_template(QWEN2_VL_PLACEHOLDER)
+    write_tokenizer(out, nfc=True, extra_special=QWEN2_VL_TOKENS, template=template)
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "image_processor_type": "Qwen2VLImageProcessor",
+            "do_resize": True,
+            "resample": 3,
+            "do_rescale": True,
+            "rescale_factor": 1 / 255,
+            "do_normalize": True,
+            "image_mean": CLIP_MEAN,
+            "image_std": CLIP_STD,
+            "do_convert_rgb": True,
+            "min_pixels": 56 * 56,
+            "max_pixels": QWEN2_VL_MAX_PIXELS[size],
+            "patch_size": PATCH_SIZE,
+            "temporal_patch_size": TEMPORAL_PATCH,
+            "merge_size": SPATIAL_MERGE,
+        },
+    )
+    _write_json(out / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
 def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """Float32 weights, named as transformers names them, for a config from `model_config`."""
     hidden = config["hidden_size"]
@@ -329,7 +430,7 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
         }
         for name, (rows, cols, scale) in projections.items():
             normal(f"{layer}{name}.weight", (rows, cols), scale / cols**0.5)
-            if config["model_type"] == "qwen2" and name in QWEN2_BIASES:
+            if config["model_type"] in ("qwen2", "qwen2_vl_text") and name in QWEN2_BIASES:
                 normal(f"{layer}{name}.bias", (rows,), BIAS_SCALE * scale)
         norm(f"{layer}input_layernorm.weight")
         if gemma:
@@ -402,6 +503,50 @@ def init_llava_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Ten
     # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
     normal(f"{projector}linear_2.weight", (text_hidden, text_hidden), 2.0 / text_hidden**0.5)
     normal(f"{projector}linear_2.bias", (text_hidden,), BIAS_SCALE)
+    return weights
+
+
+def init_qwen2_vl_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The Qwen2's weights (as `init_weights`) and the vision tower's and merger's, named as
+    transformers saves Qwen2-VL, scaled as LLaVA's are (see `init_llava_weights`)."""
+    weights = init_weights(config["text_config"], seed)
+    vision = config["vision_config"]
+    dim = vision["embed_dim"]
+    inter = dim * vision["mlp_ratio"]
+    patch = vision["patch_size"]
+    patch_shape = (vision["in_channels"], vision["temporal_patch_size"], patch, patch)
+    patch_inputs = patch_shape[0] * patch_shape[1] * patch * patch
+    merged = dim * vision["spatial_merge_size"] ** 2
+    text_hidden = config["text_config"]["hidden_size"]
+
+    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
+        weights[name] = torch.randn(shape, generator=_generator(seed, name)) * std
+
+    def layer_norm(name: str, size: int = dim) -> None:
+        weights[f"{name}.weight"] = torch.rand(size, generator=_generator(seed, name)) + 0.5
+        normal(f"{name}.bias", (size,), BIAS_SCALE)
+
+    def linear(name: str, rows: int, cols: int, scale: float = 1.0) -> None:
+        normal(f"{name}.weight", (rows, cols), scale / cols**0.5)
+        normal(f"{name}.bias", (rows,), BIAS_SCALE)
+
+    normal("visual.patch_embed.proj.weight", (dim, *patch_shape), 1.0 / patch_inputs**0.5)
+    for i in range(vision["depth"]):
+        block = f"visual.blocks.{i}."
+        layer_norm(f"{block}norm1")
+        layer_norm(f"{block}norm2")
+        # q, k and v in one: q and k scaled for sharp attention, as the text model's.
+        qkv_scale = torch.tensor([QK_SCALE] * (2 * dim) + [1.0] * dim)[:, None]
+        normal(f"{block}attn.qkv.weight", (3 * dim, dim), 1.0 / dim**0.5)
+        weights[f"{block}attn.qkv.weight"] *= qkv_scale
+        normal(f"{block}attn.qkv.bias", (3 * dim,), BIAS_SCALE)
+        linear(f"{block}attn.proj", dim, dim)
+        linear(f"{block}mlp.fc1", inter, dim)
+        linear(f"{block}mlp.fc2", dim, inter)
+    layer_norm("visual.merger.ln_q")
+    linear("visual.merger.mlp.0", merged, merged)
+    # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
+    linear("visual.merger.mlp.2", text_hidden, merged, scale=2.0)
     return weights
 
 

@@ -18,6 +18,7 @@ import torch
 from pagedbatch.engine.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.models.llama import LlamaForCausalLM
 from pagedbatch.engine.models.llava import LlavaForConditionalGeneration
+from pagedbatch.engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 ENTRY_POINT_GROUP = "pagedbatch.models"
 
@@ -27,6 +28,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "Qwen2ForCausalLM": LlamaForCausalLM,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
+    "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
 }
 
 

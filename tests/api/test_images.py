@@ -8,16 +8,15 @@ import http.server
 import io
 import json
 import threading
-from functools import cache
 from pathlib import Path
 
 import numpy as np
 import openai
 import pytest
-import torch
 from PIL import Image
 from test_batches import assert_engine_idle, create, finished, results
-from transformers import AutoProcessor, LlavaForConditionalGeneration
+from transformers import AutoTokenizer
+from vision_oracle import chat_text, hf_greedy
 
 MAX_TOKENS = 10
 IMAGE_TOKENS = 16  # the tiny LLaVA's 56x56 pixels in 14x14 patches
@@ -53,25 +52,11 @@ def messages(*parts: dict, question: str = "What is in this picture?") -> list[d
     return [{"role": "user", "content": [*parts, {"type": "text", "text": question}]}]
 
 
-@cache
-def _hf(model_dir: Path):
-    model = LlavaForConditionalGeneration.from_pretrained(model_dir, dtype=torch.float32).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return AutoProcessor.from_pretrained(model_dir), model
-
-
-@torch.inference_mode()
 def hf_answer(model_dir: Path, images: list[Image.Image], question: str) -> str:
     """transformers' answer, end to end, to a user turn of `images` then `question`."""
-    processor, model = _hf(model_dir)
-    content = [{"type": "image"}] * len(images) + [{"type": "text", "text": question}]
-    text = processor.apply_chat_template(
-        [{"role": "user", "content": content}], add_generation_prompt=True
-    )
-    inputs = processor(images=images or None, text=text, return_tensors="pt")
-    out = model.generate(**inputs, max_new_tokens=MAX_TOKENS, do_sample=False)
-    return processor.decode(out[0, inputs["input_ids"].shape[1] :], skip_special_tokens=True)
+    text = chat_text(model_dir, question, len(images))
+    tokens = hf_greedy(model_dir, text, images, MAX_TOKENS)
+    return AutoTokenizer.from_pretrained(model_dir).decode(tokens, skip_special_tokens=True)
 
 
 def ask(client: openai.OpenAI, parts: list[dict], **kwargs):
@@ -314,4 +299,18 @@ def test_urls_of_allowed_hosts_are_fetched(serve_batches, tiny_llava, image_host
         with pytest.raises(openai.BadRequestError, match=message) as caught:
             ask(client, [image_part(base + path)])
         assert caught.value.body["param"] == "messages[0].content[0].image_url"
+    assert_engine_idle(server)
+
+
+def test_qwen2_vl_reads_each_image_at_its_own_size(serve_batches, make_checkpoint):
+    model_dir = make_checkpoint("qwen2_vl")
+    server = serve_batches(model=str(model_dir), served_model_name="llava")
+    client = server.client()
+    # 56x112 pixels: 4x8 patches, 8 embeddings; 112x112: 8x8 patches, 16 (tiny's most).
+    for (height, width), tokens in [((56, 112), 8), ((112, 112), 16)]:
+        image = picture(30 + tokens, height, width)
+        answer = ask(client, [image_part(data_url(image))])
+        assert answer.usage.prompt_tokens_details.image_tokens == tokens
+        expected = hf_answer(model_dir, [image], "What is in this picture?")
+        assert answer.choices[0].message.content == expected
     assert_engine_idle(server)

@@ -429,3 +429,50 @@ def test_transformers_loads_llava_with_its_processor(make_checkpoint: MakeCheckp
     inputs = processor(images=[Image.new("RGB", (90, 30))], text=text, return_tensors="pt")
     assert inputs["pixel_values"].shape == (1, 3, 56, 56)
     assert (inputs["input_ids"] == 16384).sum() == 16  # one placeholder per 14x14 patch
+
+
+# Qwen2-VL
+
+
+def test_qwen2_vl_config_nests_a_qwen2_with_mrope_and_a_vit() -> None:
+    config = model_config("qwen2_vl", "tiny")
+    assert config["architectures"] == ["Qwen2VLForConditionalGeneration"]
+    text, vision = config["text_config"], config["vision_config"]
+    assert text["model_type"] == "qwen2_vl_text" and vision["model_type"] == "qwen2_vl_vision"
+    # M-RoPE's three sections share each head's frequencies.
+    assert sum(text["rope_parameters"]["mrope_section"]) == text["head_dim"] // 2
+    # The vision tokens follow the demo tokenizer's; the merger writes the text model's width.
+    assert config["image_token_id"] == 16386 and text["vocab_size"] == 16388
+    assert vision["hidden_size"] == text["hidden_size"]
+
+
+def test_transformers_loads_qwen2_vl_with_its_image_processor(
+    make_checkpoint: MakeCheckpoint,
+) -> None:
+    """The whole Qwen2VLProcessor needs torchvision for its video half; its image processor and
+    tokenizer are what images need, and load on Pillow."""
+    from PIL import Image
+    from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
+
+    path = make_checkpoint("qwen2_vl")
+    _, info = Qwen2VLForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    assert json.loads((path / "processor_config.json").read_text()) == {
+        "processor_class": "Qwen2VLProcessor"
+    }
+    tokenizer = AutoTokenizer.from_pretrained(path)
+    messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    assert "<|vision_start|><|image_pad|><|vision_end|>Hi" in text
+    processor = AutoImageProcessor.from_pretrained(path)
+
+    def grid(width: int, height: int) -> list[int]:
+        image = Image.new("RGB", (width, height))
+        return processor(images=[image], return_tensors="pt")["image_grid_thw"][0].tolist()
+
+    # Sides to multiples of 28 pixels, the aspect ratio about kept, within tiny's 112x112 pixels
+    # and at least 56x56.
+    assert grid(300, 100) == [1, 4, 12]
+    assert grid(20, 20) == [1, 4, 4]
