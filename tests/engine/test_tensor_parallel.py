@@ -11,6 +11,8 @@ import time
 import pytest
 import torch
 from safetensors.torch import load_file
+from transformers import AutoTokenizer
+from vision_oracle import image
 
 from pagedbatch.cli import build_parser, settings_from_args
 from pagedbatch.engine import LLM, SamplingParams
@@ -46,6 +48,26 @@ def test_two_ranks_give_the_tokens_of_one(make_checkpoint, arch, overrides):
     try:
         assert llm.engine.runner.kv_caches[0][0].shape[2] == 1  # this rank's KV heads only
         assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == expected
+    finally:
+        llm.shutdown()
+    assert rank_processes() == []
+
+
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
+def test_two_ranks_read_images_as_one(make_checkpoint, arch):
+    """Every rank encodes the step's images itself (the towers are whole on each); the pixel
+    values travel with the step."""
+    model_dir = make_checkpoint(arch)
+    template = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}],
+        add_generation_prompt=True,
+        tokenize=False,
+    )
+    prompts = [{"prompt": template, "images": [image(seed, 60, 90)]} for seed in (1, 2)]
+    expected = [o.token_ids for o in LLM(model_dir, **ENGINE_ARGS).generate(prompts, GREEDY)]
+    llm = LLM(model_dir, tensor_parallel_size=2, **ENGINE_ARGS)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
     finally:
         llm.shutdown()
     assert rank_processes() == []
