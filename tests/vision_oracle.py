@@ -1,10 +1,13 @@
-"""Transformers as the oracle of vision-language models: its own processing and float32 model.
+"""Images for the tests, and transformers as the oracle of vision-language models: its own
+processing and float32 model.
 
 A module of its own (not conftest.py) so test modules can import these names unambiguously.
 """
 
 from __future__ import annotations
 
+import base64
+import io
 import json
 from functools import cache
 from pathlib import Path
@@ -40,6 +43,14 @@ def _hf_model(model_dir: Path):
 def image(seed: int, height: int = 64, width: int = 64) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
+
+
+def data_url(picture: Image.Image, fmt: str = "PNG") -> str:
+    """The image as a chat request's image_url sends it."""
+    buffer = io.BytesIO()
+    picture.save(buffer, format=fmt)
+    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
+    return f"data:image/{mime};base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
 def chat_text(model_dir: Path, question: str, num_images: int) -> str:

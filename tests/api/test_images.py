@@ -16,7 +16,7 @@ import pytest
 from PIL import Image
 from test_batches import assert_engine_idle, create, finished, results
 from transformers import AutoTokenizer
-from vision_oracle import chat_text, hf_greedy
+from vision_oracle import chat_text, data_url, hf_greedy
 
 MAX_TOKENS = 10
 IMAGE_TOKENS = 16  # the tiny LLaVA's 56x56 pixels in 14x14 patches
@@ -35,13 +35,6 @@ def llava_server(serve_batches, tiny_llava):
 def picture(seed: int, height: int = 48, width: int = 80) -> Image.Image:
     rng = np.random.default_rng(seed)
     return Image.fromarray(rng.integers(0, 256, (height, width, 3), dtype=np.uint8))
-
-
-def data_url(image: Image.Image, fmt: str = "PNG") -> str:
-    buffer = io.BytesIO()
-    image.save(buffer, format=fmt)
-    mime = {"PNG": "png", "JPEG": "jpeg", "WEBP": "webp", "GIF": "gif"}[fmt]
-    return f"data:image/{mime};base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
 def image_part(url: str) -> dict:

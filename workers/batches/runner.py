@@ -1,14 +1,18 @@
 """Runs the lines of an OpenAI batch input file through an LLMEngine that it drives itself.
 
 Lines are read lazily and only a bounded number of engine requests are in flight, so memory does
-not grow with the file. Every input line yields exactly one output line, in the order lines
-finish: a response (status 200, or the endpoint's error status and body) or, for a line that is
-not a well-formed request line, an `error`.
+not grow with the file. Lines are checked in order on the engine's thread (a custom_id repeated
+is a later line's fault) and prepared (templated, tokenized, images decoded) on other threads.
+Every input line yields exactly one output line, in the order lines finish: a response (status
+200, or the endpoint's error status and body) or, for a line that is not a well-formed request
+line, an `error`.
 """
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Iterable
+from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass, field
 
 from pagedbatch.engine import LLMEngine
@@ -25,6 +29,10 @@ from pagedbatch.protocol.batch_lines import (
 )
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared
+
+# Threads preparing lines while the engine steps: the machine's two cores, one of them shared
+# with the engine, are kept busy without more.
+PREPARE_THREADS = 2
 
 
 @dataclass
@@ -66,6 +74,9 @@ class BatchRunner:
         checker = InputLineChecker(ENDPOINTS)
         owners: dict[str, _Line] = {}  # engine request id -> its line
         generated: dict[str, int] = {}  # engine request id -> tokens generated so far
+        # Lines being prepared (templated, tokenized, their images decoded) on other threads, in
+        # input order: a line of large images does not hold up the engine's steps.
+        preparing: deque[tuple[str, Future[Prepared]]] = deque()
         numbered = enumerate(lines, start=1)
         exhausted = False
 
@@ -75,46 +86,59 @@ class BatchRunner:
             if line.error is not None or line.response.status_code != 200:
                 progress.lines_failed += 1
 
-        while True:
-            while not exhausted and len(owners) < self.max_in_flight:
-                number, raw = next(numbered, (0, None))
-                if raw is None:
-                    exhausted = True
-                elif raw.strip():
-                    failure = self._submit(checker, number, raw, owners)
-                    if failure is not None:
-                        emit(failure)
-                        if on_progress:
-                            on_progress(progress)
-            if not owners:
-                return progress
-            for output in self.engine.step():
-                line = owners.get(output.request_id)
-                if line is None:  # aborted when a later request of its line was refused
-                    continue
-                tokens = sum(len(c.token_ids) for c in output.outputs)
-                progress.generated_tokens += tokens - generated.get(output.request_id, 0)
-                generated[output.request_id] = tokens
-                if output.finished:
-                    del owners[output.request_id], generated[output.request_id]
-                    line.finished[output.request_id] = output
-                    if len(line.finished) == len(line.prepared.inputs):
-                        emit(self._result(line))
+        def refuse(line: BatchOutputLine) -> None:
+            """A line that failed before reaching the engine."""
+            emit(line)
             if on_progress:
                 on_progress(progress)
 
+        with ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare-line") as pool:
+            while True:
+                while not exhausted and len(owners) + len(preparing) < self.max_in_flight:
+                    number, raw = next(numbered, (0, None))
+                    if raw is None:
+                        exhausted = True
+                    elif raw.strip():
+                        try:
+                            request_line = checker.check(raw, number)
+                        except InvalidBatchLine as exc:
+                            refuse(error_line(exc))
+                            continue
+                        prepare = ENDPOINTS[request_line.url]
+                        future = pool.submit(prepare, request_line.body, self.engine)
+                        preparing.append((request_line.custom_id, future))
+                # Prepared lines join in order; with nothing to run, wait for the next one.
+                while preparing and (preparing[0][1].done() or not owners):
+                    custom_id, future = preparing.popleft()
+                    if (failure := self._submit(custom_id, future, owners)) is not None:
+                        refuse(failure)
+                if not owners:
+                    if exhausted and not preparing:
+                        return progress
+                    continue
+                for output in self.engine.step():
+                    line = owners.get(output.request_id)
+                    if line is None:  # aborted when a later request of its line was refused
+                        continue
+                    tokens = sum(len(c.token_ids) for c in output.outputs)
+                    progress.generated_tokens += tokens - generated.get(output.request_id, 0)
+                    generated[output.request_id] = tokens
+                    if output.finished:
+                        del owners[output.request_id], generated[output.request_id]
+                        line.finished[output.request_id] = output
+                        if len(line.finished) == len(line.prepared.inputs):
+                            emit(self._result(line))
+                if on_progress:
+                    on_progress(progress)
+
     def _submit(
-        self, checker: InputLineChecker, number: int, raw: str | bytes, owners: dict[str, _Line]
+        self, custom_id: str, preparing: Future[Prepared], owners: dict[str, _Line]
     ) -> BatchOutputLine | None:
-        """Puts the line's requests into the engine, or returns its output line if it fails."""
-        try:
-            request_line = checker.check(raw, number)
-        except InvalidBatchLine as exc:
-            return error_line(exc)
-        custom_id = request_line.custom_id
+        """Puts the line's requests into the engine once prepared, or returns its output line
+        if it fails."""
         added: list[str] = []
         try:
-            prepared = ENDPOINTS[request_line.url](request_line.body, self.engine)
+            prepared = preparing.result()
             for engine_input in prepared.inputs:
                 try:
                     self.engine.add_request(

@@ -3,15 +3,18 @@
 from __future__ import annotations
 
 import json
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import pytest
+from vision_oracle import chat_text, data_url, image
 
 from pagedbatch.engine import EngineArgs, LLMEngine, SamplingParams
 from pagedbatch.protocol.batch_lines import BatchOutputLine
 from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
 
+GREEDY_6 = SamplingParams(temperature=0, max_tokens=6)
 CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
@@ -50,8 +53,10 @@ def by_custom_id(written: list[BatchOutputLine]) -> dict[str | None, BatchOutput
     return results
 
 
-def direct(engine: LLMEngine, prompt_ids: list[int], params: SamplingParams) -> str:
-    engine.add_request("direct", prompt_ids, params)
+def direct(
+    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, images: tuple = ()
+) -> str:
+    engine.add_request("direct", prompt_ids, params, images=images)
     while True:
         for output in engine.step():
             if output.request_id == "direct" and output.finished:
@@ -179,3 +184,48 @@ def test_lines_are_read_as_room_frees_up(engine):
     assert len(in_flight_at_write) == 12
     assert max(in_flight_at_write) <= max_in_flight
     assert in_flight_at_write[0] < 12  # the first result came before the whole input was read
+
+
+def test_lines_with_images_are_prepared_off_the_engine_thread(make_checkpoint):
+    """Each line's images are decoded on a preparing thread; the answers are the engine's own
+    for those images, in whatever order lines finish."""
+    llava = LLMEngine(EngineArgs(model=str(make_checkpoint("llava")), max_num_seqs=4))
+    threads: set[str] = set()
+    processor = llava.image_processor
+    original = type(processor).__call__
+
+    def traced(self, image):
+        threads.add(threading.current_thread().name)
+        return original(self, image)
+
+    pictures = [image(40 + i, 50 + 10 * i, 70) for i in range(6)]
+    lines = [
+        line(
+            llava,
+            f"img-{i}",
+            messages=[
+                {
+                    "role": "user",
+                    "content": [
+                        {"type": "image_url", "image_url": {"url": data_url(p)}},
+                        {"type": "text", "text": "What is it?"},
+                    ],
+                }
+            ],
+            temperature=0,
+            max_tokens=6,
+        )
+        for i, p in enumerate(pictures)
+    ]
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(type(processor), "__call__", traced)
+        written, _ = run(llava, lines, max_in_flight=3)
+    assert threads and not threads & {threading.main_thread().name}
+    results = by_custom_id(written)
+    for i, picture in enumerate(pictures):
+        body = results[f"img-{i}"].response.body
+        assert body["usage"]["prompt_tokens_details"]["image_tokens"] == 16
+        text = chat_text(make_checkpoint("llava"), "What is it?", 1)
+        prompt_ids, items = processor.place(llava.tokenizer.encode(text), [processor(picture)])
+        expected = direct(llava, prompt_ids, GREEDY_6, tuple(items))
+        assert body["choices"][0]["message"]["content"] == expected
