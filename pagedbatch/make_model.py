@@ -449,6 +449,29 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     return weights
 
 
+class _VisionWeights:
+    """A vision tower's tensors, each drawn from its own generator (see the module docstring)
+    into `weights`."""
+
+    def __init__(self, weights: dict[str, torch.Tensor], seed: int):
+        self.weights = weights
+        self.seed = seed
+
+    def normal(self, name: str, shape: tuple[int, ...], std: float) -> None:
+        self.weights[name] = torch.randn(shape, generator=_generator(self.seed, name)) * std
+
+    def layer_norm(self, name: str, size: int) -> None:
+        """Scales uniform in [0.5, 1.5) and small biases."""
+        generator = _generator(self.seed, name)
+        self.weights[f"{name}.weight"] = torch.rand(size, generator=generator) + 0.5
+        self.normal(f"{name}.bias", (size,), BIAS_SCALE)
+
+    def linear(self, name: str, rows: int, cols: int, scale: float = 1.0) -> None:
+        """Outputs of about `scale` RMS for unit-RMS inputs, plus small biases."""
+        self.normal(f"{name}.weight", (rows, cols), scale / cols**0.5)
+        self.normal(f"{name}.bias", (rows,), BIAS_SCALE)
+
+
 def init_llava_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     """The Llama's weights (as `init_weights`) and the vision tower's and projector's, named as
     transformers saves LLaVA. Patch and position embeddings and the projector are scaled so
@@ -463,46 +486,31 @@ def init_llava_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Ten
     patch = vision["patch_size"]
     patch_inputs = vision["num_channels"] * patch * patch
     num_positions = (vision["image_size"] // patch) ** 2 + 1
-
-    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
-        weights[name] = torch.randn(shape, generator=_generator(seed, name)) * std
-
-    def layer_norm(name: str) -> None:
-        weights[f"{name}.weight"] = torch.rand(hidden, generator=_generator(seed, name)) + 0.5
-        normal(f"{name}.bias", (hidden,), BIAS_SCALE)
-
+    draw = _VisionWeights(weights, seed)
     tower = "vision_tower."
-    normal(f"{tower}embeddings.class_embedding", (hidden,), 1.0)
-    normal(
+    draw.normal(f"{tower}embeddings.class_embedding", (hidden,), 1.0)
+    draw.normal(
         f"{tower}embeddings.patch_embedding.weight",
         (hidden, vision["num_channels"], patch, patch),
         1.0 / patch_inputs**0.5,
     )
-    normal(f"{tower}embeddings.position_embedding.weight", (num_positions, hidden), 0.5)
-    layer_norm(f"{tower}pre_layrnorm")
+    draw.normal(f"{tower}embeddings.position_embedding.weight", (num_positions, hidden), 0.5)
+    draw.layer_norm(f"{tower}pre_layrnorm", hidden)
     for i in range(vision["num_hidden_layers"]):
         layer = f"{tower}encoder.layers.{i}."
-        projections = {
-            "self_attn.q_proj": (hidden, hidden, QK_SCALE),
-            "self_attn.k_proj": (hidden, hidden, QK_SCALE),
-            "self_attn.v_proj": (hidden, hidden, 1.0),
-            "self_attn.out_proj": (hidden, hidden, 1.0),
-            "mlp.fc1": (inter, hidden, 1.0),
-            "mlp.fc2": (hidden, inter, 1.0),
-        }
-        for name, (rows, cols, scale) in projections.items():
-            normal(f"{layer}{name}.weight", (rows, cols), scale / cols**0.5)
-            normal(f"{layer}{name}.bias", (rows,), BIAS_SCALE)
-        layer_norm(f"{layer}layer_norm1")
-        layer_norm(f"{layer}layer_norm2")
-    layer_norm(f"{tower}post_layernorm")
+        draw.linear(f"{layer}self_attn.q_proj", hidden, hidden, QK_SCALE)
+        draw.linear(f"{layer}self_attn.k_proj", hidden, hidden, QK_SCALE)
+        draw.linear(f"{layer}self_attn.v_proj", hidden, hidden)
+        draw.linear(f"{layer}self_attn.out_proj", hidden, hidden)
+        draw.linear(f"{layer}mlp.fc1", inter, hidden)
+        draw.linear(f"{layer}mlp.fc2", hidden, inter)
+        draw.layer_norm(f"{layer}layer_norm1", hidden)
+        draw.layer_norm(f"{layer}layer_norm2", hidden)
+    draw.layer_norm(f"{tower}post_layernorm", hidden)
     text_hidden = config["text_config"]["hidden_size"]
-    projector = "multi_modal_projector."
-    normal(f"{projector}linear_1.weight", (text_hidden, hidden), 1.0 / hidden**0.5)
-    normal(f"{projector}linear_1.bias", (text_hidden,), BIAS_SCALE)
+    draw.linear("multi_modal_projector.linear_1", text_hidden, hidden)
     # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
-    normal(f"{projector}linear_2.weight", (text_hidden, text_hidden), 2.0 / text_hidden**0.5)
-    normal(f"{projector}linear_2.bias", (text_hidden,), BIAS_SCALE)
+    draw.linear("multi_modal_projector.linear_2", text_hidden, text_hidden, 2.0)
     return weights
 
 
@@ -517,36 +525,22 @@ def init_qwen2_vl_weights(config: dict[str, Any], seed: int) -> dict[str, torch.
     patch_shape = (vision["in_channels"], vision["temporal_patch_size"], patch, patch)
     patch_inputs = patch_shape[0] * patch_shape[1] * patch * patch
     merged = dim * vision["spatial_merge_size"] ** 2
-    text_hidden = config["text_config"]["hidden_size"]
-
-    def normal(name: str, shape: tuple[int, ...], std: float) -> None:
-        weights[name] = torch.randn(shape, generator=_generator(seed, name)) * std
-
-    def layer_norm(name: str, size: int = dim) -> None:
-        weights[f"{name}.weight"] = torch.rand(size, generator=_generator(seed, name)) + 0.5
-        normal(f"{name}.bias", (size,), BIAS_SCALE)
-
-    def linear(name: str, rows: int, cols: int, scale: float = 1.0) -> None:
-        normal(f"{name}.weight", (rows, cols), scale / cols**0.5)
-        normal(f"{name}.bias", (rows,), BIAS_SCALE)
-
-    normal("visual.patch_embed.proj.weight", (dim, *patch_shape), 1.0 / patch_inputs**0.5)
+    draw = _VisionWeights(weights, seed)
+    draw.normal("visual.patch_embed.proj.weight", (dim, *patch_shape), 1.0 / patch_inputs**0.5)
     for i in range(vision["depth"]):
         block = f"visual.blocks.{i}."
-        layer_norm(f"{block}norm1")
-        layer_norm(f"{block}norm2")
+        draw.layer_norm(f"{block}norm1", dim)
+        draw.layer_norm(f"{block}norm2", dim)
         # q, k and v in one: q and k scaled for sharp attention, as the text model's.
-        qkv_scale = torch.tensor([QK_SCALE] * (2 * dim) + [1.0] * dim)[:, None]
-        normal(f"{block}attn.qkv.weight", (3 * dim, dim), 1.0 / dim**0.5)
-        weights[f"{block}attn.qkv.weight"] *= qkv_scale
-        normal(f"{block}attn.qkv.bias", (3 * dim,), BIAS_SCALE)
-        linear(f"{block}attn.proj", dim, dim)
-        linear(f"{block}mlp.fc1", inter, dim)
-        linear(f"{block}mlp.fc2", dim, inter)
-    layer_norm("visual.merger.ln_q")
-    linear("visual.merger.mlp.0", merged, merged)
+        draw.linear(f"{block}attn.qkv", 3 * dim, dim)
+        weights[f"{block}attn.qkv.weight"][: 2 * dim] *= QK_SCALE
+        draw.linear(f"{block}attn.proj", dim, dim)
+        draw.linear(f"{block}mlp.fc1", inter, dim)
+        draw.linear(f"{block}mlp.fc2", dim, inter)
+    draw.layer_norm("visual.merger.ln_q", dim)
+    draw.linear("visual.merger.mlp.0", merged, merged)
     # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
-    linear("visual.merger.mlp.2", text_hidden, merged, scale=2.0)
+    draw.linear("visual.merger.mlp.2", config["text_config"]["hidden_size"], merged, 2.0)
     return weights
 
 
