@@ -307,3 +307,19 @@ def test_qwen2_vl_reads_each_image_at_its_own_size(serve_batches, make_checkpoin
         expected = hf_answer(model_dir, [image], "What is in this picture?")
         assert answer.choices[0].message.content == expected
     assert_engine_idle(server)
+
+
+def test_an_image_past_the_text_field_bound_still_meets_the_image_limit(serve_batches, tiny_llava):
+    """Inline images are bounded by max_image_bytes, not by the 2 MiB of a text field."""
+    server = serve_batches(
+        model=str(tiny_llava),
+        served_model_name="llava",
+        max_request_body_bytes=8 * 2**20,
+        max_image_bytes=2**20,
+    )
+    noise = np.random.default_rng(0).integers(0, 256, (1100, 1100, 3), dtype=np.uint8)
+    url = data_url(Image.fromarray(noise))  # about 3.6 MB of PNG: 4.8 million characters
+    assert len(url) > 2**21
+    with pytest.raises(openai.BadRequestError) as caught:
+        ask(server.client(), [image_part(url)])
+    assert caught.value.body["code"] == "image_too_large"

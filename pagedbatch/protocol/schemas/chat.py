@@ -38,8 +38,13 @@ class TextPart(BaseModel):
     text: Text
 
 
+# An image sent inline: base64 of up to 48 MiB, a ceiling above the engine's max_image_bytes
+# (20 MiB by default), which is the bound that applies.
+MAX_IMAGE_URL_CHARS = 2**26
+
+
 class ImageURL(BaseModel):
-    url: Text  # http(s) or a data: URL
+    url: Annotated[str, Field(max_length=MAX_IMAGE_URL_CHARS)]  # http(s) or a data: URL
     detail: Literal["auto", "low", "high"] = "auto"
 
 
