@@ -1,7 +1,8 @@
 """A chat request's `image_url` parts, decoded into pictures within the engine's limits.
 
 An http(s) URL is fetched only from a host the operator allows (`media_allowed_hosts`), through
-the webhooks' egress check, following redirects only among allowed hosts. Every check runs
+the webhooks' egress check (public addresses only, unless the list names the address itself),
+following redirects only among allowed hosts. Every check runs
 before the costly step it guards: the base64 text's length before decoding it,
 the byte count before opening the image, the pixel count (read from the header) before
 decoding the pixels. So a hostile part costs at most what the limits allow, and each failure is
@@ -13,6 +14,7 @@ from __future__ import annotations
 import base64
 import binascii
 import io
+import ipaddress
 import time
 import warnings
 
@@ -62,7 +64,10 @@ def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
     the address the egress check resolved, within the byte limit and FETCH_SECONDS."""
     deadline = time.monotonic() + FETCH_SECONDS
     for _ in range(MAX_REDIRECTS + 1):
-        host = httpx.URL(url).host.lower() if url.startswith(("http://", "https://")) else ""
+        try:
+            host = httpx.URL(url).host.lower() if url.startswith(("http://", "https://")) else ""
+        except httpx.InvalidURL:
+            host = ""
         if not host or host not in limits.allowed_hosts:
             allowed = ", ".join(limits.allowed_hosts) or "none; send images as data: URLs"
             raise OpenAIError(
@@ -71,10 +76,18 @@ def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
                 code="invalid_image_url",
             )
         try:
-            # The host is on the list: the operator vouches for whatever it resolves to.
-            destination = check_url(url, limits.allowed_hosts)
+            # As for webhooks, only public addresses, unless the list names the address itself:
+            # an allowed name that resolves to a private address is refused.
+            destination = check_url(url, _addresses(limits.allowed_hosts))
+        except ForbiddenDestination:
+            raise OpenAIError(
+                f"The image could not be fetched: {host} is not at a public address.",
+                param=param,
+                code="invalid_image_url",
+            ) from None
+        try:
             status, location, body = _get(destination, deadline, limits.bytes)
-        except (ForbiddenDestination, httpx.HTTPError, TimeoutError) as e:
+        except (httpx.HTTPError, TimeoutError) as e:
             raise OpenAIError(
                 f"The image could not be fetched: {str(e) or type(e).__name__}.",
                 param=param,
@@ -97,6 +110,18 @@ def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
         param=param,
         code="invalid_image_url",
     )
+
+
+def _addresses(entries: tuple[str, ...]) -> list[str]:
+    """The entries that are addresses or networks, not names."""
+    found = []
+    for entry in entries:
+        try:
+            ipaddress.ip_network(entry.strip("[]"), strict=False)
+        except ValueError:
+            continue
+        found.append(entry)
+    return found
 
 
 def _get(

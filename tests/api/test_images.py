@@ -173,6 +173,7 @@ def _too_big_png() -> str:
         ),
         ([image_part("data:text/plain;base64,aGk=")], "content[0].image_url", "invalid_image_url"),
         ([image_part("https://example.com/cat.png")], "content[0].image_url", "invalid_image_url"),
+        ([image_part("http://[::1/x.png")], "content[0].image_url", "invalid_image_url"),
         ([image_part(_too_big_png())], "content[0].image_url", "image_too_large"),
         ([image_part(data_url(picture(4)))] * 3, "messages", "too_many_images"),
     ],
@@ -181,6 +182,7 @@ def _too_big_png() -> str:
         "not-an-image",
         "not-an-image-url",
         "url-not-allowed",
+        "url-malformed",
         "too-many-pixels",
         "too-many",
     ],
@@ -293,6 +295,21 @@ def test_urls_of_allowed_hosts_are_fetched(serve_batches, tiny_llava, image_host
             ask(client, [image_part(base + path)])
         assert caught.value.body["param"] == "messages[0].content[0].image_url"
     assert_engine_idle(server)
+
+
+def test_an_allowed_name_that_resolves_to_a_private_address_is_refused(
+    serve_batches, tiny_llava, image_host
+):
+    """Listing a name vouches for the host, not for whatever the name comes to resolve to:
+    only a listed address may be private."""
+    base, _ = image_host
+    port = base.rsplit(":", 1)[1]
+    server = serve_batches(
+        model=str(tiny_llava), served_model_name="llava", media_allowed_hosts="localhost"
+    )
+    with pytest.raises(openai.BadRequestError, match="not at a public address") as caught:
+        ask(server.client(), [image_part(f"http://localhost:{port}/cat.png")])
+    assert caught.value.body["code"] == "invalid_image_url"
 
 
 def test_qwen2_vl_reads_each_image_at_its_own_size(serve_batches, make_checkpoint):
