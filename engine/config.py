@@ -118,8 +118,9 @@ class EngineArgs:
     )
     media_allowed_hosts: str | None = arg(
         None,
-        doc="comma-separated host names whose http(s) image URLs are fetched (redirects only "
-        "among them, within max_image_bytes and 10 s); unset: images come only as data: URLs",
+        doc="comma-separated hosts whose http(s) image URLs are fetched (redirects only among "
+        "them, within max_image_bytes and 10 s); a name must resolve to public addresses, an "
+        "address listed itself may be private; unset: images come only as data: URLs",
     )
     max_num_encoder_tokens: int = arg(
         2048,
