@@ -55,6 +55,8 @@ class CoreOutput:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found
     run_started: float  # perf_counter when the model run began (after scheduling)
+    images_encoded: int = 0  # images the step gave the encoder
+    encoder_cache_hits: int = 0  # images whose embeddings it found cached
 
 
 @dataclass
@@ -164,6 +166,7 @@ class EngineCore:
         self._schedule_compiled()
         pool = self.kv.pool
         queries, hits = pool.prefix_queries, pool.prefix_hits
+        encoded, cached = self._encoder_counts()
         out = self.scheduler.schedule()
         run_started = time.perf_counter()
         sampled: list[SampledToken] = []
@@ -180,6 +183,7 @@ class EngineCore:
             if self.step_cost is not None:
                 self.step_cost.observe(out.work, time.perf_counter() - run_started)
         failed, self._failed = self._failed, []
+        encoded_after, cached_after = self._encoder_counts()
         return CoreOutput(
             scheduled=out.scheduled,
             num_tokens=out.num_tokens,
@@ -189,7 +193,14 @@ class EngineCore:
             prefix_queries=pool.prefix_queries - queries,
             prefix_hits=pool.prefix_hits - hits,
             run_started=run_started,
+            images_encoded=encoded_after - encoded,
+            encoder_cache_hits=cached_after - cached,
         )
+
+    def _encoder_counts(self) -> tuple[int, int]:
+        """Images encoded and encoder-cache hits so far."""
+        cache = self.encoder_cache
+        return (cache.images_encoded, cache.cache_hits) if cache is not None else (0, 0)
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request]

@@ -122,6 +122,8 @@ class OutputProcessor:
             preemptions=step.preemptions,
             prefix_queries=step.prefix_queries,
             prefix_hits=step.prefix_hits,
+            images_encoded=step.images_encoded,
+            encoder_cache_hits=step.encoder_cache_hits,
         )
         for scheduled in step.scheduled:
             self._mark_moved(scheduled.request)

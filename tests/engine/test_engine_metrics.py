@@ -9,6 +9,8 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
+from transformers import AutoTokenizer
+from vision_oracle import image
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.metrics import StepHistogram
@@ -133,3 +135,22 @@ def test_a_step_histogram_buckets_as_prometheus_client_does():
     mine = CollectorRegistry()
     mine.register(ours)
     assert samples(generate_latest(mine).decode()) == samples(generate_latest(theirs).decode())
+
+
+def test_images_encoded_and_encoder_cache_hits_are_counted(make_checkpoint, model_name: str):
+    model_dir = make_checkpoint("llava")
+    llm = LLM(model_dir, served_model_name=model_name)
+    picture = image(5)
+    for system in ("One.", "Two, so that the image is no prefix hit."):
+        text = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
+            [
+                {"role": "system", "content": system},
+                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
+            ],
+            add_generation_prompt=True,
+            tokenize=False,
+        )
+        llm.generate({"prompt": text, "images": [picture]}, greedy(2))
+    m = scrape(model_name)
+    assert m["pagedbatch:encoder_images_total", ()] == 1
+    assert m["pagedbatch:encoder_cache_hits_total", ()] == 1
