@@ -58,9 +58,11 @@ class ProcessedImage:
     grid: Grid | None = None
 
 
-def content_hash(pixel_values: torch.Tensor) -> bytes:
+def content_hash(pixel_values: torch.Tensor, grid: Grid | None = None) -> bytes:
+    """What an image is to the encoder: its pixel values and, where patches lie on a grid, the
+    grid (a blank 4x8 and 8x4 have the same patches, laid out otherwise)."""
     h = hashlib.blake2b(digest_size=16, person=b"image")
-    h.update(str(tuple(pixel_values.shape)).encode())
+    h.update(str((tuple(pixel_values.shape), grid)).encode())
     h.update(pixel_values.contiguous().numpy().tobytes())
     return h.digest()
 
@@ -169,7 +171,7 @@ class ImageProcessor:
             pixels = out["pixel_values"][0]
         pixel_values = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
         tokens = self.spec.tokens_for(pixel_values, grid)
-        return ProcessedImage(pixel_values, content_hash(pixel_values), tokens, grid)
+        return ProcessedImage(pixel_values, content_hash(pixel_values, grid), tokens, grid)
 
     def place(
         self, prompt_ids: list[int], images: list[ProcessedImage]

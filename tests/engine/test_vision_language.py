@@ -199,3 +199,16 @@ def test_a_grid_unlike_its_pixel_values_is_refused(make_checkpoint):
             llm.engine.add_request(None, placed, GREEDY, images=(other,))
     llm.engine.step()
     assert_pool_whole(llm)
+
+
+def test_blank_images_of_transposed_shapes_are_different_images(make_checkpoint):
+    """Their patches are alike, one grid the other's transpose: neither cache may confuse them."""
+    model_dir = make_checkpoint("qwen2_vl")
+    llm = LLM(model_dir)
+    wide, tall = Image.new("RGB", (112, 56), "white"), Image.new("RGB", (56, 112), "white")
+    outs = [llm.generate(prompt(model_dir, "Shape?", [p]), GREEDY)[0] for p in (wide, tall)]
+    assert outs[1].num_cached_tokens == 0
+    text = chat_text(model_dir, "Shape?", 1)
+    for picture, out in zip((wide, tall), outs, strict=True):
+        assert out.outputs[0].token_ids == hf_greedy(model_dir, text, [picture])
+    assert llm.get_stats()["images_encoded"] == 2
