@@ -173,13 +173,23 @@ def _open(raw: bytes, param: str, limits: ImageLimits) -> Image.Image:
             )
         try:
             image.seek(0)
-            return image.convert("RGB")
+            return _rgb(image)
         except (OSError, ValueError, SyntaxError, Image.DecompressionBombError):
             raise OpenAIError(
                 "The image could not be decoded: it is damaged or cut short.",
                 param=param,
                 code="invalid_image_format",
             ) from None
+
+
+def _rgb(image: Image.Image) -> Image.Image:
+    """The image in RGB; transparency over white, as transformers' processors composite it."""
+    if image.mode == "RGB":
+        return image.copy()  # decoded now, while a damaged file can still be told apart
+    if "A" in image.getbands() or "transparency" in image.info:
+        rgba = image.convert("RGBA")
+        image = Image.alpha_composite(Image.new("RGBA", rgba.size, (255, 255, 255)), rgba)
+    return image.convert("RGB")
 
 
 def _too_large(what: str, param: str) -> OpenAIError:

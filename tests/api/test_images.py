@@ -340,3 +340,13 @@ def test_an_image_past_the_text_field_bound_still_meets_the_image_limit(serve_ba
     with pytest.raises(openai.BadRequestError) as caught:
         ask(server.client(), [image_part(url)])
     assert caught.value.body["code"] == "image_too_large"
+
+
+def test_transparency_is_laid_over_white_as_transformers_does(llava_server, tiny_llava):
+    rgba = np.asarray(picture(50).convert("RGBA")).copy()
+    rgba[:, :40, 3] = 0  # the left half transparent
+    image = Image.fromarray(rgba, "RGBA")
+    answer = ask(llava_server.client(), [image_part(data_url(image))])
+    assert answer.choices[0].message.content == hf_answer(
+        tiny_llava, [image], "What is in this picture?"
+    )
