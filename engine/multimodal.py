@@ -5,6 +5,8 @@ for the model, on its PIL/numpy backend), off the engine thread: decoding and re
 image takes tens of milliseconds that would otherwise stall every request's decoding. Then
 `ImageProcessor.place` expands each image token of the prompt into the run of placeholders the
 image's embeddings take the places of, and returns the `ImageItem`s that a request carries.
+`ImageSpec` says what a model reads of an image (LLaVA: one fixed shape; Qwen2-VL: patch rows on
+a grid of the image's own size), and `mrope_positions` lays out Qwen2-VL's positions on the grids.
 """
 
 from __future__ import annotations
