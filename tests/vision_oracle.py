@@ -53,10 +53,13 @@ def data_url(picture: Image.Image, fmt: str = "PNG") -> str:
     return f"data:image/{mime};base64,{base64.b64encode(buffer.getvalue()).decode()}"
 
 
-def chat_text(model_dir: Path, question: str, num_images: int) -> str:
-    """A user turn with `num_images` images before the question, through the model's template."""
+def chat_text(model_dir: Path, question: str, num_images: int, system: str | None = None) -> str:
+    """A user turn with `num_images` images before the question (after a system turn, if any),
+    through the model's template."""
     content = [{"type": "image"}] * num_images + [{"type": "text", "text": question}]
     messages = [{"role": "user", "content": content}]
+    if system is not None:
+        messages.insert(0, {"role": "system", "content": system})
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
     return tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
 

@@ -9,8 +9,7 @@ from pathlib import Path
 import pytest
 from prometheus_client import REGISTRY, CollectorRegistry, Histogram, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
-from transformers import AutoTokenizer
-from vision_oracle import image
+from vision_oracle import chat_text, image
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.metrics import StepHistogram
@@ -142,14 +141,7 @@ def test_images_encoded_and_encoder_cache_hits_are_counted(make_checkpoint, mode
     llm = LLM(model_dir, served_model_name=model_name)
     picture = image(5)
     for system in ("One.", "Two, so that the image is no prefix hit."):
-        text = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
-            [
-                {"role": "system", "content": system},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
-            ],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        text = chat_text(model_dir, "Hi", 1, system)
         llm.generate({"prompt": text, "images": [picture]}, greedy(2))
     m = scrape(model_name)
     assert m["pagedbatch:encoder_images_total", ()] == 1

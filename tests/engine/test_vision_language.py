@@ -11,7 +11,6 @@ import pytest
 import torch
 from greedy_checks import assert_pool_whole
 from PIL import Image
-from transformers import AutoTokenizer
 from vision_oracle import MAX_TOKENS, chat_text, hf_greedy, image
 
 from pagedbatch.engine import LLM, SamplingParams
@@ -123,14 +122,7 @@ def test_same_image_after_different_text_is_encoded_once(vlm):
     llm = LLM(vlm)
     picture = image(8)
     for system in ("One.", "Two, longer, so that the image starts in another block."):
-        text = AutoTokenizer.from_pretrained(vlm).apply_chat_template(
-            [
-                {"role": "system", "content": system},
-                {"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]},
-            ],
-            add_generation_prompt=True,
-            tokenize=False,
-        )
+        text = chat_text(vlm, "Hi", 1, system)
         (out,) = llm.generate({"prompt": text, "images": [picture]}, GREEDY)
         assert out.outputs[0].token_ids == hf_greedy(vlm, text, [picture])
     stats = llm.get_stats()
