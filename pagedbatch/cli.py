@@ -15,7 +15,7 @@ from pagedbatch.addresses import is_loopback
 logger = logging.getLogger(__name__)
 
 NONE = type(None)
-ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava", "qwen2_vl")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava", "qwen2_vl", "qwen2_audio")
 SIZES = ("tiny", "small", "medium")
 
 

@@ -41,7 +41,8 @@ VOCAB_SIZE = 16384
 SPECIAL_TOKEN_IDS = {t: VOCAB_SIZE - len(SPECIAL_TOKENS) + i for i, t in enumerate(SPECIAL_TOKENS)}
 
 # ChatML, with tools and tool calls laid out as Qwen2.5 does. Content may be a string or a list of
-# {"type": "text", "text": ...} and {"type": "image"} parts, images where `chat_template` says;
+# {"type": "text", "text": ...}, {"type": "image"} and {"type": "audio"} parts, the media where
+# `chat_template` says;
 # the system turn lists the tools, if any, as JSON.
 _CHAT_TEMPLATE = r"""
 {%- macro text(content) -%}
@@ -53,6 +54,8 @@ _CHAT_TEMPLATE = r"""
                 {{- part.text -}}
             {%- elif part.type == "image" -%}
                 {{- IMAGE_PLACEHOLDER -}}
+            {%- elif part.type == "audio" -%}
+                {{- AUDIO_PLACEHOLDER -}}
             {%- endif -%}
         {%- endfor -%}
     {%- endif -%}
@@ -114,10 +117,13 @@ _CHAT_TEMPLATE = r"""
 """.strip()
 
 
-def chat_template(image_placeholder: str = "") -> str:
-    """The chat template, writing `image_placeholder` for each image part (nothing by default:
-    a text-only model's template leaves images out)."""
-    return _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", json.dumps(image_placeholder))
+def chat_template(image_placeholder: str = "", audio_placeholder: str = "") -> str:
+    """The chat template, writing `image_placeholder` for each image part and
+    `audio_placeholder` for each audio part (nothing by default: a text-only model's template
+    leaves them out)."""
+    return _CHAT_TEMPLATE.replace("IMAGE_PLACEHOLDER", json.dumps(image_placeholder)).replace(
+        "AUDIO_PLACEHOLDER", json.dumps(audio_placeholder)
+    )
 
 
 CHAT_TEMPLATE = chat_template()

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import hashlib
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -53,6 +54,7 @@ ARCHITECTURES = {
     "gemma3": "Gemma3ForCausalLM",
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
+    "qwen2_audio": "Qwen2AudioForConditionalGeneration",
 }
 
 
@@ -104,6 +106,30 @@ QWEN2_VL_MAX_PIXELS = {"tiny": 112 * 112, "small": 448 * 448, "medium": 448 * 44
 CLIP_MEAN = [0.48145466, 0.4578275, 0.40821073]
 CLIP_STD = [0.26862954, 0.26130258, 0.27577711]
 
+# Qwen2-Audio's audio tokens, after the demo tokenizer's own; a clip is written as
+# <|audio_bos|><|AUDIO|><|audio_eos|>, the middle one expanded to one per 40 ms of sound.
+QWEN2_AUDIO_TOKENS = ("<|audio_bos|>", "<|audio_eos|>", "<|AUDIO|>")
+QWEN2_AUDIO_PLACEHOLDER = "<|audio_bos|><|AUDIO|><|audio_eos|>"
+# A Whisper-style encoder: 128 log-mel bins of 16 kHz sound, 10 ms a frame, 30 s a window.
+MEL_BINS = 128
+SAMPLING_RATE = 16_000
+AUDIO_FRAMES = 3000
+
+
+@dataclass(frozen=True)
+class AudioSize:
+    d_model: int
+    num_layers: int
+    num_heads: int
+    ffn_dim: int
+
+
+AUDIO_SIZES = {
+    "tiny": AudioSize(64, 2, 4, 256),
+    "small": AudioSize(384, 4, 6, 1536),  # Whisper tiny's encoder width
+    "medium": AudioSize(768, 12, 12, 3072),
+}
+
 # Standard deviations of projection outputs for unit-RMS inputs (see the module docstring).
 QK_SCALE = 1.5
 O_SCALE = 1.5
@@ -134,6 +160,8 @@ def model_config(
         return _llava_config(size) | (config_overrides or {})
     if arch == "qwen2_vl":
         return _qwen2_vl_config(size) | (config_overrides or {})
+    if arch == "qwen2_audio":
+        return _qwen2_audio_config(size) | (config_overrides or {})
     shape = SIZES[size]
     config: dict[str, Any] = {
         "architectures": [ARCHITECTURES[arch]],
@@ -295,6 +323,38 @@ def _qwen2_vl_config(size: str) -> dict[str, Any]:
     }
 
 
+def _qwen2_audio_config(size: str) -> dict[str, Any]:
+    """Qwen2-Audio's config as transformers 5 writes it: a Whisper-style encoder (two
+    convolutions, sinusoidal positions, pre-norm layers, 2x average pooling), a linear projector
+    and a Qwen2 whose vocabulary ends in the audio tokens."""
+    text = model_config("qwen2", size) | {"vocab_size": VOCAB_SIZE + len(QWEN2_AUDIO_TOKENS)}
+    del text["architectures"]
+    audio = AUDIO_SIZES[size]
+    return {
+        "architectures": [ARCHITECTURES["qwen2_audio"]],
+        "model_type": "qwen2_audio",
+        "text_config": text,
+        "audio_config": {
+            "model_type": "qwen2_audio_encoder",
+            "num_mel_bins": MEL_BINS,
+            "d_model": audio.d_model,
+            "encoder_layers": audio.num_layers,
+            "encoder_attention_heads": audio.num_heads,
+            "encoder_ffn_dim": audio.ffn_dim,
+            "activation_function": "gelu",
+            "max_source_positions": AUDIO_FRAMES // 2,
+            "scale_embedding": False,
+            "dropout": 0.0,
+            "attention_dropout": 0.0,
+            "activation_dropout": 0.0,
+            "encoder_layerdrop": 0.0,
+        },
+        "audio_token_index": VOCAB_SIZE + QWEN2_AUDIO_TOKENS.index("<|AUDIO|>"),
+        "tie_word_embeddings": False,
+        "dtype": "float32",
+    }
+
+
 def make_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -310,6 +370,8 @@ def make_model(
         weights = init_llava_weights(config, seed)
     elif arch == "qwen2_vl":
         weights = init_qwen2_vl_weights(config, seed)
+    elif arch == "qwen2_audio":
+        weights = init_qwen2_audio_weights(config, seed)
     else:
         weights = init_weights(config, seed)
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
@@ -324,6 +386,8 @@ def make_model(
         _write_llava_processor(out, config)
     elif arch == "qwen2_vl":
         _write_qwen2_vl_processor(out, size)
+    elif arch == "qwen2_audio":
+        _write_qwen2_audio_processor(out)
     else:
         # transformers normalises Qwen2 input to NFC whatever the file says: the file says so too.
         write_tokenizer(out, nfc=arch == "qwen2")
@@ -393,6 +457,41 @@ def _write_qwen2_vl_processor(out: Path, size: str) -> None:
         },
     )
     _write_json(out / "processor_config.json", {"processor_class": "Qwen2VLProcessor"})
+    (out / "chat_template.jinja").write_text(template, encoding="utf-8")
+
+
+def _write_qwen2_audio_processor(out: Path) -> None:
+    """The tokenizer with the audio tokens, and what AutoProcessor reads: Whisper's feature
+    extractor (128 log-mel bins, a 30 s window) and the processor, which expands each <|AUDIO|>
+    into one per 40 ms of the clip."""
+    template = chat_template(audio_placeholder=QWEN2_AUDIO_PLACEHOLDER)
+    write_tokenizer(out, nfc=True, extra_special=QWEN2_AUDIO_TOKENS, template=template)
+    _write_json(
+        out / "preprocessor_config.json",
+        {
+            "feature_extractor_type": "WhisperFeatureExtractor",
+            "feature_size": MEL_BINS,
+            "sampling_rate": SAMPLING_RATE,
+            "hop_length": 160,
+            "chunk_length": AUDIO_FRAMES // 100,
+            "n_fft": 400,
+            "n_samples": AUDIO_FRAMES * 160,
+            "nb_max_frames": AUDIO_FRAMES,
+            "padding_side": "right",
+            "padding_value": 0.0,
+            "return_attention_mask": True,
+            "processor_class": "Qwen2AudioProcessor",
+        },
+    )
+    _write_json(
+        out / "processor_config.json",
+        {
+            "processor_class": "Qwen2AudioProcessor",
+            "audio_token": "<|AUDIO|>",
+            "audio_bos_token": "<|audio_bos|>",
+            "audio_eos_token": "<|audio_eos|>",
+        },
+    )
     (out / "chat_template.jinja").write_text(template, encoding="utf-8")
 
 
@@ -542,6 +641,49 @@ def init_qwen2_vl_weights(config: dict[str, Any], seed: int) -> dict[str, torch.
     # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
     draw.linear("visual.merger.mlp.2", config["text_config"]["hidden_size"], merged, 2.0)
     return weights
+
+
+def init_qwen2_audio_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """The Qwen2's weights (as `init_weights`) and the audio encoder's and projector's, named as
+    transformers saves Qwen2-Audio. Positions are Whisper's sinusoids; the convolutions, layers
+    and projector are scaled as the vision towers' are, so that what the model hears reaches
+    the language model at the token embeddings' RMS: a different tone, a different answer."""
+    weights = {
+        f"language_model.{name}": tensor
+        for name, tensor in init_weights(config["text_config"], seed).items()
+    }
+    audio = config["audio_config"]
+    dim, ffn, mels = audio["d_model"], audio["encoder_ffn_dim"], audio["num_mel_bins"]
+    draw = _VisionWeights(weights, seed)
+    tower = "audio_tower."
+    # GELU follows each convolution: twice the usual scale keeps unit RMS.
+    draw.normal(f"{tower}conv1.weight", (dim, mels, 3), 2.0 / (mels * 3) ** 0.5)
+    draw.normal(f"{tower}conv1.bias", (dim,), BIAS_SCALE)
+    draw.normal(f"{tower}conv2.weight", (dim, dim, 3), 2.0 / (dim * 3) ** 0.5)
+    draw.normal(f"{tower}conv2.bias", (dim,), BIAS_SCALE)
+    weights[f"{tower}embed_positions.weight"] = _sinusoids(audio["max_source_positions"], dim)
+    for i in range(audio["encoder_layers"]):
+        layer = f"{tower}layers.{i}."
+        draw.linear(f"{layer}self_attn.q_proj", dim, dim, QK_SCALE)
+        # Whisper's key projection has no bias.
+        draw.normal(f"{layer}self_attn.k_proj.weight", (dim, dim), QK_SCALE / dim**0.5)
+        draw.linear(f"{layer}self_attn.v_proj", dim, dim)
+        draw.linear(f"{layer}self_attn.out_proj", dim, dim)
+        draw.linear(f"{layer}fc1", ffn, dim)
+        draw.linear(f"{layer}fc2", dim, ffn, 2.0)
+        draw.layer_norm(f"{layer}self_attn_layer_norm", dim)
+        draw.layer_norm(f"{layer}final_layer_norm", dim)
+    draw.layer_norm(f"{tower}layer_norm", dim)
+    draw.linear("multi_modal_projector.linear", config["text_config"]["hidden_size"], dim)
+    return weights
+
+
+def _sinusoids(length: int, channels: int) -> torch.Tensor:
+    """Whisper's position embeddings: sines then cosines of geometric timescales."""
+    increment = math.log(10_000) / (channels // 2 - 1)
+    inverse = torch.exp(-increment * torch.arange(channels // 2, dtype=torch.float32))
+    scaled = torch.arange(length, dtype=torch.float32)[:, None] * inverse[None, :]
+    return torch.cat([scaled.sin(), scaled.cos()], dim=1)
 
 
 def _generator(seed: int, name: str) -> torch.Generator:

@@ -476,3 +476,45 @@ def test_transformers_loads_qwen2_vl_with_its_image_processor(
     # and at least 56x56.
     assert grid(300, 100) == [1, 4, 12]
     assert grid(20, 20) == [1, 4, 4]
+
+
+# Qwen2-Audio
+
+
+def _tone(hertz: float, seconds: float = 2.0) -> Any:
+    import numpy as np
+
+    t = np.arange(int(16_000 * seconds)) / 16_000
+    return (0.5 * np.sin(2 * np.pi * hertz * t)).astype(np.float32)
+
+
+def test_qwen2_audio_config_nests_a_qwen2_and_a_whisper_style_encoder() -> None:
+    config = model_config("qwen2_audio", "tiny")
+    assert config["architectures"] == ["Qwen2AudioForConditionalGeneration"]
+    assert config["text_config"]["model_type"] == "qwen2"
+    audio = config["audio_config"]
+    assert audio["model_type"] == "qwen2_audio_encoder" and audio["num_mel_bins"] == 128
+    assert audio["max_source_positions"] == 1500  # 30 s of 10 ms frames, halved by conv2
+    assert config["audio_token_index"] == 16386 == config["text_config"]["vocab_size"] - 1
+
+
+def test_transformers_loads_qwen2_audio_and_hears_the_tone(make_checkpoint: MakeCheckpoint) -> None:
+    from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
+
+    path = make_checkpoint("qwen2_audio")
+    model, info = Qwen2AudioForConditionalGeneration.from_pretrained(
+        path, dtype=torch.float32, output_loading_info=True
+    )
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    processor = AutoProcessor.from_pretrained(path)
+    messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Hi"}]}]
+    text = processor.apply_chat_template(messages, add_generation_prompt=True)
+    assert "<|audio_bos|><|AUDIO|><|audio_eos|>Hi" in text
+
+    def answer(hertz: float) -> list[int]:
+        inputs = processor(text=text, audio=[_tone(hertz)], return_tensors="pt")
+        assert (inputs["input_ids"] == 16386).sum() == 50  # one token per 40 ms of 2 s
+        out = model.eval().generate(**inputs, max_new_tokens=8, do_sample=False)
+        return out[0, inputs["input_ids"].shape[1] :].tolist()
+
+    assert answer(440) == answer(440) != answer(880)
