@@ -235,11 +235,18 @@ def _gemma3_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
     }
 
 
+def _text_config(arch: str, size: str, extra_tokens: int) -> dict[str, Any]:
+    """A multimodal model's language model config: `arch`'s, its vocabulary grown by the
+    `extra_tokens` placeholders that follow the demo tokenizer's own."""
+    text = model_config(arch, size) | {"vocab_size": VOCAB_SIZE + extra_tokens}
+    del text["architectures"]  # the outer config names the model
+    return text
+
+
 def _llava_config(size: str) -> dict[str, Any]:
     """LLaVA-1.5's config as transformers 5 writes it: a CLIP vision tower, a two-layer
     projector and a Llama whose vocabulary ends in the image token."""
-    text = model_config("llama", size) | {"vocab_size": VOCAB_SIZE + 1}
-    del text["architectures"]
+    text = _text_config("llama", size, 1)
     vision = VISION_SIZES[size]
     return {
         "architectures": [ARCHITECTURES["llava"]],
@@ -274,15 +281,14 @@ def _qwen2_vl_config(size: str) -> dict[str, Any]:
     """Qwen2-VL's config as transformers 5 writes it: a ViT with 2-D rotary embeddings and a
     2x2 patch merger, and a Qwen2 whose rotary embedding is M-RoPE (positions along time,
     height and width, in sections of each head's frequencies)."""
-    text = model_config("qwen2", size)
-    for key in ("architectures", "rope_theta", "rope_scaling", "max_window_layers"):
+    text = _text_config("qwen2", size, len(QWEN2_VL_TOKENS))
+    for key in ("rope_theta", "rope_scaling", "max_window_layers"):  # Qwen2-VL's own keys below
         del text[key]
     half = text["head_dim"] // 2
     # Qwen2-VL's split of 64 frequencies, [16, 24, 24], scaled to this head size.
     temporal = half // 4
     text |= {
         "model_type": "qwen2_vl_text",
-        "vocab_size": VOCAB_SIZE + len(QWEN2_VL_TOKENS),
         "layer_types": ["full_attention"] * text["num_hidden_layers"],
         "rope_parameters": {
             "rope_type": "default",
@@ -327,8 +333,7 @@ def _qwen2_audio_config(size: str) -> dict[str, Any]:
     """Qwen2-Audio's config as transformers 5 writes it: a Whisper-style encoder (two
     convolutions, sinusoidal positions, pre-norm layers, 2x average pooling), a linear projector
     and a Qwen2 whose vocabulary ends in the audio tokens."""
-    text = model_config("qwen2", size) | {"vocab_size": VOCAB_SIZE + len(QWEN2_AUDIO_TOKENS)}
-    del text["architectures"]
+    text = _text_config("qwen2", size, len(QWEN2_AUDIO_TOKENS))
     audio = AUDIO_SIZES[size]
     return {
         "architectures": [ARCHITECTURES["qwen2_audio"]],

@@ -413,15 +413,20 @@ def test_llava_config_nests_a_llama_and_a_clip_tower(size: str, tokens: int) -> 
     assert config["image_seq_length"] == tokens
 
 
+def _loaded_whole(model_class: Any, path: Path) -> PreTrainedModel:
+    """transformers' `model_class` from `path`, every tensor of the checkpoint used and none
+    missing."""
+    model, info = model_class.from_pretrained(path, dtype=torch.float32, output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    return model.eval()
+
+
 def test_transformers_loads_llava_with_its_processor(make_checkpoint: MakeCheckpoint) -> None:
     from PIL import Image
     from transformers import AutoProcessor, LlavaForConditionalGeneration
 
     path = make_checkpoint("llava")
-    _, info = LlavaForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    _loaded_whole(LlavaForConditionalGeneration, path)
     processor = AutoProcessor.from_pretrained(path)
     messages = [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -455,10 +460,7 @@ def test_transformers_loads_qwen2_vl_with_its_image_processor(
     from transformers import AutoImageProcessor, Qwen2VLForConditionalGeneration
 
     path = make_checkpoint("qwen2_vl")
-    _, info = Qwen2VLForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    _loaded_whole(Qwen2VLForConditionalGeneration, path)
     assert json.loads((path / "processor_config.json").read_text()) == {
         "processor_class": "Qwen2VLProcessor"
     }
@@ -502,10 +504,7 @@ def test_transformers_loads_qwen2_audio_and_hears_the_tone(make_checkpoint: Make
     from transformers import AutoProcessor, Qwen2AudioForConditionalGeneration
 
     path = make_checkpoint("qwen2_audio")
-    model, info = Qwen2AudioForConditionalGeneration.from_pretrained(
-        path, dtype=torch.float32, output_loading_info=True
-    )
-    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    model = _loaded_whole(Qwen2AudioForConditionalGeneration, path)
     processor = AutoProcessor.from_pretrained(path)
     messages = [{"role": "user", "content": [{"type": "audio"}, {"type": "text", "text": "Hi"}]}]
     text = processor.apply_chat_template(messages, add_generation_prompt=True)
@@ -514,7 +513,7 @@ def test_transformers_loads_qwen2_audio_and_hears_the_tone(make_checkpoint: Make
     def answer(hertz: float) -> list[int]:
         inputs = processor(text=text, audio=[_tone(hertz)], return_tensors="pt")
         assert (inputs["input_ids"] == 16386).sum() == 50  # one token per 40 ms of 2 s
-        out = model.eval().generate(**inputs, max_new_tokens=8, do_sample=False)
+        out = model.generate(**inputs, max_new_tokens=8, do_sample=False)
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     assert answer(440) == answer(440) != answer(880)
