@@ -139,6 +139,7 @@ class LlamaForCausalLM(nn.Module):
     # What a subclass of the same outline (embed, layers, norm, LM head) changes.
     embedding_class: type[VocabParallelEmbedding] = VocabParallelEmbedding
     norm_class: type[nn.Module] = RMSNorm
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -152,7 +153,7 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layers(self, cfg: ModelConfig) -> list[nn.Module]:
         """The layers, each `layer(positions, x, residual, kv_cache, meta) -> (x, residual)`."""
-        rotary = RotaryEmbedding.from_config(cfg.raw, cfg.head_dim)
+        rotary = self.rotary_class.from_config(cfg.raw, cfg.head_dim)
         return [DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)]
 
     def forward(

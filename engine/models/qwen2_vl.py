@@ -20,8 +20,8 @@ from torch import nn
 
 from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.models.clip import VisionMLP
-from pagedbatch.engine.models.llama import DecoderLayer, LlamaForCausalLM
-from pagedbatch.engine.models.rope import RotaryEmbedding, rope_parameters
+from pagedbatch.engine.models.llama import LlamaForCausalLM
+from pagedbatch.engine.models.rope import RotaryEmbedding
 from pagedbatch.engine.models.vision_language import VisionLanguageModel
 from pagedbatch.engine.multimodal import Grid, ImageItem
 from pagedbatch.kernels import ops
@@ -33,8 +33,14 @@ class MRotaryEmbedding(RotaryEmbedding):
     """M-RoPE: positions `[3, T]` pick, per frequency, the row of its section (time, height,
     width); positions `[T]` (a step of text alone) rotate as plain RoPE."""
 
-    def __init__(self, head_dim: int, max_positions: int, params: Mapping[str, Any]):
-        super().__init__(head_dim, max_positions, params)
+    def __init__(
+        self,
+        head_dim: int,
+        max_position_embeddings: int,
+        params: Mapping[str, Any],
+        max_positions: int | None = None,
+    ):
+        super().__init__(head_dim, max_position_embeddings, params, max_positions)
         sections = params["mrope_section"]
         if sum(sections) != head_dim // 2 or len(sections) != 3:
             raise ValueError(f"mrope_section {sections} must be three parts of {head_dim // 2}")
@@ -62,16 +68,7 @@ class MRotaryEmbedding(RotaryEmbedding):
 class Qwen2VLTextModel(LlamaForCausalLM):
     """Qwen2 with M-RoPE."""
 
-    def decoder_layers(self, cfg: ModelConfig) -> list[nn.Module]:
-        rotary = MRotaryEmbedding(
-            cfg.head_dim, cfg.max_position_embeddings, rope_parameters(cfg.raw)
-        )
-        return [DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)]
-
-
-def _rotate_half(x: torch.Tensor) -> torch.Tensor:
-    half = x.shape[-1] // 2
-    return torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    rotary_class = MRotaryEmbedding
 
 
 class VisionAttention(nn.Module):
@@ -81,17 +78,15 @@ class VisionAttention(nn.Module):
         self.qkv = nn.Linear(dim, 3 * dim)
         self.proj = nn.Linear(dim, dim)
 
-    def forward(
-        self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, lengths: list[int], cos_sin: torch.Tensor) -> torch.Tensor:
         """`x` holds the patches of several images, `lengths` of each; each attends within its
-        own image."""
+        own image. Row i of `cos_sin` rotates patch i (see `ops.apply_rotary_embedding`)."""
         tokens = x.shape[0]
         q, k, v = self.qkv(x).reshape(tokens, 3, self.num_heads, -1).permute(1, 0, 2, 3).unbind(0)
         # Rotated in float32, as transformers does whatever the weights' dtype.
-        cos, sin = cos.unsqueeze(-2), sin.unsqueeze(-2)
-        q = (q.float() * cos + _rotate_half(q.float()) * sin).to(v.dtype)
-        k = (k.float() * cos + _rotate_half(k.float()) * sin).to(v.dtype)
+        patches = torch.arange(tokens, device=x.device)
+        q, k = ops.apply_rotary_embedding(patches, q.float(), k.float(), cos_sin)
+        q, k = q.to(v.dtype), k.to(v.dtype)
         heads = [t.transpose(0, 1).unsqueeze(0) for t in (q, k, v)]  # [1, heads, tokens, dim]
         out = [
             F.scaled_dot_product_attention(qi, ki, vi)
@@ -111,10 +106,8 @@ class VisionBlock(nn.Module):
             dim, dim * cfg.get("mlp_ratio", 4), cfg.get("hidden_act", "quick_gelu")
         )
 
-    def forward(
-        self, x: torch.Tensor, lengths: list[int], cos: torch.Tensor, sin: torch.Tensor
-    ) -> torch.Tensor:
-        x = x + self.attn(self.norm1(x), lengths, cos, sin)
+    def forward(self, x: torch.Tensor, lengths: list[int], cos_sin: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.norm1(x), lengths, cos_sin)
         return x + self.mlp(self.norm2(x))
 
 
@@ -165,11 +158,10 @@ class Qwen2VisionTransformer(nn.Module):
         lengths = [t * h * w for t, h, w in grids]
         positions = torch.cat([self._patch_positions(grid) for grid in grids]).to(rows.device)
         freqs = (positions[..., None].float() * self.inv_freq).flatten(1)  # [patches, dim/2]
-        angles = torch.cat([freqs, freqs], dim=-1)
-        cos, sin = angles.cos(), angles.sin()
+        cos_sin = torch.cat([freqs.cos(), freqs.sin()], dim=-1)  # a row per patch
         x = self.patch_embed(rows)
         for block in self.blocks:
-            x = block(x, lengths, cos, sin)
+            x = block(x, lengths, cos_sin)
         return self.merger(x)
 
     def _patch_positions(self, grid: Grid) -> torch.Tensor:
@@ -193,7 +185,6 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         ("model.language_model.", ""),
         ("model.", ""),
     )
-    uses_mrope = True
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
