@@ -56,15 +56,15 @@ class InputProcessor:
         completion has seed + i, so that they differ yet each reproduces."""
         prompt_ids = self._encode(prompt)
         self._check_images(prompt_ids, images)
-        positions, delta = None, 0
-        if images and self.image_spec.mrope:
-            positions, delta = mrope_positions(len(prompt_ids), images, self.image_spec.merge)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         self._check_vocabulary(params)
         if timeout is not None and timeout <= 0:
             raise ValueError(f"timeout must be positive, got {timeout}")
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        positions, delta = None, 0
+        if images and self.image_spec.mrope:  # once every check has passed
+            positions, delta = mrope_positions(len(prompt_ids), images, self.image_spec.merge)
         now = time.monotonic()
         children = []
         for i in range(params.n):

@@ -86,11 +86,11 @@ class StepInput:
         scheduled: list[ScheduledRequest],
         block_tables: np.ndarray,
         encoder: EncoderWork | None = None,
-        mrope: bool = False,
     ) -> StepInput:
         input_ids: list[int] = []
-        # Text alone sits at its indices on all three axes: plain positions do.
-        mrope = mrope and any(s.request.mrope_positions is not None for s in scheduled)
+        # M-RoPE positions where a request has them (a Qwen2-VL prompt with images); text alone
+        # sits at its indices on all three axes, which plain positions say.
+        mrope = any(s.request.mrope_positions is not None for s in scheduled)
         mrope_columns: list[np.ndarray] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
@@ -166,8 +166,6 @@ class ModelRunner:
         # Image embeddings by content hash, as the engine's EncoderCache says (a multimodal
         # model's; every rank keeps its own copy).
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
-        # Whether the model's positions are M-RoPE's three per token (Qwen2-VL).
-        self.mrope: bool = getattr(self.model, "uses_mrope", False)
 
     def _load_model(self, rows: int) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
@@ -207,7 +205,7 @@ class ModelRunner:
     ) -> torch.Tensor:
         """Run one step on every rank; returns float32 logits for the requests that sample, in
         order. `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
-        step = StepInput.build(scheduled, block_tables, encoder, self.mrope)
+        step = StepInput.build(scheduled, block_tables, encoder)
         if self.ranks is None:
             return self.run(step)
         return self.ranks.run(step, self.run)

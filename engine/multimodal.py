@@ -30,7 +30,7 @@ class ImageItem:
     """One image of a request: its pixel values and the prompt positions its embeddings fill."""
 
     pixel_values: torch.Tensor  # float32, as the vision tower reads them
-    content_hash: bytes  # of the pixel values: one image's encoding, and KV, is shared
+    content_hash: bytes  # of the pixel values and grid: one image's encoding, and KV, is shared
     offset: int  # the first placeholder's position in the prompt
     length: int  # placeholders, one per embedding the encoder gives
     grid: Grid | None = None  # a dynamic-resolution model's (Qwen2-VL's) patch grid
