@@ -59,11 +59,13 @@ class Destination:
     address: IPAddress  # the checked address to connect to
 
 
-def check_url(url: str, allowed_hosts: Sequence[str]) -> Destination:
+def check_url(url: str, allowed_hosts: Sequence[str], trust_names: bool = True) -> Destination:
     """Resolve `url`'s host and return where to connect, or raise `ForbiddenDestination`.
 
     Every address the host resolves to must be public, or allowed by `allowed_hosts` (host names,
-    addresses or networks): one bad address among good ones is refused too.
+    addresses or networks): one bad address among good ones is refused too. Without
+    `trust_names`, a listed name does not vouch for what it resolves to: only listed addresses
+    and networks may be other than public.
     """
     try:
         parsed = httpx.URL(url)
@@ -78,7 +80,7 @@ def check_url(url: str, allowed_hosts: Sequence[str]) -> Destination:
     if not 0 < port < 65536:
         raise ForbiddenDestination("the URL's port is not a valid port number")
     addresses = _resolve(host, port)
-    host_allowed = any(entry.strip().lower() == host for entry in allowed_hosts)
+    host_allowed = trust_names and any(entry.strip().lower() == host for entry in allowed_hosts)
     networks = _networks(allowed_hosts)
     for address in addresses:
         if host_allowed or any(address in network for network in networks):

@@ -14,7 +14,6 @@ from __future__ import annotations
 import base64
 import binascii
 import io
-import ipaddress
 import time
 import warnings
 
@@ -78,7 +77,7 @@ def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
         try:
             # As for webhooks, only public addresses, unless the list names the address itself:
             # an allowed name that resolves to a private address is refused.
-            destination = check_url(url, _addresses(limits.allowed_hosts))
+            destination = check_url(url, limits.allowed_hosts, trust_names=False)
         except ForbiddenDestination:
             raise OpenAIError(
                 f"The image could not be fetched: {host} is not at a public address.",
@@ -112,18 +111,6 @@ def fetch(url: str, param: str, limits: ImageLimits) -> bytes:
     )
 
 
-def _addresses(entries: tuple[str, ...]) -> list[str]:
-    """The entries that are addresses or networks, not names."""
-    found = []
-    for entry in entries:
-        try:
-            ipaddress.ip_network(entry.strip("[]"), strict=False)
-        except ValueError:
-            continue
-        found.append(entry)
-    return found
-
-
 def _get(
     destination: Destination, deadline: float, limit: int
 ) -> tuple[int, str | None, bytes | None]:
@@ -136,7 +123,10 @@ def _get(
         headers={"host": url.netloc.decode("ascii"), "accept": "image/*"},
         extensions=extensions,
     )
-    with httpx.Client(timeout=FETCH_SECONDS, follow_redirects=False, trust_env=False) as client:
+    remaining = deadline - time.monotonic()  # what earlier hops left of FETCH_SECONDS
+    if remaining <= 0:
+        raise TimeoutError(f"not received within {FETCH_SECONDS:g} s")
+    with httpx.Client(timeout=remaining, follow_redirects=False, trust_env=False) as client:
         response = client.send(request, stream=True)
         try:
             if response.status_code != 200:

@@ -83,6 +83,14 @@ def test_the_allow_list_names_hosts_addresses_or_networks():
         check_url("http://169.254.169.254/", ["127.0.0.1"])
 
 
+def test_without_trusted_names_only_listed_addresses_may_be_private():
+    """Image hosts: listing a name allows fetching from it, not from what it comes to resolve to."""
+    with pytest.raises(ForbiddenDestination, match="non-public address"):
+        check_url("http://localhost:8000/", ["localhost"], trust_names=False)
+    assert check_url("http://127.0.0.1/", ["127.0.0.1"], trust_names=False).port == 80
+    assert check_url("http://8.8.8.8/", ["8.8.8.8"], trust_names=False).port == 80
+
+
 @pytest.mark.parametrize(
     ("url", "reason"),
     [
