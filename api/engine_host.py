@@ -35,7 +35,7 @@ from pagedbatch.addresses import is_loopback
 from pagedbatch.api.app import install_error_handling
 from pagedbatch.api.deps import Services
 from pagedbatch.api.realtime import Admission
-from pagedbatch.api.routes import chat, completions
+from pagedbatch.api.routes import audio, chat, completions
 from pagedbatch.api.routes.engine import settings_in_force
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.protocol.errors import OpenAIError
@@ -167,6 +167,7 @@ def engine_host_app(
     app.state.realtime_admission = admission  # the one api/realtime.py would make
     guarded = [Depends(_secret_check(settings.engine_secret))]
     v1 = APIRouter(prefix="/v1", dependencies=guarded)
+    v1.include_router(audio.router)
     v1.include_router(chat.router)
     v1.include_router(completions.router)
     app.include_router(v1)

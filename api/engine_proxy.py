@@ -109,8 +109,9 @@ class EngineProxy:
         tenant: str,
         send_timeout: float,
     ) -> Response:
-        """The answer of the least loaded engine host serving `model` to `body` (JSON), sent for
-        `tenant`; `send_timeout` bounds how long the client may leave a piece of it unread."""
+        """The answer of the least loaded engine host serving `model` to `body` (JSON, or a
+        transcription's form), sent for `tenant`; `send_timeout` bounds how long the client may
+        leave a piece of it unread."""
         live = await self.live()
         hosts = rank(live, model, self._sent)
         if not hosts:
@@ -119,7 +120,7 @@ class EngineProxy:
             raise model_not_found(model)
         headers = {
             **self._auth,
-            "content-type": "application/json",
+            "content-type": request.headers.get("content-type", "application/json"),
             # The host's log lines then carry the id the client sees.
             "x-request-id": request.state.request_id,
             OWNER_HEADER: tenant,

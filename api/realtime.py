@@ -25,7 +25,7 @@ from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
 from dataclasses import dataclass
 from itertools import zip_longest
-from typing import Any, TypeVar, cast
+from typing import Any, Protocol, TypeVar, cast
 
 import anyio.to_thread
 from fastapi import Request
@@ -52,8 +52,16 @@ from pagedbatch.store.models import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)
 
+
+class RealtimeBody(Protocol):
+    """What the door reads of a parsed request, whatever its endpoint."""
+
+    model: str
+    stream: bool
+
+
 T = TypeVar("T")
-Body = TypeVar("Body", bound=SamplingRequest)
+Body = TypeVar("Body", bound=RealtimeBody)
 P = TypeVar("P", bound=Prepared)
 
 RETRY_AFTER_SECONDS = 1  # admitted requests finish in seconds, so their slots free up quickly
@@ -147,16 +155,17 @@ def _engine_for(services: Services, model: str) -> AsyncLLM:
 async def answer(
     request: Request,
     services: Services,
-    schema: type[Body],
+    parse: Callable[[bytes], Body],
     prepare: Callable[[Body, ServedModel], P],
-    chunks: Callable[[P], ChunkWriter],
+    chunks: Callable[[P], ChunkWriter] | None = None,
 ) -> Response:
-    """An endpoint's answer to the request: the whole response, or its events if streamed.
+    """An endpoint's answer to the request: the whole response, or its events if streamed (for
+    an endpoint with `chunks`; `prepare` refuses a stream for one without).
 
     The request is checked in full before it comes near the engine, then runs if admitted.
     """
     raw = await request.body()
-    params = await _off_loop(services, _parse, schema, raw)
+    params = await _off_loop(services, parse, raw)
     tenant = _tenant(request)
     send_timeout = services.settings.stream_send_timeout_seconds
     if services.engines is not None:  # the distributed API: a worker's engine host answers
@@ -179,7 +188,7 @@ async def answer(
     def run() -> AsyncGenerator[list[RequestOutput | None], None]:
         return _run(engine, prepared.inputs, salt, ticket.release)
 
-    if params.stream:
+    if params.stream and chunks is not None:
         events = _events(run(), StreamEncoder(chunks(prepared), params))
         return EventStreamResponse(events, ticket.release, send_timeout)
     try:
@@ -188,12 +197,20 @@ async def answer(
         ticket.release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    body = await _off_loop(services, lambda: prepared.response(outputs).model_dump_json())
-    return Response(body, media_type="application/json")
+    body, media_type = await _off_loop(services, _rendered, prepared, outputs)
+    return Response(body, media_type=media_type)
 
 
-def _parse(schema: type[Body], raw: bytes) -> Body:
-    return parse_request(schema, decode_json(raw))
+def json_of(schema: type[SamplingRequest]) -> Callable[[bytes], SamplingRequest]:
+    """The parser of a JSON body that `schema` validates."""
+    return lambda raw: parse_request(schema, decode_json(raw))
+
+
+def _rendered(prepared: Prepared, outputs: list[RequestOutput]) -> tuple[str, str]:
+    body = prepared.response(outputs)
+    if isinstance(body, str):
+        return body, "text/plain; charset=utf-8"
+    return body.model_dump_json(), "application/json"
 
 
 async def _off_loop(services: Services, work: Callable[..., T], *args: Any) -> T:
@@ -338,7 +355,7 @@ async def _run(
                 request_id=engine_input.request_id,
                 priority=REALTIME_PRIORITY,
                 cache_salt=cache_salt,
-                images=engine_input.images,
+                media=engine_input.media,
             ):
                 waiting = new[position]
                 if waiting is None:

@@ -5,9 +5,10 @@ A body beyond its route's limit is a 413, found as it streams in.
 A declared Content-Length beyond the limit is refused before a byte of the body is read; a body
 without one (chunked) is refused as soon as it passes the limit. Either way the route never sees
 more than the limit, so nothing beyond it is buffered, parsed or tokenized. JSON routes take
-`max_request_body_bytes`. An upload (`POST /v1/files`) is bounded by its route instead, part by
-part as it streams in: the file by `max_upload_bytes` (a 400 `file_too_large` naming `file`),
-the form fields in number and size.
+`max_request_body_bytes`; a transcription's form, its file's `max_audio_bytes` and a little
+more. An upload (`POST /v1/files`) is bounded by its route instead, part by part as it streams
+in: the file by `max_upload_bytes` (a 400 `file_too_large` naming `file`), the form fields in
+number and size.
 """
 
 from __future__ import annotations
@@ -23,6 +24,9 @@ from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 
 UPLOAD_PATH = "/v1/files"
+# A transcription's form: a file of up to `max_audio_bytes` and its few fields.
+TRANSCRIPTION_PATH = "/v1/audio/transcriptions"
+FORM_BYTES = 1 << 20
 # What is read and thrown away after a refusal, so that the client, which sends its whole body
 # before it reads the response, gets the 413 rather than a reset connection; past this the
 # connection is cut.
@@ -31,10 +35,14 @@ DRAIN_BYTES = 64 << 20
 
 def body_limit(settings: Settings) -> Callable[[Scope], int | None]:
     """The body limit of each request, by its route; None for an upload, which has its own."""
+    transcription = max(settings.max_request_body_bytes, settings.max_audio_bytes + FORM_BYTES)
 
     def limit(scope: Scope) -> int | None:
-        if scope["method"] == "POST" and scope["path"].rstrip("/") == UPLOAD_PATH:
+        path = scope["path"].rstrip("/")
+        if scope["method"] == "POST" and path == UPLOAD_PATH:
             return None
+        if scope["method"] == "POST" and path == TRANSCRIPTION_PATH:
+            return transcription
         return settings.max_request_body_bytes
 
     return limit

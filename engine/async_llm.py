@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import MediaItem
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
@@ -97,7 +97,7 @@ class AsyncLLM:
         timeout: float | None = None,
         final_only: bool = False,
         cache_salt: str | None = None,
-        images: tuple[ImageItem, ...] = (),
+        media: tuple[MediaItem, ...] = (),
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its params' `output_kind` asks (by default, the
         cumulative output each step it moves), the last one finished; `final_only` makes it
@@ -117,7 +117,7 @@ class AsyncLLM:
 
         def add() -> None:
             self.engine.add_request(
-                request_id, prompt, sampling_params, priority, timeout, cache_salt, images
+                request_id, prompt, sampling_params, priority, timeout, cache_salt, media
             )
             self._streams[request_id] = stream
 

@@ -26,8 +26,8 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
 
     The first block of a salted request chains from `salt_root(salt)`, that of an unsalted one
     from nothing (a shorter input than any salted or chained block's). `extra` is what the
-    tokens do not say of the block's content: the images whose placeholders it holds (their
-    tokens are all alike), so that only the same image at the same place hits."""
+    tokens do not say of the block's content: the images or clips whose placeholders it holds
+    (their tokens are all alike), so that only the same item at the same place hits."""
     h = hashlib.blake2b(digest_size=16)
     h.update(parent or b"")
     h.update(struct.pack(f"<{len(token_ids)}q", *token_ids))

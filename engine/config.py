@@ -124,14 +124,14 @@ class EngineArgs:
     )
     max_num_encoder_tokens: int = arg(
         2048,
-        doc="image embeddings a vision-language model's encoder may produce in one step: a "
-        "bound on the step time that images add; an image of more embeddings is refused",
+        doc="image or audio embeddings a multimodal model's encoder may produce in one step: a "
+        "bound on the step time that media add; an image or clip of more is refused",
         ge=1,
     )
     encoder_cache_size: int = arg(
         8192,
-        doc="image embeddings kept after encoding, so that an image sent again is not encoded "
-        "again (least recently used first out); an image of more embeddings is refused",
+        doc="image and audio embeddings kept after encoding, so that an image or clip sent "
+        "again is not encoded again (least recently used first out); one of more is refused",
         ge=1,
     )
     max_images_per_request: int = arg(
@@ -144,6 +144,18 @@ class EngineArgs:
         4096 * 4096,
         doc="pixels (width times height) of one image as sent, checked before it is decoded",
         ge=1,
+    )
+    max_audio_clips_per_request: int = arg(
+        8, doc="audio clips one chat request may hold (an audio-language model's)", ge=0
+    )
+    max_audio_bytes: int = arg(
+        25 * 2**20, doc="bytes of one audio clip or transcription file as sent", ge=1
+    )
+    max_audio_seconds: float = arg(
+        30.0,
+        doc="seconds of one clip, read from its header before it is decoded; at most what the "
+        "model hears at once (30 s for a Whisper-style encoder)",
+        gt=0,
     )
     tensor_parallel_size: int = arg(
         1,
@@ -202,8 +214,8 @@ class ModelConfig:
     sliding_windows: list[int | None]  # per layer
     torch_dtype: torch.dtype
     raw: dict[str, Any] = field(repr=False)  # the language model's config
-    # A vision-language model's whole config.json, whose text_config `raw` is; None for text
-    # models.
+    # A vision- or audio-language model's whole config.json, whose text_config `raw` is; None
+    # for text models.
     multimodal: dict[str, Any] | None = field(default=None, repr=False)
 
     @property
@@ -213,6 +225,14 @@ class ModelConfig:
             return None
         top = self.multimodal
         return top.get("image_token_id", top.get("image_token_index"))
+
+    @property
+    def audio_token_id(self) -> int | None:
+        """The prompt token that a clip's embeddings take the places of; None: no audio."""
+        if self.multimodal is None or "audio_config" not in self.multimodal:
+            return None
+        top = self.multimodal
+        return top.get("audio_token_id", top.get("audio_token_index"))
 
     def check_tensor_parallel(self, size: int) -> None:
         """Raises ValueError unless each of `size` ranks can hold whole heads and an equal share of
@@ -251,7 +271,11 @@ class ModelConfig:
         num_heads = raw["num_attention_heads"]
         num_layers = raw["num_hidden_layers"]
         dtype_name = top.get("dtype") or top.get("torch_dtype") or "float32"
-        is_qwen2 = architectures[0] in ("Qwen2ForCausalLM", "Qwen2VLForConditionalGeneration")
+        is_qwen2 = architectures[0] in (
+            "Qwen2ForCausalLM",
+            "Qwen2VLForConditionalGeneration",
+            "Qwen2AudioForConditionalGeneration",
+        )
         return cls(
             path=path,
             metadata_dir=meta,

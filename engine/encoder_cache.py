@@ -1,14 +1,14 @@
-"""Which images' encoder outputs the model runner holds, keyed by content hash.
+"""Which images' and audio clips' encoder outputs the model runner holds, keyed by content hash.
 
-The scheduler decides here, and the runner follows: each step's `EncoderWork` names the images
+The scheduler decides here, and the runner follows: each step's `EncoderWork` names the items
 to encode (their outputs then kept) and the entries to drop first. The cache is bounded in
 embeddings, `capacity`, so that a burst of large images cannot take the host's memory.
 
 Invariants: `used` is the sum of the entries' lengths and never exceeds `capacity`; an entry a
-request holds a reference on (from the step that scheduled its image until the request's prefill
-has passed the image, or it ends or is preempted) is never evicted, so the embeddings a step
+request holds a reference on (from the step that scheduled its item until the request's prefill
+has passed the item, or it ends or is preempted) is never evicted, so the embeddings a step
 reads are there; entries nobody holds stay, least recently used first out, until their room is
-needed. The same image in two requests is encoded once while it stays cached.
+needed. The same item in two requests is encoded once while it stays cached.
 """
 
 from __future__ import annotations
@@ -16,7 +16,7 @@ from __future__ import annotations
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import MediaItem
 
 
 @dataclass
@@ -24,7 +24,7 @@ class EncoderWork:
     """One step's encoder work, in the order the runner does it: drop, then encode."""
 
     free: list[bytes] = field(default_factory=list)  # content hashes
-    encode: list[ImageItem] = field(default_factory=list)
+    encode: list[MediaItem] = field(default_factory=list)
 
 
 class EncoderCache:
@@ -37,8 +37,8 @@ class EncoderCache:
         self._holders: dict[bytes, set[str]] = {}  # hash -> request ids holding it
         self._held: dict[str, set[bytes]] = {}  # request id -> hashes it holds
         self._work = EncoderWork()
-        self.images_encoded = 0
-        self.cache_hits = 0  # images found cached when a request first needed them
+        self.media_encoded = 0
+        self.cache_hits = 0  # items found cached when a request first needed them
 
     def cached(self, content_hash: bytes) -> bool:
         return content_hash in self._entries
@@ -48,7 +48,7 @@ class EncoderCache:
         idle = sum(n for h, n in self._entries.items() if not self._holders.get(h))
         return self.used - idle + embeddings <= self.capacity
 
-    def hold(self, request_id: str, item: ImageItem) -> None:
+    def hold(self, request_id: str, item: MediaItem) -> None:
         """The request will read `item`'s embeddings: from the cache if there, else encoded in
         this step (the caller checked `room_for`)."""
         h = item.content_hash
@@ -61,7 +61,7 @@ class EncoderCache:
             self._entries[h] = item.length
             self.used += item.length
             self._work.encode.append(item)
-            self.images_encoded += 1
+            self.media_encoded += 1
         self._holders.setdefault(h, set()).add(request_id)
         self._held.setdefault(request_id, set()).add(h)
 
@@ -69,7 +69,7 @@ class EncoderCache:
         return content_hash in self._held.get(request_id, ())
 
     def release(self, request_id: str, content_hash: bytes | None = None) -> None:
-        """Drop the request's reference on one image, or on all of them; the entries stay."""
+        """Drop the request's reference on one item, or on all of them; the entries stay."""
         held = self._held.get(request_id)
         if not held:
             return

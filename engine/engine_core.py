@@ -55,8 +55,8 @@ class CoreOutput:
     prefix_queries: int  # prompt tokens looked up in the prefix cache
     prefix_hits: int  # of which found
     run_started: float  # perf_counter when the model run began (after scheduling)
-    images_encoded: int = 0  # images the step gave the encoder
-    encoder_cache_hits: int = 0  # images whose embeddings it found cached
+    media_encoded: int = 0  # images and clips the step gave the encoder
+    encoder_cache_hits: int = 0  # items whose embeddings it found cached
 
 
 @dataclass
@@ -82,8 +82,8 @@ class EngineCore:
         # Steps are measured only where the scheduler uses the measure.
         step_ms = args.low_priority_step_ms
         self.step_cost = StepCostModel() if step_ms is not None else None
-        # Image embeddings, for a model that reads images.
-        multimodal = model_config.image_token_id is not None
+        # Image and audio embeddings, for a model that reads either.
+        multimodal = model_config.multimodal is not None
         self.encoder_cache = EncoderCache(args.encoder_cache_size) if multimodal else None
         self.scheduler = Scheduler(
             self.kv,
@@ -193,14 +193,14 @@ class EngineCore:
             prefix_queries=pool.prefix_queries - queries,
             prefix_hits=pool.prefix_hits - hits,
             run_started=run_started,
-            images_encoded=encoded_after - encoded,
+            media_encoded=encoded_after - encoded,
             encoder_cache_hits=cached_after - cached,
         )
 
     def _encoder_counts(self) -> tuple[int, int]:
-        """Images encoded and encoder-cache hits so far."""
+        """Images and clips encoded, and encoder-cache hits, so far."""
         cache = self.encoder_cache
-        return (cache.images_encoded, cache.cache_hits) if cache is not None else (0, 0)
+        return (cache.media_encoded, cache.cache_hits) if cache is not None else (0, 0)
 
     def _sample(
         self, logits: torch.Tensor, requests: list[Request]

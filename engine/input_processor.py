@@ -9,12 +9,15 @@ context and the KV cache.
 from __future__ import annotations
 
 import time
+from collections import Counter
+from collections.abc import Sequence
 from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedbatch.engine.images import ImageSpec, mrope_positions
 from pagedbatch.engine.kv_cache_manager import cdiv
-from pagedbatch.engine.multimodal import ImageItem, ImageSpec, mrope_positions
+from pagedbatch.engine.multimodal import MediaItem, MediaSpec
 from pagedbatch.engine.request import Request
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -28,19 +31,19 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         block_size: int,
         num_kv_blocks: int,
-        image_spec: ImageSpec | None = None,
-        max_image_tokens: int = 0,
+        media_specs: Sequence[MediaSpec] = (),
+        max_media_tokens: int = 0,
     ):
-        """`image_spec` for a model that reads images, each of at most `max_image_tokens`
-        embeddings (what the encoder may do in a step and its cache hold)."""
+        """`media_specs` for a model that reads images or audio, each item of at most
+        `max_media_tokens` embeddings (what the encoder may do in a step and its cache hold)."""
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
         self.block_size = block_size
         self.num_kv_blocks = num_kv_blocks
-        self.image_spec = image_spec
-        self.max_image_tokens = max_image_tokens
+        self.media_specs: dict[str, MediaSpec] = {spec.modality: spec for spec in media_specs}
+        self.max_media_tokens = max_media_tokens
 
     def process(
         self,
@@ -50,12 +53,12 @@ class InputProcessor:
         priority: int,
         timeout: float | None,
         cache_salt: str | None,
-        images: tuple[ImageItem, ...] = (),
+        media: tuple[MediaItem, ...] = (),
     ) -> list[Request]:
         """The request's completions, `{request_id}#{i}` for i < n; a seeded request's i-th
         completion has seed + i, so that they differ yet each reproduces."""
         prompt_ids = self._encode(prompt)
-        self._check_images(prompt_ids, images)
+        self._check_media(prompt_ids, media)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         self._check_vocabulary(params)
         if timeout is not None and timeout <= 0:
@@ -63,8 +66,9 @@ class InputProcessor:
         if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
             raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
         positions, delta = None, 0
-        if images and self.image_spec.mrope:  # once every check has passed
-            positions, delta = mrope_positions(len(prompt_ids), images, self.image_spec.merge)
+        images = self.media_specs.get("image")
+        if media and isinstance(images, ImageSpec) and images.mrope:  # once every check passed
+            positions, delta = mrope_positions(len(prompt_ids), media, images.merge)
         now = time.monotonic()
         children = []
         for i in range(params.n):
@@ -82,51 +86,52 @@ class InputProcessor:
                     deadline=now + timeout if timeout is not None else None,
                     max_tokens=max_tokens,
                     cache_salt=cache_salt,
-                    images=tuple(images),
+                    media=tuple(media),
                     mrope_positions=positions,
                     mrope_delta=delta,
                 )
             )
         return children
 
-    def _check_images(self, prompt_ids: list[int], images: tuple[ImageItem, ...]) -> None:
-        """Each image fills a run of image tokens of its own, in order, with pixel values the
-        model reads; no image token of the prompt is left without one."""
-        spec = self.image_spec
-        if spec is None:
-            if images:
-                raise ValueError("this model reads text only: it takes no images")
-            return
-        image_token = spec.token_id
-        covered = 0
+    def _check_media(self, prompt_ids: list[int], media: tuple[MediaItem, ...]) -> None:
+        """Each image or clip fills a run of its modality's placeholder tokens of its own, in
+        order, with values the model reads; no placeholder of the prompt is left without one."""
+        covered: Counter[int] = Counter()
         previous_end = 0
-        for i, item in enumerate(images):
-            if not isinstance(item, ImageItem):
-                raise ValueError(f"images[{i}] is not an ImageItem")
+        for i, item in enumerate(media):
+            if not isinstance(item, MediaItem):
+                raise ValueError(f"media[{i}] is not a MediaItem")
+            spec = self.media_specs.get(item.modality)
+            if spec is None:
+                raise ValueError(f"this model takes no {item.modality} input")
+            what = f"media[{i}] ({item.modality})"
             try:
-                tokens = spec.tokens_for(item.pixel_values, item.grid)
+                tokens = spec.tokens_for(item)
             except ValueError as e:
-                raise ValueError(f"images[{i}]: {e}") from None
+                raise ValueError(f"{what}: {e}") from None
             if item.length != tokens:
                 raise ValueError(
-                    f"images[{i}] has {item.length} placeholders; this model gives it {tokens} "
+                    f"{what} has {item.length} placeholders; this model gives it {tokens} "
                     "embeddings"
                 )
-            if not bool(item.pixel_values.isfinite().all()):
-                raise ValueError(f"images[{i}] has pixel values that are not finite")
-            if item.length > self.max_image_tokens:
+            if not bool(item.values.isfinite().all()):
+                raise ValueError(f"{what} has values that are not finite")
+            if item.length > self.max_media_tokens:
                 raise ValueError(
-                    f"images[{i}] takes {item.length} embeddings, more than the encoder's "
-                    f"budget and cache allow ({self.max_image_tokens})"
+                    f"{what} takes {item.length} embeddings, more than the encoder's "
+                    f"budget and cache allow ({self.max_media_tokens})"
                 )
             if item.offset < previous_end or item.end > len(prompt_ids):
-                raise ValueError(f"images[{i}] overlaps another or lies beyond the prompt")
-            if any(t != image_token for t in prompt_ids[item.offset : item.end]):
-                raise ValueError(f"images[{i}] does not lie on image tokens of the prompt")
-            covered += item.length
+                raise ValueError(f"{what} overlaps another or lies beyond the prompt")
+            if any(t != spec.token_id for t in prompt_ids[item.offset : item.end]):
+                raise ValueError(f"{what} does not lie on its placeholder tokens")
+            covered[spec.token_id] += item.length
             previous_end = item.end
-        if prompt_ids.count(image_token) != covered:
-            raise ValueError("the prompt holds image tokens that no image fills")
+        for spec in self.media_specs.values():
+            if prompt_ids.count(spec.token_id) != covered[spec.token_id]:
+                raise ValueError(
+                    f"the prompt holds {spec.modality} placeholder tokens that nothing fills"
+                )
 
     def _encode(self, prompt: str | list[int]) -> list[int]:
         if isinstance(prompt, str):

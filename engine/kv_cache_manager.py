@@ -20,12 +20,12 @@ def cdiv(a: int, b: int) -> int:
     return -(-a // b)
 
 
-def _images_in(request: Request, start: int, end: int) -> bytes:
-    """The images whose placeholders overlap positions [start, end): each one's content hash and
-    where it starts relative to `start`."""
+def _media_in(request: Request, start: int, end: int) -> bytes:
+    """The images and clips whose placeholders overlap positions [start, end): each one's
+    content hash and where it starts relative to `start`."""
     return b"".join(
         item.content_hash + struct.pack("<q", item.offset - start)
-        for item in request.images
+        for item in request.media
         if item.offset < end and item.end > start
     )
 
@@ -54,7 +54,7 @@ class KVCacheManager:
         for i in range(len(hashes), num_tokens // bs):
             parent = hashes[-1] if hashes else salt_root(request.cache_salt)
             start, end = i * bs, (i + 1) * bs
-            extra = _images_in(request, start, end) if request.images else b""
+            extra = _media_in(request, start, end) if request.media else b""
             hashes.append(hash_block(parent, tokens[start:end], extra))
         return hashes
 

@@ -10,12 +10,13 @@ from tqdm import tqdm
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import MediaItem, place
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
-# Text or token ids; or, for a vision-language model, a dict of one of those ("prompt") and
-# the images ("images", PIL images) that fill its image tokens in order.
+# Text or token ids; or, for a multimodal model, a dict of one of those ("prompt") and the
+# images ("images", PIL images) or audio clips ("audio", (waveform, sampling rate) pairs) that
+# fill its placeholder tokens in order.
 Prompt = str | list[int] | dict[str, Any]
 
 
@@ -55,7 +56,7 @@ class LLM:
         try:
             for i, (prompt, params) in enumerate(zip(prompts, sampling_params, strict=True)):
                 prio = priority[i] if priority is not None else 0
-                tokens, images = self._with_images(prompt)
+                tokens, media = self._with_media(prompt)
                 ids.append(
                     self.engine.add_request(
                         None,
@@ -63,7 +64,7 @@ class LLM:
                         final[id(params)],
                         priority=prio,
                         cache_salt=cache_salt,
-                        images=images,
+                        media=media,
                     )
                 )
         except ValueError:
@@ -73,20 +74,26 @@ class LLM:
             raise
         return self._run(ids, use_tqdm)
 
-    def _with_images(self, prompt: Prompt) -> tuple[str | list[int], tuple[ImageItem, ...]]:
-        """The prompt as the engine takes it, and its images placed in it."""
+    def _with_media(self, prompt: Prompt) -> tuple[str | list[int], tuple[MediaItem, ...]]:
+        """The prompt as the engine takes it, and its images and clips placed in it."""
         if not isinstance(prompt, dict):
             return prompt, ()
-        text, images = prompt["prompt"], prompt.get("images") or []
-        processor = self.engine.image_processor
-        if processor is None:
-            if images:
-                raise ValueError("this model reads text only: it takes no images")
+        text = prompt["prompt"]
+        images, clips = prompt.get("images") or [], prompt.get("audio") or []
+        image_processor = self.engine.image_processor
+        audio_processor = self.engine.audio_processor
+        if images and image_processor is None:
+            raise ValueError("this model takes no images")
+        if clips and audio_processor is None:
+            raise ValueError("this model takes no audio")
+        media = [image_processor(image) for image in images]
+        media += [audio_processor(waveform, rate) for waveform, rate in clips]
+        if not media:
             return text, ()
         ids = (
             self.tokenizer.encode(text, add_special_tokens=True) if isinstance(text, str) else text
         )
-        ids, items = processor.place(list(ids), [processor(image) for image in images])
+        ids, items = place(list(ids), media)
         return ids, tuple(items)
 
     def _run(self, ids: list[str], use_tqdm: bool) -> list[RequestOutput]:

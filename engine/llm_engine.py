@@ -13,13 +13,15 @@ import time
 
 import torch
 
+from pagedbatch.engine.audio import AudioLimits, AudioProcessor, audio_spec
 from pagedbatch.engine.config import EngineArgs, ModelConfig, default_model_name
 from pagedbatch.engine.engine_core import EngineCore
+from pagedbatch.engine.images import ImageLimits, ImageProcessor, image_spec
 from pagedbatch.engine.input_processor import InputProcessor
 from pagedbatch.engine.loggers import StatLogger
 from pagedbatch.engine.metrics import EngineMetrics
 from pagedbatch.engine.model_runner import ModelRunner
-from pagedbatch.engine.multimodal import ImageItem, ImageLimits, ImageProcessor, image_spec
+from pagedbatch.engine.multimodal import MediaItem
 from pagedbatch.engine.output_processor import OutputProcessor
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import SamplingParams
@@ -43,10 +45,11 @@ class LLMEngine:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
         self.max_model_len = args.max_model_len or limit
         self.core = EngineCore(self.model_config, args, self.tokenizer, self.eos_token_ids)
-        spec = image_spec(self.model_config)
-        # For callers to make images ready with, off the engine thread; None: no images.
-        self.image_processor = None
-        if spec is not None:
+        # For callers to make images and clips ready with, off the engine thread; None: the
+        # model takes none.
+        self.image_processor: ImageProcessor | None = None
+        self.audio_processor: AudioProcessor | None = None
+        if image_spec(self.model_config) is not None:
             hosts = (args.media_allowed_hosts or "").lower().split(",")
             limits = ImageLimits(
                 args.max_images_per_request,
@@ -55,6 +58,14 @@ class LLMEngine:
                 tuple(host.strip() for host in hosts if host.strip()),
             )
             self.image_processor = ImageProcessor(self.model_config, limits)
+        if audio_spec(self.model_config) is not None:
+            self.audio_processor = AudioProcessor(
+                self.model_config,
+                AudioLimits(
+                    args.max_audio_clips_per_request, args.max_audio_bytes, args.max_audio_seconds
+                ),
+            )
+        processors = (self.image_processor, self.audio_processor)
         self.inputs = InputProcessor(
             self.tokenizer,
             self.model_config.vocab_size,
@@ -62,7 +73,7 @@ class LLMEngine:
             self.eos_token_ids,
             args.block_size,
             self.core.kv.pool.num_blocks,
-            spec,
+            [p.spec for p in processors if p is not None],
             min(args.max_num_encoder_tokens, args.encoder_cache_size),
         )
         self.outputs = OutputProcessor(self.tokenizer, self.core)
@@ -97,21 +108,21 @@ class LLMEngine:
         priority: int = 0,
         timeout: float | None = None,
         cache_salt: str | None = None,
-        images: tuple[ImageItem, ...] = (),
+        media: tuple[MediaItem, ...] = (),
     ) -> str:
         """Queue a request; raises ValueError naming the problem if it cannot run.
 
         Requests share prefix-cache blocks only when their `cache_salt`s are equal (None
         included): a tenant's salt keeps others from learning, through cached_tokens, what it sent.
-        A vision-language model's `images` come from `image_processor`, placed in the prompt
-        by its `place`.
+        A multimodal model's `media` come from `image_processor` and `audio_processor`, placed
+        in the prompt by `multimodal.place`.
         """
         params = params or SamplingParams()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
         completions = self.inputs.process(
-            request_id, prompt, params, priority, timeout, cache_salt, images
+            request_id, prompt, params, priority, timeout, cache_salt, media
         )
         self.outputs.add(request_id, completions)
         self.core.add(completions, params.structured)
@@ -148,7 +159,7 @@ class LLMEngine:
         cache = self.core.encoder_cache
         if cache is None:
             return {}
-        return {"images_encoded": cache.images_encoded, "encoder_cache_hits": cache.cache_hits}
+        return {"media_encoded": cache.media_encoded, "encoder_cache_hits": cache.cache_hits}
 
     def get_stats(self) -> dict:
         pool = self.core.kv.pool

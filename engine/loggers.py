@@ -29,8 +29,8 @@ class StepStats:
     preemptions: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found
-    images_encoded: int = 0  # images the step gave the vision encoder
-    encoder_cache_hits: int = 0  # images whose embeddings the encoder cache held
+    media_encoded: int = 0  # images and clips the step gave the encoder
+    encoder_cache_hits: int = 0  # items whose embeddings the encoder cache held
     finished: list[Request] = field(default_factory=list)  # completions retired this step
     # The engine at the end of the step.
     running: int = 0

@@ -104,12 +104,12 @@ PREFIX_CACHE_QUERIES = Counter(
 PREFIX_CACHE_HITS = Counter(
     f"{PREFIX}prefix_cache_hits", "Prompt tokens found in the prefix cache.", LABELS
 )
-IMAGES_ENCODED = Counter(
-    f"{PREFIX}encoder_images", "Images run through the vision encoder.", LABELS
+MEDIA_ENCODED = Counter(
+    f"{PREFIX}encoder_inputs", "Images and audio clips run through an encoder.", LABELS
 )
 ENCODER_CACHE_HITS = Counter(
     f"{PREFIX}encoder_cache_hits",
-    "Images whose embeddings the encoder cache held when a request needed them.",
+    "Images and clips whose embeddings the encoder cache held when a request needed them.",
     LABELS,
 )
 PREEMPTIONS = Counter(
@@ -176,7 +176,7 @@ class EngineMetrics(StatLogger):
         self._queries = PREFIX_CACHE_QUERIES.labels(model_name)
         self._hits = PREFIX_CACHE_HITS.labels(model_name)
         self._preemptions = PREEMPTIONS.labels(model_name)
-        self._images_encoded = IMAGES_ENCODED.labels(model_name)
+        self._media_encoded = MEDIA_ENCODED.labels(model_name)
         self._encoder_cache_hits = ENCODER_CACHE_HITS.labels(model_name)
         self._ttft = TTFT.labels(model_name)
         self._queue_time = QUEUE_TIME.labels(model_name)
@@ -196,7 +196,7 @@ class EngineMetrics(StatLogger):
             (self._queries, stats.prefix_queries),
             (self._hits, stats.prefix_hits),
             (self._preemptions, stats.preemptions),
-            (self._images_encoded, stats.images_encoded),
+            (self._media_encoded, stats.media_encoded),
             (self._encoder_cache_hits, stats.encoder_cache_hits),
         )
         for counter, amount in counters:

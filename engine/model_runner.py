@@ -73,10 +73,10 @@ class StepInput:
     seq_lens: list[int]  # each sequence's context length after this step
     block_tables: np.ndarray  # [num_seqs, width] int32: row i is sequence i's, padded with 0
     sample_rows: list[int]  # the tokens whose next-token logits are wanted
-    # A vision-language model's: the images to encode (and cached outputs to drop first), and
-    # the batch rows that take image embeddings: (first row, image hash, its embeddings from, to).
+    # A multimodal model's: the images and clips to encode (and cached outputs to drop first),
+    # and the batch rows that take their embeddings: (first row, item hash, embeddings from, to).
     encoder: EncoderWork | None = None
-    image_rows: list[tuple[int, bytes, int, int]] = field(default_factory=list)
+    media_rows: list[tuple[int, bytes, int, int]] = field(default_factory=list)
     # A model with M-RoPE: every token's positions along time, height and width, [3, tokens].
     mrope_positions: np.ndarray | None = None
 
@@ -94,14 +94,14 @@ class StepInput:
         mrope_columns: list[np.ndarray] = []
         query_start_loc = [0]
         sample_rows: list[int] = []
-        image_rows: list[tuple[int, bytes, int, int]] = []
+        media_rows: list[tuple[int, bytes, int, int]] = []
         for s in scheduled:
             first_row = len(input_ids)
-            for item in s.request.images:
+            for item in s.request.media:
                 start, end = max(s.start, item.offset), min(s.end, item.end)
                 if start < end:
                     row = first_row + start - s.start
-                    image_rows.append(
+                    media_rows.append(
                         (row, item.content_hash, start - item.offset, end - item.offset)
                     )
             input_ids.extend(s.request.all_token_ids[s.start : s.end])
@@ -117,7 +117,7 @@ class StepInput:
             block_tables=block_tables,
             sample_rows=sample_rows,
             encoder=encoder,
-            image_rows=image_rows,
+            media_rows=media_rows,
             mrope_positions=np.concatenate(mrope_columns, axis=1) if mrope else None,
         )
 
@@ -163,8 +163,8 @@ class ModelRunner:
         self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)]
         # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
         self.ranks: RankProcesses | None = None
-        # Image embeddings by content hash, as the engine's EncoderCache says (a multimodal
-        # model's; every rank keeps its own copy).
+        # Image and audio embeddings by content hash, as the engine's EncoderCache says (a
+        # multimodal model's; every rank keeps its own copy).
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
 
     def _load_model(self, rows: int) -> torch.nn.Module:
@@ -226,8 +226,8 @@ class ModelRunner:
             positions = torch.from_numpy(step.mrope_positions).to(device)
         if step.encoder is not None:
             self._encode(step.encoder)
-        if step.image_rows:
-            rows, embeds = self._image_embeddings(step.image_rows)
+        if step.media_rows:
+            rows, embeds = self._media_embeddings(step.media_rows)
             hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, embeds)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
@@ -235,20 +235,20 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]).float()
 
     def _encode(self, work: EncoderWork) -> None:
-        """Drop what the cache evicted, then encode the new images, all at once."""
+        """Drop what the cache evicted, then encode the new images or clips, all at once."""
         for content_hash in work.free:
             del self.encoder_outputs[content_hash]
         if work.encode:
-            embeddings = self.model.encode_images(work.encode)
+            embeddings = self.model.encode(work.encode)
             for item, embeds in zip(work.encode, embeddings, strict=True):
                 self.encoder_outputs[item.content_hash] = embeds
 
-    def _image_embeddings(
-        self, image_rows: list[tuple[int, bytes, int, int]]
+    def _media_embeddings(
+        self, media_rows: list[tuple[int, bytes, int, int]]
     ) -> tuple[torch.Tensor, torch.Tensor]:
-        """The batch rows that hold image positions, and their embeddings in the same order."""
-        rows = [torch.arange(row, row + end - start) for row, _, start, end in image_rows]
-        embeds = [self.encoder_outputs[h][start:end] for _, h, start, end in image_rows]
+        """The batch rows that hold media positions, and their embeddings in the same order."""
+        rows = [torch.arange(row, row + end - start) for row, _, start, end in media_rows]
+        embeds = [self.encoder_outputs[h][start:end] for _, h, start, end in media_rows]
         return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     def shutdown(self) -> None:

@@ -1,203 +1,113 @@
-"""Images as the engine takes them: pixel values that fill a run of placeholder tokens.
+"""Media as the engine takes them: images and audio clips whose encoder outputs fill a run of
+placeholder tokens of the prompt.
 
-A caller turns each image into pixel values with `ImageProcessor` (transformers' image processor
-for the model, on its PIL/numpy backend), off the engine thread: decoding and resizing a large
-image takes tens of milliseconds that would otherwise stall every request's decoding. Then
-`ImageProcessor.place` expands each image token of the prompt into the run of placeholders the
-image's embeddings take the places of, and returns the `ImageItem`s that a request carries.
-`ImageSpec` says what a model reads of an image (LLaVA: one fixed shape; Qwen2-VL: patch rows on
-a grid of the image's own size), and `mrope_positions` lays out Qwen2-VL's positions on the grids.
+A caller turns each image or clip into the values its encoder reads (engine/images.py,
+engine/audio.py: transformers' processors for the model), off the engine thread: decoding and
+resizing a large image, or computing a clip's spectrogram, takes tens of milliseconds that would
+otherwise stall every request's decoding. Then `place` expands each placeholder token of the
+prompt into the run its item's embeddings take the places of, and returns the `MediaItem`s that a
+request carries. From there the engine treats every modality alike: the scheduler encodes an item
+in the step that first reaches it, the encoder cache keeps its embeddings by content hash, and the
+prefix cache's block hashes include the hashes of the items a block holds.
 """
 
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Sequence
+from collections import Counter
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
-from pathlib import Path
-from typing import Any
+from typing import Literal, Protocol
 
-import numpy as np
 import torch
 
-from pagedbatch.engine.config import ModelConfig
-
+Modality = Literal["image", "audio"]
 Grid = tuple[int, int, int]  # an image's patches along time (frames), height and width
 
 
 @dataclass(frozen=True, eq=False)
-class ImageItem:
-    """One image of a request: its pixel values and the prompt positions its embeddings fill."""
+class ProcessedMedia:
+    """An image or clip ready for the engine, before its place in a prompt is known."""
 
-    pixel_values: torch.Tensor  # float32, as the vision tower reads them
-    content_hash: bytes  # of the pixel values and grid: one image's encoding, and KV, is shared
+    modality: Modality
+    token_id: int  # the placeholder token its embeddings take the places of
+    values: torch.Tensor  # float32: an image's pixel values, a clip's log-mel features
+    content_hash: bytes  # of what the encoder reads: one item's encoding, and KV, is shared
+    num_tokens: int  # embeddings the encoder gives it
+    grid: Grid | None = None  # a dynamic-resolution model's (Qwen2-VL's) patch grid
+    frames: int = 0  # a clip's mel frames of sound; `values` may hold a few more, for context
+
+
+@dataclass(frozen=True, eq=False)
+class MediaItem:
+    """One image or clip of a request: what its encoder reads and the prompt positions its
+    embeddings fill."""
+
+    modality: Modality
+    values: torch.Tensor
+    content_hash: bytes
     offset: int  # the first placeholder's position in the prompt
     length: int  # placeholders, one per embedding the encoder gives
-    grid: Grid | None = None  # a dynamic-resolution model's (Qwen2-VL's) patch grid
+    grid: Grid | None = None
+    frames: int = 0
 
     @property
     def end(self) -> int:
         return self.offset + self.length
 
 
-@dataclass(frozen=True)
-class ImageLimits:
-    """What one request may send: the doors check these before decoding anything."""
+class MediaSpec(Protocol):
+    """What a model reads of one modality."""
 
-    per_request: int
-    bytes: int
-    pixels: int
-    allowed_hosts: tuple[str, ...] = ()  # whose http(s) URLs are fetched; lower case
+    modality: Modality
+    token_id: int
 
-
-@dataclass(frozen=True)
-class ProcessedImage:
-    """An image ready for the engine, before its place in a prompt is known."""
-
-    pixel_values: torch.Tensor
-    content_hash: bytes
-    num_tokens: int
-    grid: Grid | None = None
+    def tokens_for(self, item: MediaItem | ProcessedMedia) -> int:
+        """The embeddings the item gives; ValueError if the model cannot read its values."""
 
 
-def content_hash(pixel_values: torch.Tensor, grid: Grid | None = None) -> bytes:
-    """What an image is to the encoder: its pixel values and, where patches lie on a grid, the
-    grid (a blank 4x8 and 8x4 have the same patches, laid out otherwise)."""
-    h = hashlib.blake2b(digest_size=16, person=b"image")
-    h.update(str((tuple(pixel_values.shape), grid)).encode())
-    h.update(pixel_values.contiguous().numpy().tobytes())
+def content_hash(modality: Modality, values: torch.Tensor, shape_of_content: object) -> bytes:
+    """What an item is to its encoder: its values and what lays them out (an image's patch
+    grid: a blank 4x8 and 8x4 have the same patches; a clip's frames of sound)."""
+    h = hashlib.blake2b(digest_size=16, person=modality.encode())
+    h.update(str((tuple(values.shape), shape_of_content)).encode())
+    h.update(values.contiguous().numpy().tobytes())
     return h.digest()
 
 
-@dataclass(frozen=True)
-class ImageSpec:
-    """What a vision-language model reads of an image: one fixed shape (LLaVA-1.5 resizes every
-    image to one square), or rows of patches on a grid of the image's own size (Qwen2-VL)."""
-
-    token_id: int  # the placeholder token
-    shape: tuple[int, int, int] | None = None  # fixed: channels, height, width
-    tokens: int = 0  # fixed: embeddings per image
-    patch_values: int = 0  # grid: values per patch row (channels x frames x patch x patch)
-    merge: int = 1  # grid: patches merged into one embedding along each side
-    mrope: bool = False  # positions along time, height and width (Qwen2-VL's M-RoPE)
-
-    def tokens_for(self, pixel_values: Any, grid: Grid | None) -> int:
-        """The embeddings an image gives; ValueError if the model cannot read these values."""
-        if not isinstance(pixel_values, torch.Tensor):
-            raise ValueError("pixel values must be a tensor")
-        shape = tuple(pixel_values.shape)
-        if self.shape is not None:
-            if shape != self.shape:
-                raise ValueError(f"pixel values of shape {shape}; the model reads {self.shape}")
-            return self.tokens
-        m = self.merge
-        if (
-            grid is None
-            or len(grid) != 3
-            or any(not isinstance(n, int) or n < 1 for n in grid)
-            or grid[1] % m
-            or grid[2] % m
-        ):
-            raise ValueError(f"a grid of (frames, height, width) patches, sides multiples of {m}")
-        patches = grid[0] * grid[1] * grid[2]
-        if shape != (patches, self.patch_values):
+def place(
+    prompt_ids: list[int],
+    media: Sequence[ProcessedMedia],
+    placeholders: Collection[int] = (),
+) -> tuple[list[int], list[MediaItem]]:
+    """The prompt with each placeholder token expanded to its item's run, and the items in prompt
+    order: the n-th placeholder of a modality takes the n-th item of it. ValueError unless the
+    prompt holds exactly one placeholder per item, and none of the other `placeholders` (the
+    model's, of modalities with no item here)."""
+    wanted = Counter(m.token_id for m in media)
+    for token_id in {*wanted, *placeholders}:
+        found, count = prompt_ids.count(token_id), wanted[token_id]
+        if found != count:
             raise ValueError(
-                f"pixel values of shape {shape}; grid {grid} needs {(patches, self.patch_values)}"
+                f"the prompt holds {found} placeholder tokens ({token_id}) for {count} items"
             )
-        return patches // (m * m)
-
-
-def image_spec(cfg: ModelConfig) -> ImageSpec | None:
-    """None for a model without images."""
-    top = cfg.multimodal
-    token = cfg.image_token_id
-    if top is None or token is None:
-        return None
-    vision = top["vision_config"]
-    if cfg.architecture == "Qwen2VLForConditionalGeneration":
-        patch = vision.get("patch_size", 14)
-        values = vision.get("in_channels", 3) * vision.get("temporal_patch_size", 2) * patch * patch
-        merge = vision.get("spatial_merge_size", 2)
-        return ImageSpec(token, patch_values=values, merge=merge, mrope=True)
-    side = vision["image_size"]
-    patches = (side // vision["patch_size"]) ** 2
-    full = top.get("vision_feature_select_strategy", "default") == "full"
-    return ImageSpec(token, (vision.get("num_channels", 3), side, side), patches + int(full))
-
-
-def mrope_positions(
-    prompt_len: int, images: Sequence[ImageItem], merge: int
-) -> tuple[np.ndarray, int]:
-    """Qwen2-VL's M-RoPE positions of a prompt, `[3, prompt_len]` (time, height, width), and the
-    delta that later tokens' positions add to their index, as transformers' `get_rope_index`:
-    text counts up on all three; an image's embeddings sit on its grid, from where the text
-    before it left off, and the text after goes on from past the grid's longer side."""
-    columns = []
-    index = position = 0
-    for item in images:
-        text = item.offset - index
-        columns.append(np.broadcast_to(np.arange(position, position + text), (3, text)))
-        position += text
-        frames, height, width = item.grid[0], item.grid[1] // merge, item.grid[2] // merge
-        t, h, w = np.meshgrid(np.arange(frames), np.arange(height), np.arange(width), indexing="ij")
-        columns.append(np.stack([t, h, w]).reshape(3, -1) + position)
-        position += max(height, width)
-        index = item.end
-    text = prompt_len - index
-    columns.append(np.broadcast_to(np.arange(position, position + text), (3, text)))
-    table = np.concatenate(columns, axis=1).astype(np.int64)
-    return table, int(table.max()) + 1 - prompt_len
-
-
-class ImageProcessor:
-    """A vision-language model's image preprocessing, safe to call from many threads."""
-
-    def __init__(self, cfg: ModelConfig, limits: ImageLimits):
-        from transformers import AutoImageProcessor  # only multimodal models need its imports
-
-        spec = image_spec(cfg)
-        if spec is None:
-            raise ValueError(f"{cfg.architecture} takes no images")
-        self.spec = spec
-        self.limits = limits
-        self._processor = AutoImageProcessor.from_pretrained(Path(cfg.metadata_dir))
-
-    def __call__(self, image: Any) -> ProcessedImage:
-        """A PIL image (any mode; converted to RGB) made ready for the engine."""
-        out = self._processor(images=[image], return_tensors="np")
-        grid = None
-        if "image_grid_thw" in out:  # one image's patch rows, on its grid
-            grid = tuple(int(n) for n in out["image_grid_thw"][0])
-            pixels = out["pixel_values"]
-        else:
-            pixels = out["pixel_values"][0]
-        pixel_values = torch.from_numpy(np.ascontiguousarray(pixels, dtype=np.float32))
-        tokens = self.spec.tokens_for(pixel_values, grid)
-        return ProcessedImage(pixel_values, content_hash(pixel_values, grid), tokens, grid)
-
-    def place(
-        self, prompt_ids: list[int], images: list[ProcessedImage]
-    ) -> tuple[list[int], list[ImageItem]]:
-        """The prompt with each image token expanded to its image's placeholders, and the
-        items; ValueError unless the prompt holds exactly one image token per image."""
-        image_token = self.spec.token_id
-        found = prompt_ids.count(image_token)
-        if found != len(images):
-            raise ValueError(
-                f"the prompt holds {found} image placeholder tokens for {len(images)} images"
+    pending = {token_id: iter([m for m in media if m.token_id == token_id]) for token_id in wanted}
+    ids: list[int] = []
+    items: list[MediaItem] = []
+    for token in prompt_ids:
+        if token not in pending:
+            ids.append(token)
+            continue
+        m = next(pending[token])
+        items.append(
+            MediaItem(
+                m.modality, m.values, m.content_hash, len(ids), m.num_tokens, m.grid, m.frames
             )
-        ids: list[int] = []
-        items: list[ImageItem] = []
-        pending = iter(images)
-        for token in prompt_ids:
-            if token != image_token:
-                ids.append(token)
-                continue
-            image = next(pending)
-            items.append(
-                ImageItem(
-                    image.pixel_values, image.content_hash, len(ids), image.num_tokens, image.grid
-                )
-            )
-            ids.extend([token] * image.num_tokens)
-        return ids, items
+        )
+        ids.extend([token] * m.num_tokens)
+    return ids, items
+
+
+def media_tokens(items: Sequence[MediaItem], modality: Modality) -> int:
+    """The prompt positions that items of `modality` fill."""
+    return sum(item.length for item in items if item.modality == modality)

@@ -30,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 from pagedbatch.engine.detokenizer import IncrementalDetokenizer
 from pagedbatch.engine.engine_core import CoreOutput, EngineCore, SampledToken
 from pagedbatch.engine.loggers import StepStats
+from pagedbatch.engine.multimodal import media_tokens
 from pagedbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
 from pagedbatch.engine.request import Request, RequestStatus
 from pagedbatch.engine.sampling_params import RequestOutputKind
@@ -122,7 +123,7 @@ class OutputProcessor:
             preemptions=step.preemptions,
             prefix_queries=step.prefix_queries,
             prefix_hits=step.prefix_hits,
-            images_encoded=step.images_encoded,
+            media_encoded=step.media_encoded,
             encoder_cache_hits=step.encoder_cache_hits,
         )
         for scheduled in step.scheduled:
@@ -202,7 +203,8 @@ class OutputProcessor:
             outputs=completions,
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
-            num_image_tokens=sum(item.length for item in first.images),
+            num_image_tokens=media_tokens(first.media, "image"),
+            num_audio_tokens=media_tokens(first.media, "audio"),
             error=error,
             metrics=_metrics(first),
         )

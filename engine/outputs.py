@@ -46,6 +46,7 @@ class RequestOutput:
     finished: bool = False
     num_cached_tokens: int = 0
     num_image_tokens: int = 0  # prompt tokens that images' embeddings fill
+    num_audio_tokens: int = 0  # prompt tokens that audio clips' embeddings fill
     error: str | None = None
     metrics: RequestMetrics | None = None
 

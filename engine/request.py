@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import MediaItem
 from pagedbatch.engine.sampling_params import SamplingParams
 
 
@@ -98,7 +98,7 @@ class Request:
     deadline: float | None = None  # monotonic time after which the request is aborted
     max_tokens: int = 0  # resolved by the engine from sampling_params and the context length
     cache_salt: str | None = None  # prefix-cache blocks are shared only between equal salts
-    images: tuple[ImageItem, ...] = ()  # in prompt order, their placeholders apart
+    media: tuple[MediaItem, ...] = ()  # images and clips in prompt order, placeholders apart
     # A model with M-RoPE (Qwen2-VL): the prompt's positions, [3, prompt tokens], when images
     # make them other than the tokens' indices; later tokens sit at their index plus the delta.
     mrope_positions: np.ndarray | None = field(default=None, repr=False)

@@ -11,10 +11,10 @@ steps realtime requests wait on short. When the KV pool runs dry, the worst runn
 (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
 mostly from the prefix cache.
 
-A request's images are encoded in the step that first reaches their placeholders, within a
-per-step encoder budget and the encoder cache's room (`encoder_cache`): a chunk is cut before
-the first image whose embeddings cannot be had this step. A chunk may end inside an image; the
-next goes on from the cached embeddings.
+A request's images and audio clips are encoded in the step that first reaches their
+placeholders, within a per-step encoder budget and the encoder cache's room (`encoder_cache`): a
+chunk is cut before the first item whose embeddings cannot be had this step. A chunk may end
+inside an item; the next goes on from the cached embeddings.
 """
 
 from __future__ import annotations
@@ -86,14 +86,14 @@ class Scheduler:
         # ... and no more than fit in a step this long, once `step_cost` can tell.
         self.low_priority_step_seconds = low_priority_step_seconds
         self.step_cost = step_cost
-        # A vision-language model's: which images' embeddings the runner holds, and how many
+        # A multimodal model's: which items' embeddings the runner holds, and how many
         # embeddings it may encode in one step.
         self.encoder_cache = encoder_cache
         self.max_num_encoder_tokens = max_num_encoder_tokens
         self._encoder_budget = 0  # left in the step being scheduled
-        # (request id, image hash) whose placeholders the last step finished: released next step,
+        # (request id, item hash) whose placeholders the last step finished: released next step,
         # once the runner has read them.
-        self._images_passed: list[tuple[str, bytes]] = []
+        self._media_passed: list[tuple[str, bytes]] = []
         self.waiting: list[Request] = []  # sorted, best first
         self.running: list[Request] = []  # sorted, best first
         self.num_preemptions = 0
@@ -118,16 +118,16 @@ class Scheduler:
         request.transition(status)
         request.finished_time = time.monotonic()
         self.kv.forget(request)
-        self._release_images(request)
+        self._release_media(request)
 
-    def _release_images(self, request: Request) -> None:
-        if self.encoder_cache is not None and request.images:
+    def _release_media(self, request: Request) -> None:
+        if self.encoder_cache is not None and request.media:
             self.encoder_cache.release(request.request_id)
 
     def _preempt(self, request: Request) -> None:
         self.running.remove(request)
         self.kv.free(request)
-        self._release_images(request)
+        self._release_media(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
         request.num_preemptions += 1
@@ -160,9 +160,9 @@ class Scheduler:
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         if self.encoder_cache is not None:
-            for request_id, content_hash in self._images_passed:
+            for request_id, content_hash in self._media_passed:
                 self.encoder_cache.release(request_id, content_hash)
-            self._images_passed.clear()
+            self._media_passed.clear()
             self._encoder_budget = self.max_num_encoder_tokens
         if self.policy == "priority":
             self._make_room_for_better_waiting(out)
@@ -200,13 +200,13 @@ class Scheduler:
         # At least one token a step: realtime traffic slows the others, never stops them.
         return max(1, min(tokens, int(room / per_token)))
 
-    def _fit_images(self, request: Request, start: int, num_new: int) -> int:
-        """`num_new` tokens from `start`, cut before the first image the chunk reaches whose
-        embeddings cannot be had this step; takes the request's hold on the others (encoding
-        those not cached, within the step's encoder budget)."""
+    def _fit_media(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, cut before the first image or clip the chunk reaches
+        whose embeddings cannot be had this step; takes the request's hold on the others
+        (encoding those not cached, within the step's encoder budget)."""
         cache = self.encoder_cache
         end = start + num_new
-        for item in request.images:
+        for item in request.media:
             if item.end <= start or item.offset >= end:
                 continue
             h = item.content_hash
@@ -217,7 +217,7 @@ class Scheduler:
                     self._encoder_budget -= item.length
                 cache.hold(request.request_id, item)
             if item.end <= end:
-                self._images_passed.append((request.request_id, h))
+                self._media_passed.append((request.request_id, h))
         return num_new
 
     def _top_priority(self) -> int | None:
@@ -239,9 +239,9 @@ class Scheduler:
             if only is not None and request.priority != only:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
-            if request.images:
-                num_new = self._fit_images(request, request.num_computed_tokens, num_new)
-                if num_new == 0:  # its next image cannot be encoded this step
+            if request.media:
+                num_new = self._fit_media(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next item cannot be encoded this step
                     i += 1
                     continue
             while not self.kv.allocate(request, num_new):
@@ -273,10 +273,10 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request)
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
-            if request.images:
-                num_new = self._fit_images(request, num_cached, num_new)
+            if request.media:
+                num_new = self._fit_media(request, num_cached, num_new)
             if num_new == 0 or not self.kv.allocate(request, num_new, cached):
-                self._release_images(request)
+                self._release_media(request)
                 break
             self.waiting.pop(0)
             request.transition(RequestStatus.RUNNING)

@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from pagedbatch.api.auth import get_owner
 from pagedbatch.api.batches import routes as batches
 from pagedbatch.api.files import routes as files
-from pagedbatch.api.routes import chat, completions, engine, models
+from pagedbatch.api.routes import audio, chat, completions, engine, models
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.api.webhooks import routes as webhooks
 from pagedbatch.protocol.errors import OpenAIError
@@ -30,6 +30,7 @@ api_router = APIRouter(
     dependencies=[Depends(get_owner), Depends(reject_nul)],
     responses=error_responses(400, 401, "4XX"),
 )
+api_router.include_router(audio.router)
 api_router.include_router(batches.router)
 api_router.include_router(chat.router)
 api_router.include_router(completions.router)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from pagedbatch.api.deps import ServicesDep
-from pagedbatch.api.realtime import answer
+from pagedbatch.api.realtime import answer, json_of
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
 from pagedbatch.protocol.schemas.chat import ChatCompletion, ChatCompletionRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
@@ -21,4 +21,4 @@ router = APIRouter(prefix="/chat", tags=["chat"])
     openapi_extra=json_body(ChatCompletionRequest),
 )
 async def create_chat_completion(request: Request, services: ServicesDep) -> Response:
-    return await answer(request, services, ChatCompletionRequest, prepare_chat, ChatChunks)
+    return await answer(request, services, json_of(ChatCompletionRequest), prepare_chat, ChatChunks)

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from pagedbatch.api.deps import ServicesDep
-from pagedbatch.api.realtime import answer
+from pagedbatch.api.realtime import answer, json_of
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
 from pagedbatch.protocol.schemas.completions import Completion, CompletionRequest
 from pagedbatch.protocol.serving.completions import prepare_completion
@@ -21,4 +21,6 @@ router = APIRouter(prefix="/completions", tags=["completions"])
     openapi_extra=json_body(CompletionRequest),
 )
 async def create_completion(request: Request, services: ServicesDep) -> Response:
-    return await answer(request, services, CompletionRequest, prepare_completion, CompletionChunks)
+    return await answer(
+        request, services, json_of(CompletionRequest), prepare_completion, CompletionChunks
+    )

@@ -15,8 +15,8 @@ from torch import nn
 from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.models.clip import CLIPVisionTower, activation
 from pagedbatch.engine.models.llama import LlamaForCausalLM
-from pagedbatch.engine.models.vision_language import VisionLanguageModel
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.models.multimodal import MultimodalModel
+from pagedbatch.engine.multimodal import MediaItem
 
 
 class Projector(nn.Module):
@@ -30,7 +30,7 @@ class Projector(nn.Module):
         return self.linear_2(self.act(self.linear_1(x)))
 
 
-class LlavaForConditionalGeneration(VisionLanguageModel):
+class LlavaForConditionalGeneration(MultimodalModel):
     # As transformers saves LLaVA (the language model's names within it as a Llama's), as it
     # holds it in memory (model.*), and as older hub checkpoints name the tower (vision_model).
     PREFIXES = (
@@ -68,10 +68,10 @@ class LlavaForConditionalGeneration(VisionLanguageModel):
         )
         self.language_model = LlamaForCausalLM(cfg)
 
-    def encode_images(self, items: list[ImageItem]) -> list[torch.Tensor]:
+    def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Every image at once: they all have the one shape LLaVA reads."""
         weight = self.multi_modal_projector.linear_1.weight
-        pixels = torch.stack([item.pixel_values for item in items]).to(weight)
+        pixels = torch.stack([item.values for item in items]).to(weight)
         features = self.vision_tower(pixels)
         if self.strategy == "default":
             features = features[:, 1:]

@@ -21,9 +21,9 @@ from torch import nn
 from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.models.clip import VisionMLP
 from pagedbatch.engine.models.llama import LlamaForCausalLM
+from pagedbatch.engine.models.multimodal import MultimodalModel
 from pagedbatch.engine.models.rope import RotaryEmbedding
-from pagedbatch.engine.models.vision_language import VisionLanguageModel
-from pagedbatch.engine.multimodal import Grid, ImageItem
+from pagedbatch.engine.multimodal import Grid, MediaItem
 from pagedbatch.kernels import ops
 
 VISION_NORM_EPS = 1e-6
@@ -176,7 +176,7 @@ class Qwen2VisionTransformer(nn.Module):
         return torch.stack([rows, cols], dim=-1).repeat(frames, 1)
 
 
-class Qwen2VLForConditionalGeneration(VisionLanguageModel):
+class Qwen2VLForConditionalGeneration(MultimodalModel):
     # As transformers saves Qwen2-VL (and the hub's checkpoints are), and as it holds it in
     # memory (model.visual, model.language_model).
     PREFIXES = (
@@ -193,9 +193,9 @@ class Qwen2VLForConditionalGeneration(VisionLanguageModel):
         self.visual = Qwen2VisionTransformer(cfg.multimodal["vision_config"])
         self.language_model = Qwen2VLTextModel(cfg)
 
-    def encode_images(self, items: list[ImageItem]) -> list[torch.Tensor]:
+    def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Every image at once: patches side by side, attention kept within each image."""
         weight = self.visual.patch_embed.proj.weight
-        rows = torch.cat([item.pixel_values for item in items]).to(weight)
+        rows = torch.cat([item.values for item in items]).to(weight)
         embeds = self.visual(rows, [item.grid for item in items])
         return list(embeds.split([item.length for item in items]))

@@ -18,6 +18,7 @@ import torch
 from pagedbatch.engine.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.models.llama import LlamaForCausalLM
 from pagedbatch.engine.models.llava import LlavaForConditionalGeneration
+from pagedbatch.engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from pagedbatch.engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
 
 ENTRY_POINT_GROUP = "pagedbatch.models"
@@ -29,6 +30,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
+    "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
 }
 
 

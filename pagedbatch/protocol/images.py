@@ -21,7 +21,7 @@ import httpx
 from PIL import Image, UnidentifiedImageError
 
 from pagedbatch.egress import Destination, ForbiddenDestination, check_url
-from pagedbatch.engine.multimodal import ImageLimits
+from pagedbatch.engine.images import ImageLimits
 from pagedbatch.protocol.errors import OpenAIError
 
 # What Pillow calls the formats OpenAI accepts; a GIF's first frame is the image.

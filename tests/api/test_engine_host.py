@@ -212,6 +212,19 @@ def test_the_api_streams_from_the_host_and_passes_over_one_that_is_gone(settings
     assert load(host)["running"] == 0
 
 
+def test_a_transcription_form_reaches_the_host_whole(settings, start_host):
+    """The API passes the form on with its content type, boundary and all: the host reads its
+    fields and answers for the model (which takes no audio), through the API."""
+    start_host(settings)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
+    with serving(api_only(settings)) as url, pytest.raises(openai.BadRequestError) as caught:
+        client(url).audio.transcriptions.create(model="tiny", file=("clip.wav", b"RIFF...."))
+    assert (caught.value.body["param"], caught.value.body["code"]) == (
+        "model",
+        "unsupported_content_type",
+    )
+
+
 def test_the_models_are_the_configured_one_and_those_of_live_engines(settings):
     asyncio.run(_publish(settings.broker_url, record("gone", model="big", address=DEAD)))
     with serving(api_only(settings)) as url:

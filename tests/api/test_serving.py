@@ -125,33 +125,20 @@ class TestChatPrompt:
             "model",
         )
 
-    @pytest.mark.parametrize(
-        ("fields", "param"),
-        [
-            ({"audio": {"voice": "alloy", "format": "wav"}}, "audio"),
-            (
-                {
-                    "messages": [
-                        {
-                            "role": "user",
-                            "content": [
-                                {"type": "text", "text": "What is this?"},
-                                {
-                                    "type": "input_audio",
-                                    "input_audio": {"data": "AAAA", "format": "wav"},
-                                },
-                            ],
-                        }
-                    ]
-                },
-                "messages[0].content[1]",
-            ),
-        ],
-    )
-    def test_what_is_not_built_yet_is_a_clear_400(self, engine, fields, param):
-        error = refusal(chat, engine, **fields)
-        assert (error.status_code, error.detail.param) == (400, param)
+    def test_audio_output_is_a_clear_400(self, engine):
+        error = refusal(chat, engine, audio={"voice": "alloy", "format": "wav"})
+        assert (error.status_code, error.detail.param) == (400, "audio")
         assert "not supported" in error.detail.message
+
+    def test_audio_input_to_a_text_only_model_is_a_clear_400(self, engine):
+        part = {"type": "input_audio", "input_audio": {"data": "AAAA", "format": "wav"}}
+        error = refusal(
+            chat,
+            engine,
+            messages=[{"role": "user", "content": [{"type": "text", "text": "?"}, part]}],
+        )
+        assert (error.status_code, error.detail.param) == (400, "messages[0].content[1]")
+        assert error.detail.message == "This model takes no audio clips."
 
     def test_a_text_response_format_is_fine(self, engine):
         assert chat(engine, response_format={"type": "text"}).inputs

@@ -6,14 +6,14 @@ import pytest
 import torch
 
 from pagedbatch.engine.encoder_cache import EncoderCache
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import MediaItem
 
 
-def item(name: str, length: int = 4) -> ImageItem:
-    return ImageItem(torch.zeros(3, 2, 2), name.encode().ljust(16, b"."), 0, length)
+def item(name: str, length: int = 4) -> MediaItem:
+    return MediaItem("image", torch.zeros(3, 2, 2), name.encode().ljust(16, b"."), 0, length)
 
 
-def hashes(items: list[ImageItem]) -> list[bytes]:
+def hashes(items: list[MediaItem]) -> list[bytes]:
     return [i.content_hash for i in items]
 
 
@@ -27,7 +27,7 @@ def test_an_image_is_encoded_once_while_cached():
     cache.release("r2")
     cache.hold("r3", a)  # nobody held it, yet it stayed
     assert cache.take_work().encode == []
-    assert (cache.images_encoded, cache.cache_hits) == (1, 2)
+    assert (cache.media_encoded, cache.cache_hits) == (1, 2)
 
 
 def test_held_entries_are_never_evicted():

@@ -136,7 +136,7 @@ def test_a_step_histogram_buckets_as_prometheus_client_does():
     assert samples(generate_latest(mine).decode()) == samples(generate_latest(theirs).decode())
 
 
-def test_images_encoded_and_encoder_cache_hits_are_counted(make_checkpoint, model_name: str):
+def test_media_encoded_and_encoder_cache_hits_are_counted(make_checkpoint, model_name: str):
     model_dir = make_checkpoint("llava")
     llm = LLM(model_dir, served_model_name=model_name)
     picture = image(5)
@@ -144,5 +144,5 @@ def test_images_encoded_and_encoder_cache_hits_are_counted(make_checkpoint, mode
         text = chat_text(model_dir, "Hi", 1, system)
         llm.generate({"prompt": text, "images": [picture]}, greedy(2))
     m = scrape(model_name)
-    assert m["pagedbatch:encoder_images_total", ()] == 1
+    assert m["pagedbatch:encoder_inputs_total", ()] == 1
     assert m["pagedbatch:encoder_cache_hits_total", ()] == 1

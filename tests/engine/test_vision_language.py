@@ -4,6 +4,7 @@ prefix-cache hashes."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -14,7 +15,7 @@ from PIL import Image
 from vision_oracle import MAX_TOKENS, chat_text, hf_greedy, image
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import place
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ARCHS = ("llava", "qwen2_vl")
@@ -40,7 +41,7 @@ def test_one_image_matches_transformers(vlm):
     (out,) = llm.generate(prompt(vlm, "What is in this picture?", [picture]), GREEDY)
     text = chat_text(vlm, "What is in this picture?", 1)
     assert out.outputs[0].token_ids == hf_greedy(vlm, text, [picture])
-    assert llm.get_stats()["images_encoded"] == 1
+    assert llm.get_stats()["media_encoded"] == 1
     assert_pool_whole(llm)
 
 
@@ -98,7 +99,7 @@ def test_concurrent_mix_matches_transformers(vlm, engine_args):
     if "num_kv_blocks" in engine_args:
         assert stats["preemptions"] > 0
     # Every image is encoded once: a request holds its images until its prefill is past them.
-    assert stats["images_encoded"] == sum(len(p["images"]) for p in prompts)
+    assert stats["media_encoded"] == sum(len(p["images"]) for p in prompts)
     assert_pool_whole(llm)
 
 
@@ -112,7 +113,7 @@ def test_same_image_again_hits_both_caches(vlm):
     assert again.num_cached_tokens >= 32  # past the image's placeholders, 4 to 20 at most
     assert again.outputs[0].token_ids == first.outputs[0].token_ids
     stats = llm.get_stats()
-    assert stats["images_encoded"] == 1
+    assert stats["media_encoded"] == 1
     # The second request's prefix hit covers the image: it needs no embeddings at all.
     assert stats["encoder_cache_hits"] == 0
 
@@ -126,7 +127,7 @@ def test_same_image_after_different_text_is_encoded_once(vlm):
         (out,) = llm.generate({"prompt": text, "images": [picture]}, GREEDY)
         assert out.outputs[0].token_ids == hf_greedy(vlm, text, [picture])
     stats = llm.get_stats()
-    assert (stats["images_encoded"], stats["encoder_cache_hits"]) == (1, 1)
+    assert (stats["media_encoded"], stats["encoder_cache_hits"]) == (1, 1)
 
 
 def test_different_image_same_text_never_hits(vlm):
@@ -137,7 +138,7 @@ def test_different_image_same_text_never_hits(vlm):
     assert out.num_cached_tokens == 0
     text = chat_text(vlm, "What is it?", 1)
     assert out.outputs[0].token_ids == hf_greedy(vlm, text, [other])
-    assert llm.get_stats()["images_encoded"] == 2
+    assert llm.get_stats()["media_encoded"] == 2
 
 
 def test_bad_images_are_refused_before_the_engine_holds_anything(tiny_llava, tiny_llama):
@@ -145,28 +146,28 @@ def test_bad_images_are_refused_before_the_engine_holds_anything(tiny_llava, tin
     processor = llm.engine.image_processor
     text = chat_text(tiny_llava, "Hi", 1)
     ids = llm.tokenizer.encode(text)
-    placed, (item,) = processor.place(ids, [processor(image(11))])
+    placed, (item,) = place(ids, [processor(image(11))])
     engine = llm.engine
-    with pytest.raises(ValueError, match="image placeholder tokens for 2 images"):
-        processor.place(ids, [processor(image(11))] * 2)
-    with pytest.raises(ValueError, match="image tokens that no image fills"):
+    with pytest.raises(ValueError, match=r"holds 1 placeholder tokens \(\d+\) for 2 items"):
+        place(ids, [processor(image(11))] * 2)
+    with pytest.raises(ValueError, match="image placeholder tokens that nothing fills"):
         engine.add_request(None, placed, GREEDY)
-    wrong_shape = ImageItem(torch.zeros(3, 8, 8), b"x" * 16, item.offset, item.length)
+    wrong_shape = replace(item, values=torch.zeros(3, 8, 8), content_hash=b"x" * 16)
     with pytest.raises(ValueError, match=r"pixel values of shape \(3, 8, 8\)"):
-        engine.add_request(None, placed, GREEDY, images=(wrong_shape,))
-    not_finite = ImageItem(
-        torch.full_like(item.pixel_values, float("nan")), b"y" * 16, item.offset, item.length
+        engine.add_request(None, placed, GREEDY, media=(wrong_shape,))
+    not_finite = replace(
+        item, values=torch.full_like(item.values, float("nan")), content_hash=b"y" * 16
     )
     with pytest.raises(ValueError, match="not finite"):
-        engine.add_request(None, placed, GREEDY, images=(not_finite,))
-    off_place = ImageItem(item.pixel_values, item.content_hash, item.offset - 1, item.length)
-    with pytest.raises(ValueError, match="does not lie on image tokens"):
-        engine.add_request(None, placed, GREEDY, images=(off_place,))
-    with pytest.raises(ValueError, match="reads text only"):
-        LLM(tiny_llama).engine.add_request(None, [1, 2, 3], GREEDY, images=(item,))
+        engine.add_request(None, placed, GREEDY, media=(not_finite,))
+    off_place = replace(item, offset=item.offset - 1)
+    with pytest.raises(ValueError, match="does not lie on its placeholder tokens"):
+        engine.add_request(None, placed, GREEDY, media=(off_place,))
+    with pytest.raises(ValueError, match="takes no image input"):
+        LLM(tiny_llama).engine.add_request(None, [1, 2, 3], GREEDY, media=(item,))
     small_cache = LLM(tiny_llava, encoder_cache_size=8).engine
     with pytest.raises(ValueError, match="more than the encoder's budget"):
-        small_cache.add_request(None, placed, GREEDY, images=(item,))
+        small_cache.add_request(None, placed, GREEDY, media=(item,))
     assert not engine.has_unfinished_requests()
     assert_pool_whole(llm)
 
@@ -175,7 +176,7 @@ def test_a_grid_unlike_its_pixel_values_is_refused(make_checkpoint):
     llm = LLM(make_checkpoint("qwen2_vl"))
     processor = llm.engine.image_processor
     ids = llm.tokenizer.encode(chat_text(make_checkpoint("qwen2_vl"), "Hi", 1))
-    placed, (item,) = processor.place(ids, [processor(image(12, 56, 112))])
+    placed, (item,) = place(ids, [processor(image(12, 56, 112))])
     assert item.grid == (1, 4, 8) and item.length == 8
     for grid, message in [
         ((1, 8, 4), None),  # the same patches, another shape: accepted, as the caller's choice
@@ -183,12 +184,12 @@ def test_a_grid_unlike_its_pixel_values_is_refused(make_checkpoint):
         ((1, 3, 8), "multiples of 2"),
         (None, "a grid of"),
     ]:
-        other = ImageItem(item.pixel_values, item.content_hash, item.offset, item.length, grid)
+        other = replace(item, grid=grid)
         if message is None:
-            llm.engine.abort_request(llm.engine.add_request(None, placed, GREEDY, images=(other,)))
+            llm.engine.abort_request(llm.engine.add_request(None, placed, GREEDY, media=(other,)))
             continue
         with pytest.raises(ValueError, match=message):
-            llm.engine.add_request(None, placed, GREEDY, images=(other,))
+            llm.engine.add_request(None, placed, GREEDY, media=(other,))
     llm.engine.step()
     assert_pool_whole(llm)
 
@@ -203,4 +204,4 @@ def test_blank_images_of_transposed_shapes_are_different_images(make_checkpoint)
     text = chat_text(model_dir, "Shape?", 1)
     for picture, out in zip((wide, tall), outs, strict=True):
         assert out.outputs[0].token_ids == hf_greedy(model_dir, text, [picture])
-    assert llm.get_stats()["images_encoded"] == 2
+    assert llm.get_stats()["media_encoded"] == 2

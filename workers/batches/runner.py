@@ -2,7 +2,7 @@
 
 Lines are read lazily and only a bounded number of engine requests are in flight, so memory does
 not grow with the file. Lines are checked in order on the engine's thread (a custom_id repeated
-is a later line's fault) and prepared (templated, tokenized, images decoded) on other threads.
+is a later line's fault) and prepared (templated, tokenized, media decoded) on other threads.
 Every input line yields exactly one output line, in the order lines finish: a response (status
 200, or the endpoint's error status and body) or, for a line that is not a well-formed request
 line, an `error`.
@@ -74,8 +74,8 @@ class BatchRunner:
         checker = InputLineChecker(ENDPOINTS)
         owners: dict[str, _Line] = {}  # engine request id -> its line
         generated: dict[str, int] = {}  # engine request id -> tokens generated so far
-        # Lines being prepared (templated, tokenized, their images decoded) on other threads, in
-        # input order: a line of large images does not hold up the engine's steps.
+        # Lines being prepared (templated, tokenized, their media decoded) on other threads, in
+        # input order: a line of large images or clips does not hold up the engine's steps.
         preparing: deque[tuple[str, Future[Prepared]]] = deque()
         numbered = enumerate(lines, start=1)
         exhausted = False
@@ -146,7 +146,7 @@ class BatchRunner:
                         engine_input.prompt_token_ids,
                         engine_input.params,
                         priority=self.priority,
-                        images=engine_input.images,
+                        media=engine_input.media,
                     )
                 except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
                     raise OpenAIError(str(exc)) from None

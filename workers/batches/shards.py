@@ -408,7 +408,7 @@ class _ShardRun:
     async def _respond(self, request: BatchRequest) -> dict[str, Any] | None:
         """The line's response body; None if the shard was told to stop. Raises OpenAIError with
         what the endpoint would have answered instead, or whatever else went wrong."""
-        # On a thread: decoding a line's images takes long enough to hold up the other lines.
+        # On a thread: decoding a line's images or clips takes long enough to hold up the others.
         prepare = ENDPOINTS[self.shard.endpoint]
         prepared = await asyncio.to_thread(prepare, request.body, self.engine.engine)
         try:
@@ -432,7 +432,7 @@ class _ShardRun:
                 priority=BATCH_PRIORITY,
                 final_only=True,
                 cache_salt=self.cache_salt,
-                images=engine_input.images,
+                media=engine_input.media,
             ):
                 final = output
             return final

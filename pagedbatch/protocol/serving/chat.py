@@ -8,20 +8,18 @@ calls come back out of the text as `tool_calls` (protocol/tool_calls.py).
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from functools import cached_property, lru_cache
 from typing import Any, Literal
 
 from jinja2 import TemplateError
-from PIL import Image
 from transformers import PreTrainedTokenizerBase
 
-from pagedbatch.engine.multimodal import ImageItem, ImageProcessor
+from pagedbatch.engine.multimodal import Modality
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.engine.request import TokenLogprob
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.images import decode_image_url
 from pagedbatch.protocol.schemas.chat import (
     ChatCompletion,
     ChatCompletionMessage,
@@ -31,7 +29,6 @@ from pagedbatch.protocol.schemas.chat import (
     Choice,
     ChoiceLogprobs,
     FunctionCall,
-    ImagePart,
     RefusalPart,
     TextPart,
     ToolCall,
@@ -50,6 +47,7 @@ from pagedbatch.protocol.serving.common import (
     sampling_params,
     usage,
 )
+from pagedbatch.protocol.serving.media import PART_MODALITY, decode_media, place_media, takes
 from pagedbatch.protocol.structured_output import RequestedOutput, from_openai
 from pagedbatch.protocol.tool_calls import ToolCall as ToolCallText
 from pagedbatch.protocol.tool_calls import parse_tool_calls
@@ -137,20 +135,10 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     requested = requested_output(request)
     tokenizer = served.tokenizer
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or []]
-    processor = served.image_processor
-    pictures = decode_images(request.messages, processor)
-    text = render_chat(request.messages, tokenizer, tools, takes_images=processor is not None)
+    media = decode_media(request.messages, served)
+    text = render_chat(request.messages, tokenizer, tools, takes(served))
     prompt = tokenizer.encode(text, add_special_tokens=False)
-    images: tuple[ImageItem, ...] = ()
-    if processor is not None:
-        try:
-            prompt, placed = processor.place(prompt, [processor(p) for p in pictures])
-        except ValueError as e:  # the text itself holds the model's image token
-            raise OpenAIError(
-                f"The messages' text may not hold the model's image placeholder ({e}).",
-                param="messages",
-            ) from None
-        images = tuple(placed)
+    prompt, items = place_media(prompt, media, served)
     max_tokens = request.max_completion_tokens or request.max_tokens  # None: up to the context
     check_context_length(len(prompt), max_tokens, served, param="messages")
     params = sampling_params(
@@ -167,7 +155,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         created=now(),
         model=served.model_name,
         tokenizer=tokenizer,
-        inputs=[EngineInput(chat_id, prompt, params, images)],
+        inputs=[EngineInput(chat_id, prompt, params, items)],
         calls_tools=requested is not None and bool(requested.tool_names),
     )
 
@@ -219,57 +207,23 @@ def _invalid(param: str, error: ValueError) -> OpenAIError:
     return OpenAIError(f"Invalid '{param}': {error}.", param=param, code="invalid_value")
 
 
-def decode_images(
-    messages: Sequence[ChatMessage], processor: ImageProcessor | None
-) -> list[Image.Image]:
-    """The messages' images in order, decoded; a 400 naming the part at fault, before anything
-    is decoded if there are too many or the model takes none."""
-    parts = [
-        (f"messages[{i}].content[{j}]", part)
-        for i, message in enumerate(messages)
-        if isinstance(message.content, list)
-        for j, part in enumerate(message.content)
-        if isinstance(part, ImagePart)
-    ]
-    if not parts:
-        return []
-    if processor is None:
-        raise OpenAIError(
-            "This model reads text only: it takes no images.",
-            param=parts[0][0],
-            code="unsupported_content_type",
-        )
-    limit = processor.limits.per_request
-    if len(parts) > limit:
-        raise OpenAIError(
-            f"Too many images: {len(parts)}, more than the {limit} a request may hold.",
-            param="messages",
-            code="too_many_images",
-        )
-    return [
-        decode_image_url(part.image_url.url, f"{where}.image_url", processor.limits)
-        for where, part in parts
-    ]
-
-
 def render_chat(
     messages: Sequence[ChatMessage],
     tokenizer: PreTrainedTokenizerBase,
     tools: Sequence[dict[str, Any]] = (),
-    takes_images: bool = False,
+    media: Collection[Modality] = (),
 ) -> str:
     """The prompt text: the messages (and the tools on offer) through the chat template, ready
-    for the assistant's turn. For a model that `takes_images`, a message with images keeps its
-    parts, images as `{"type": "image"}`, for the template to place the image token."""
+    for the assistant's turn. For a model that reads `media`, a message with images or clips
+    keeps its parts, as `{"type": "image"}` or `{"type": "audio"}`, for the template to place
+    their placeholder tokens."""
     if tokenizer.chat_template is None:
         raise OpenAIError(
             "This model has no chat template: use /v1/completions, or start the model with a "
             "chat_template setting.",
             param="messages",
         )
-    conversation = [
-        _template_message(i, message, takes_images) for i, message in enumerate(messages)
-    ]
+    conversation = [_template_message(i, message, media) for i, message in enumerate(messages)]
     try:
         return tokenizer.apply_chat_template(
             conversation, tools=list(tools) or None, tokenize=False, add_generation_prompt=True
@@ -280,9 +234,11 @@ def render_chat(
         ) from None
 
 
-def _template_message(index: int, message: ChatMessage, takes_images: bool) -> dict[str, Any]:
+def _template_message(
+    index: int, message: ChatMessage, media: Collection[Modality]
+) -> dict[str, Any]:
     """The message as chat templates take it: content as one string, text parts joined as vLLM
-    does; but for a model that takes images, a message with images keeps its parts in order."""
+    does; but a message with images or clips the model reads keeps its parts in order."""
     rendered = message.model_dump(exclude_none=True)
     content = message.content
     if content is None:
@@ -294,15 +250,15 @@ def _template_message(index: int, message: ChatMessage, takes_images: bool) -> d
                 parts.append({"type": "text", "text": part.text})
             elif isinstance(part, RefusalPart):
                 parts.append({"type": "text", "text": part.refusal})
-            elif isinstance(part, ImagePart) and takes_images:
-                parts.append({"type": "image"})
+            elif PART_MODALITY.get(type(part)) in media:
+                parts.append({"type": PART_MODALITY[type(part)]})
             else:
                 raise OpenAIError(
                     f"Content parts of type '{part.type}' are not supported by this model.",
                     param=f"messages[{index}].content[{j}]",
                     code="unsupported_content_type",
                 )
-        if any(part["type"] == "image" for part in parts):
+        if any(part["type"] != "text" for part in parts):
             rendered["content"] = parts
         else:
             rendered["content"] = "\n".join(part["text"] for part in parts)

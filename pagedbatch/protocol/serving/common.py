@@ -16,7 +16,9 @@ from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from pagedbatch.engine.multimodal import ImageItem, ImageProcessor
+from pagedbatch.engine.audio import AudioProcessor
+from pagedbatch.engine.images import ImageProcessor
+from pagedbatch.engine.multimodal import MediaItem
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedbatch.engine.structured_output import StructuredOutput
@@ -38,25 +40,27 @@ class ServedModel(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     model_name: str
-    image_processor: ImageProcessor | None  # None: the model reads text only
+    image_processor: ImageProcessor | None  # None: the model takes no images
+    audio_processor: AudioProcessor | None  # None: the model takes no audio
 
 
 @dataclass
 class EngineInput:
     """One engine request: `engine.add_request(request_id, prompt_token_ids, params, ...,
-    images=images)`."""
+    media=media)`."""
 
     request_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
-    images: tuple[ImageItem, ...] = ()
+    media: tuple[MediaItem, ...] = ()
 
 
 class Prepared(Protocol):
     inputs: list[EngineInput]
 
-    def response(self, outputs: Sequence[RequestOutput]) -> BaseModel:
-        """The response body from the final output of each of `inputs`, in the same order.
+    def response(self, outputs: Sequence[RequestOutput]) -> BaseModel | str:
+        """The response body from the final output of each of `inputs`, in the same order: an
+        object sent as JSON, or text sent as text/plain.
 
         Raises OpenAIError if a request ended in an error or was aborted.
         """
@@ -258,15 +262,20 @@ def usage(outputs: Sequence[RequestOutput]) -> Usage:
         completion=sum(len(c.token_ids) for o in outputs for c in o.outputs),
         cached=sum(o.num_cached_tokens for o in outputs),
         images=sum(o.num_image_tokens for o in outputs),
+        audio=sum(o.num_audio_tokens for o in outputs),
     )
 
 
-def counted_usage(prompt: int, completion: int, cached: int, images: int = 0) -> Usage:
+def counted_usage(
+    prompt: int, completion: int, cached: int, images: int = 0, audio: int = 0
+) -> Usage:
     return Usage(
         prompt_tokens=prompt,
         completion_tokens=completion,
         total_tokens=prompt + completion,
-        prompt_tokens_details=PromptTokensDetails(cached_tokens=cached, image_tokens=images),
+        prompt_tokens_details=PromptTokensDetails(
+            cached_tokens=cached, image_tokens=images, audio_tokens=audio
+        ),
     )
 
 

@@ -72,11 +72,9 @@ class StreamEncoder:
         options = request.stream_options
         self._include_usage = options is not None and options.include_usage
         self._sent: defaultdict[int, _Sent] = defaultdict(_Sent)
-        # For the usage chunk, by engine request: its prompt's and cache's tokens, and the
-        # tokens its completions generated.
-        self._prompt_tokens: dict[int, int] = {}
-        self._cached_tokens: dict[int, int] = {}
-        self._image_tokens: dict[int, int] = {}
+        # For the usage chunk, by engine request: its prompt's tokens (all, cached, image,
+        # audio), and the tokens its completions generated.
+        self._prompt_tokens: dict[int, tuple[int, int, int, int]] = {}
         self._completion_tokens = 0
 
     def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
@@ -88,12 +86,9 @@ class StreamEncoder:
         """The events once every request has finished: usage if asked for, then [DONE]."""
         if not self._include_usage:
             return DONE
-        counted = counted_usage(
-            prompt=sum(self._prompt_tokens.values()),
-            completion=self._completion_tokens,
-            cached=sum(self._cached_tokens.values()),
-            images=sum(self._image_tokens.values()),
-        )
+        counts = self._prompt_tokens.values()
+        prompt, cached, images, audio = (sum(c[i] for c in counts) for i in range(4))
+        counted = counted_usage(prompt, self._completion_tokens, cached, images, audio)
         return self._event(self._writer.usage_chunk(counted)) + DONE
 
     @staticmethod
@@ -110,9 +105,12 @@ class StreamEncoder:
         for position, output in enumerate(outputs):
             if output is None:
                 continue
-            self._prompt_tokens[position] = len(output.prompt_token_ids)
-            self._cached_tokens[position] = output.num_cached_tokens
-            self._image_tokens[position] = output.num_image_tokens
+            self._prompt_tokens[position] = (
+                len(output.prompt_token_ids),
+                output.num_cached_tokens,
+                output.num_image_tokens,
+                output.num_audio_tokens,
+            )
             for choice in output.outputs:
                 self._completion_tokens += len(choice.token_ids)
                 index = position * self._n + choice.index  # as in the non-streamed response

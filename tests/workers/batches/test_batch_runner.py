@@ -11,6 +11,7 @@ import pytest
 from vision_oracle import chat_text, data_url, image
 
 from pagedbatch.engine import EngineArgs, LLMEngine, SamplingParams
+from pagedbatch.engine.multimodal import place
 from pagedbatch.protocol.batch_lines import BatchOutputLine
 from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
 
@@ -54,9 +55,9 @@ def by_custom_id(written: list[BatchOutputLine]) -> dict[str | None, BatchOutput
 
 
 def direct(
-    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, images: tuple = ()
+    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, media: tuple = ()
 ) -> str:
-    engine.add_request("direct", prompt_ids, params, images=images)
+    engine.add_request("direct", prompt_ids, params, media=media)
     while True:
         for output in engine.step():
             if output.request_id == "direct" and output.finished:
@@ -226,6 +227,6 @@ def test_lines_with_images_are_prepared_off_the_engine_thread(make_checkpoint):
         body = results[f"img-{i}"].response.body
         assert body["usage"]["prompt_tokens_details"]["image_tokens"] == 16
         text = chat_text(make_checkpoint("llava"), "What is it?", 1)
-        prompt_ids, items = processor.place(llava.tokenizer.encode(text), [processor(picture)])
+        prompt_ids, items = place(llava.tokenizer.encode(text), [processor(picture)])
         expected = direct(llava, prompt_ids, GREEDY_6, tuple(items))
         assert body["choices"][0]["message"]["content"] == expected

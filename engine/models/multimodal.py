@@ -1,10 +1,10 @@
-"""What every vision-language model shares: a language model whose image positions take encoder
-outputs, and a checkpoint split between the two.
+"""What every vision- or audio-language model shares: a language model whose image or audio
+positions take encoder outputs, and a checkpoint split between the two.
 
-A subclass builds `language_model` (one of our decoders) and its vision parts, and says in
-`PREFIXES` where transformers puts each part's tensors; it encodes images with
-`encode_images(items)`, one tensor of embeddings per item. The engine keeps those in its encoder
-cache and hands each step the batch rows that hold image positions with their embeddings.
+A subclass builds `language_model` (one of our decoders) and its encoder parts, and says in
+`PREFIXES` where transformers puts each part's tensors; it encodes images or clips with
+`encode(items)`, one tensor of embeddings per item. The engine keeps those in its encoder cache
+and hands each step the batch rows that hold media positions with their embeddings.
 """
 
 from __future__ import annotations
@@ -15,19 +15,19 @@ import torch
 from torch import nn
 
 from pagedbatch.engine.models.llama import KVCache, LlamaForCausalLM
-from pagedbatch.engine.multimodal import ImageItem
+from pagedbatch.engine.multimodal import MediaItem
 from pagedbatch.engine.parallel_layers import Loaded, default_weight_loader
 from pagedbatch.kernels.attention import AttentionMetadata
 
 
-class VisionLanguageModel(nn.Module):
+class MultimodalModel(nn.Module):
     language_model: LlamaForCausalLM
     # (checkpoint name prefix, what it becomes), first match wins: a parameter prefix of this
     # model's own, or "" for the language model (which takes the rest of the name, as a text
     # checkpoint names it).
     PREFIXES: tuple[tuple[str, str], ...] = ()
 
-    def encode_images(self, items: list[ImageItem]) -> list[torch.Tensor]:
+    def encode(self, items: list[MediaItem]) -> list[torch.Tensor]:
         """Each item's embeddings, `[item.length, hidden_size]`."""
         raise NotImplementedError
 
@@ -37,21 +37,21 @@ class VisionLanguageModel(nn.Module):
         positions: torch.Tensor,
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
-        image_rows: torch.Tensor | None = None,
-        image_embeds: torch.Tensor | None = None,
+        media_rows: torch.Tensor | None = None,
+        media_embeds: torch.Tensor | None = None,
     ) -> torch.Tensor:
-        """The language model's forward pass, with `image_embeds` in the batch rows `image_rows`
-        instead of their image tokens' embeddings."""
+        """The language model's forward pass, with `media_embeds` in the batch rows `media_rows`
+        instead of their placeholder tokens' embeddings."""
         x = self.language_model.embed_tokens(input_ids)
-        if image_rows is not None:
-            x[image_rows] = image_embeds.to(x.dtype)
+        if media_rows is not None:
+            x[media_rows] = media_embeds.to(x.dtype)
         return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds=x)
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.language_model.compute_logits(hidden)
 
     def unused(self, name: str) -> bool:
-        """Whether a checkpoint tensor of the vision parts, named as this model names its own, is
+        """Whether a checkpoint tensor of the encoder parts, named as this model names its own, is
         one the model does without (LLaVA's tower layers past the one it reads)."""
         return False
 
