@@ -16,7 +16,6 @@ import binascii
 import io
 
 import numpy as np
-import soundfile
 
 from pagedbatch.engine.audio import AudioLimits
 from pagedbatch.protocol.errors import OpenAIError
@@ -45,6 +44,8 @@ def decode_base64_audio(data: str, param: str, limits: AudioLimits) -> tuple[np.
 
 def decode_audio(raw: bytes, param: str, limits: AudioLimits) -> tuple[np.ndarray, int]:
     """The mono waveform (float32) and sampling rate of a WAV, FLAC, OGG or MP3 file's bytes."""
+    import soundfile  # loads libsndfile: only audio requests need it
+
     if len(raw) > limits.bytes:
         raise _too_large(f"{len(raw)} bytes, more than the {limits.bytes} allowed", param)
     try:

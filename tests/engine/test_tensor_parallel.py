@@ -10,6 +10,7 @@ import time
 
 import pytest
 import torch
+from audio_oracle import RATE, tone
 from safetensors.torch import load_file
 from transformers import AutoTokenizer
 from vision_oracle import image
@@ -53,17 +54,23 @@ def test_two_ranks_give_the_tokens_of_one(make_checkpoint, arch, overrides):
     assert rank_processes() == []
 
 
-@pytest.mark.parametrize("arch", ["llava", "qwen2_vl"])
-def test_two_ranks_read_images_as_one(make_checkpoint, arch):
-    """Every rank encodes the step's images itself (the towers are whole on each); the pixel
-    values travel with the step."""
+@pytest.mark.parametrize("arch", ["llava", "qwen2_vl", "qwen2_audio"])
+def test_two_ranks_read_media_as_one(make_checkpoint, arch):
+    """Every rank encodes the step's images or clips itself (the encoders are whole on each);
+    what they read travels with the step."""
     model_dir = make_checkpoint(arch)
+    kind = "audio" if arch == "qwen2_audio" else "image"
     template = AutoTokenizer.from_pretrained(model_dir).apply_chat_template(
-        [{"role": "user", "content": [{"type": "image"}, {"type": "text", "text": "Hi?"}]}],
+        [{"role": "user", "content": [{"type": kind}, {"type": "text", "text": "Hi?"}]}],
         add_generation_prompt=True,
         tokenize=False,
     )
-    prompts = [{"prompt": template, "images": [image(seed, 60, 90)]} for seed in (1, 2)]
+    if kind == "audio":
+        prompts = [
+            {"prompt": template, "audio": [(tone(300 * seed, 0.7), RATE)]} for seed in (1, 2)
+        ]
+    else:
+        prompts = [{"prompt": template, "images": [image(seed, 60, 90)]} for seed in (1, 2)]
     expected = [o.token_ids for o in LLM(model_dir, **ENGINE_ARGS).generate(prompts, GREEDY)]
     llm = LLM(model_dir, tensor_parallel_size=2, **ENGINE_ARGS)
     try:
