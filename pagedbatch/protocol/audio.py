@@ -11,14 +11,13 @@ hostile file costs at most what the limits allow. Each failure is a 400 naming t
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 
 import numpy as np
 
 from pagedbatch.engine.audio import AudioLimits
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.inline_data import decode_base64
 
 FORMATS = ("WAV", "FLAC", "OGG", "MP3")
 # Sample rates and channel counts of real recordings; past them, the samples a clip of the
@@ -30,15 +29,7 @@ BLOCK_FRAMES = 65_536
 
 def decode_base64_audio(data: str, param: str, limits: AudioLimits) -> tuple[np.ndarray, int]:
     """The mono waveform and sampling rate of an `input_audio` part's base64 data."""
-    # Four base64 characters carry three bytes: a longer text holds too many bytes.
-    if len(data) > 4 * (limits.bytes // 3 + 1):
-        raise _too_large(f"more than the {limits.bytes} bytes a clip may have", param)
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise OpenAIError(
-            "The audio's data is not valid base64.", param=param, code="invalid_base64"
-        ) from None
+    raw = decode_base64(data, param, limits.bytes, "audio", "audio_too_large")
     return decode_audio(raw, param, limits)
 
 

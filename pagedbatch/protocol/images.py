@@ -11,8 +11,6 @@ a 400 naming the part (`messages[2].content[1].image_url`).
 
 from __future__ import annotations
 
-import base64
-import binascii
 import io
 import time
 import warnings
@@ -23,6 +21,7 @@ from PIL import Image, UnidentifiedImageError
 from pagedbatch.egress import Destination, ForbiddenDestination, check_url
 from pagedbatch.engine.images import ImageLimits
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.inline_data import decode_base64
 
 # What Pillow calls the formats OpenAI accepts; a GIF's first frame is the image.
 FORMATS = ("PNG", "JPEG", "WEBP", "GIF")
@@ -44,17 +43,7 @@ def decode_image_url(url: str, param: str, limits: ImageLimits) -> Image.Image:
             param=param,
             code="invalid_image_url",
         )
-    # Four base64 characters carry three bytes: a longer text holds too many bytes.
-    if len(data) > 4 * (limits.bytes // 3 + 1):
-        raise _too_large(f"more than the {limits.bytes} bytes an image may have", param)
-    try:
-        raw = base64.b64decode(data, validate=True)
-    except (binascii.Error, ValueError):
-        raise OpenAIError(
-            "The image's data is not valid base64.", param=param, code="invalid_base64"
-        ) from None
-    if len(raw) > limits.bytes:
-        raise _too_large(f"{len(raw)} bytes, more than the {limits.bytes} allowed", param)
+    raw = decode_base64(data, param, limits.bytes, "image", "image_too_large")
     return _open(raw, param, limits)
 
 
