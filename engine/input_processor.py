@@ -16,7 +16,6 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.images import ImageSpec, mrope_positions
-from pagedbatch.engine.kv_cache_manager import cdiv
 from pagedbatch.engine.multimodal import MediaItem, MediaSpec
 from pagedbatch.engine.request import Request
 from pagedbatch.engine.sampling_params import SamplingParams
@@ -29,8 +28,6 @@ class InputProcessor:
         vocab_size: int,
         max_model_len: int,
         eos_token_ids: frozenset[int],
-        block_size: int,
-        num_kv_blocks: int,
         media_specs: Sequence[MediaSpec] = (),
         max_media_tokens: int = 0,
     ):
@@ -40,8 +37,6 @@ class InputProcessor:
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
         self.eos_token_ids = eos_token_ids
-        self.block_size = block_size
-        self.num_kv_blocks = num_kv_blocks
         self.media_specs: dict[str, MediaSpec] = {spec.modality: spec for spec in media_specs}
         self.max_media_tokens = max_media_tokens
 
@@ -168,11 +163,5 @@ class InputProcessor:
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
                 f"has {prompt_len} and max_tokens asks for {params.max_tokens} more"
             )
-        max_tokens = params.max_tokens or room
-        blocks = cdiv(prompt_len + max_tokens, self.block_size)
-        if blocks > self.num_kv_blocks:
-            raise ValueError(
-                f"prompt plus max_tokens ({prompt_len + max_tokens} tokens) exceeds the KV cache "
-                f"({self.num_kv_blocks * self.block_size} tokens)"
-            )
-        return max_tokens
+        # max_model_len is at most what the KV cache holds: the request fits it whole.
+        return params.max_tokens or room

@@ -9,6 +9,7 @@ every logger on `loggers`. Only one thread drives an engine.
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 
 import torch
@@ -31,6 +32,8 @@ from pagedbatch.engine.stats_logger import StatsLogger
 from pagedbatch.engine.structured_output import GrammarRuntime
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 
+logger = logging.getLogger(__name__)
+
 
 class LLMEngine:
     def __init__(self, args: EngineArgs):
@@ -43,8 +46,12 @@ class LLMEngine:
         limit = self.model_config.max_position_embeddings
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
-        self.max_model_len = args.max_model_len or limit
         self.core = EngineCore(self.model_config, args, self.tokenizer, self.eos_token_ids)
+        try:
+            self.max_model_len = self._max_model_len(limit)
+        except ValueError:
+            self.core.runner.shutdown()
+            raise
         # For callers to make images and clips ready with, off the engine thread; None: the
         # model takes none.
         self.image_processor: ImageProcessor | None = None
@@ -71,8 +78,6 @@ class LLMEngine:
             self.model_config.vocab_size,
             self.max_model_len,
             self.eos_token_ids,
-            args.block_size,
-            self.core.kv.pool.num_blocks,
             [p.spec for p in processors if p is not None],
             min(args.max_num_encoder_tokens, args.encoder_cache_size),
         )
@@ -86,6 +91,27 @@ class LLMEngine:
             self.loggers.append(StatsLogger(self.model_name, args.stats_log_interval_seconds))
         self._ids = itertools.count()
         torch.manual_seed(args.seed)
+
+    def _max_model_len(self, model_len: int) -> int:
+        """The longest context a request may have: the one asked for, which the KV cache must
+        hold whole, or else the model's, as far as the KV cache holds."""
+        pool = self.core.kv.pool
+        held = pool.num_blocks * self.args.block_size
+        asked = self.args.max_model_len
+        if asked is not None and asked > held:
+            raise ValueError(
+                f"max_model_len {asked} does not fit the KV cache, which holds {held} tokens "
+                f"({pool.num_blocks} blocks of {self.args.block_size}): raise "
+                "kv_cache_memory_gib (or num_kv_blocks), or lower max_model_len"
+            )
+        if asked is None and held < model_len:
+            logger.warning(
+                "max_model_len is %d, what the KV cache holds, below the model's %d: raise "
+                "kv_cache_memory_gib for longer contexts",
+                held,
+                model_len,
+            )
+        return asked or min(model_len, held)
 
     # The core's parts that callers look at.
     @property

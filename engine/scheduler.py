@@ -2,10 +2,14 @@
 
 Every step has one token budget. Running requests are served first (one decode token each, or the
 next chunk of their prefill), best priority first; waiting requests then fill what is left, their
-prefills cut into chunks that fit. Under the priority policy the best priority present (realtime
-requests) is served that way before any other, and alone in a step where one of them prefills (but
-never in two steps running), so that its first token is not held up by batch work; otherwise the
-rest share at most `low_priority_token_budget` tokens, and no more than fit in a step of
+prefills cut into chunks that fit. A running prefill's chunk leaves a token for each running
+decode behind it and room for the first waiting prompt (up to half the budget), so that a 128K
+prompt, prefilled over many steps, holds up neither the others' decoding nor a new request.
+
+Under the priority policy the best priority present (realtime requests) is served that way
+before any other, and alone in a step where one of them prefills (but never in two steps
+running), so that its first token is not held up by batch work; otherwise the rest share at
+most `low_priority_token_budget` tokens, and no more than fit in a step of
 `low_priority_step_seconds` by the engine's measure of its steps (`step_cost`), which keeps the
 steps realtime requests wait on short. When the KV pool runs dry, the worst running request
 (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
@@ -59,6 +63,13 @@ class SchedulerOutput:
         return sum(
             (StepWork.of_chunk(s.start, s.num_new_tokens) for s in self.scheduled), StepWork()
         )
+
+
+def _decoding(request: Request, only: int | None) -> bool:
+    """Whether the request (of priority `only`, if given) wants one token: its next decode."""
+    return request.num_tokens - request.num_computed_tokens == 1 and (
+        only is None or request.priority == only
+    )
 
 
 class Scheduler:
@@ -234,11 +245,22 @@ class Scheduler:
         where it stopped and the budget left. Victims are taken from the end, so never one
         already placed."""
         i = start
+        # A prefill chunk leaves a token for each decode behind it and room for the next waiting
+        # prompt: a long prompt's prefill never stalls the others' decoding, nor a new request.
+        decodes = sum(1 for r in self.running[start:] if _decoding(r, only))
+        waiting = next((r for r in self.waiting if only is None or r.priority == only), None)
+        newcomer = 0
+        if waiting is not None and len(self.running) < self.max_num_seqs:
+            newcomer = min(waiting.num_tokens, self.max_num_batched_tokens // 2)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if only is not None and request.priority != only:
                 break
             num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if _decoding(request, only):
+                decodes -= 1
+            else:
+                num_new = min(num_new, max(1, budget - decodes - newcomer))
             if request.media:
                 num_new = self._fit_media(request, request.num_computed_tokens, num_new)
                 if num_new == 0:  # its next item cannot be encoded this step

@@ -30,6 +30,7 @@ from __future__ import annotations
 
 import ctypes
 import threading
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -58,13 +59,22 @@ class _DecodeChunk:
 
 
 @dataclass
+class _KeyTile:
+    """Keys a sequence's queries attend in one call."""
+
+    slots: torch.Tensor  # [num_keys] their cache slots, in order
+    mask: torch.Tensor | None  # [q_len, num_keys] additive; None: see `causal`
+    causal: bool  # without a mask: the queries are these keys' positions (causal), or after all
+
+
+@dataclass
 class _PrefillSeq:
-    """One sequence with several query tokens, attended alone."""
+    """One sequence with several query tokens (or a decode too long for one gather), attended
+    alone: in one call over its keys, or over tiles of them combined by their log-sum-exp."""
 
     start: int  # its tokens are rows start:end of the flattened batch
     end: int
-    slots: torch.Tensor  # [num_keys] cache slots of the keys its queries may attend, in order
-    mask: torch.Tensor | None  # [q_len, num_keys] additive; None: plain causal, q_len == num_keys
+    tiles: list[_KeyTile]
 
 
 @dataclass
@@ -205,18 +215,69 @@ def paged_attention(
         out.index_copy_(0, chunk.token_idx, o.reshape(n, num_heads, head_dim))
     for seq in plan.prefill:
         q = query[seq.start : seq.end].transpose(0, 1).unsqueeze(0)
-        k, v = gather(seq.slots)
+        if len(seq.tiles) > 1:
+            out[seq.start : seq.end] = _tiled(q, seq.tiles, gather, scale)[0].transpose(0, 1)
+            continue
+        (tile,) = seq.tiles
+        k, v = gather(tile.slots)
         o = F.scaled_dot_product_attention(
             q,
             k.transpose(0, 1).unsqueeze(0),
             v.transpose(0, 1).unsqueeze(0),
-            attn_mask=seq.mask,
-            is_causal=seq.mask is None,
+            attn_mask=tile.mask,
+            is_causal=tile.causal,
             scale=scale,
             enable_gqa=True,
         )
         out[seq.start : seq.end] = o[0].transpose(0, 1)
     return out
+
+
+def _tiled(
+    q: torch.Tensor,
+    tiles: list[_KeyTile],
+    gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
+    scale: float,
+) -> torch.Tensor:
+    """Attention of `q` `[1, num_heads, q_len, head_dim]` over the tiles' keys, one tile at a
+    time: each call's output and log-sum-exp are folded into a float32 running result (the
+    online softmax), so no buffer grows with the context beyond one tile."""
+    _, num_heads, q_len, head_dim = q.shape
+    total = acc = None
+    for tile in tiles:
+        k, v = gather(tile.slots)
+        num_kv_heads = k.shape[1]
+        groups = num_heads // num_kv_heads
+        k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
+        if tile.causal:  # each query head against its KV head's keys
+            k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
+            o, lse = _flash(q, k, v, True, None, scale)
+        else:  # every query attends every key: a KV head's query heads share one call
+            folded = q.reshape(1, num_kv_heads, groups * q_len, head_dim)
+            o, lse = _flash(folded, k, v, False, tile.mask, scale)
+            o, lse = o.reshape(q.shape), lse.reshape(1, num_heads, q_len)
+        o, lse = o.float(), lse.float()
+        if acc is None:
+            total, acc = lse, o
+            continue
+        combined = torch.logaddexp(total, lse)
+        acc = acc * (total - combined).exp_()[..., None] + o * (lse - combined).exp_()[..., None]
+        total = combined
+    return acc.to(q.dtype)
+
+
+def _flash(
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    causal: bool,
+    mask: torch.Tensor | None,
+    scale: float,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """SDPA's CPU flash kernel: the output and each query's log-sum-exp of its scores."""
+    return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
+        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+    )
 
 
 def _decode_in_place(
@@ -285,10 +346,13 @@ def _build_plan(
     decode: list[int] = []
     prefill: list[_PrefillSeq] = []
     for i, (q_len, seq_len) in enumerate(zip(meta._query_lens, meta._seq_lens, strict=True)):
-        if q_len == 1:
+        keys = seq_len - _first_key(seq_len - q_len, window)
+        if q_len == 1 and (in_place or keys <= max_rows):
             decode.append(i)
-        elif q_len > 1:
-            prefill.append(_prefill_seq(meta, i, starts[i], q_len, seq_len, window, dtype))
+        elif q_len >= 1:
+            prefill.append(
+                _prefill_seq(meta, i, starts[i], q_len, seq_len, window, dtype, max_rows)
+            )
     if in_place and decode:
         return _Plan([], prefill, _decode_rows(meta, decode, starts, window))
     return _Plan(_decode_chunks(meta, decode, starts, window, dtype, max_rows), prefill)
@@ -315,20 +379,38 @@ def _prefill_seq(
     seq_len: int,
     window: int | None,
     dtype: torch.dtype,
+    max_rows: int,
 ) -> _PrefillSeq:
     device = meta.seq_lens.device
     first_query = seq_len - q_len
     first_key = _first_key(first_query, window)
-    key_pos = torch.arange(first_key, seq_len, device=device)
+
+    def slots(first: int, end: int) -> torch.Tensor:
+        positions = torch.arange(first, end, device=device)
+        return _slots(meta.block_tables, meta.block_size, seq, positions)
+
+    if window is None and first_key < first_query:
+        # A chunk after others: the keys before it, which every query attends, in tiles of one
+        # gather each, then the chunk's own keys, causally. No mask: nothing grows with the
+        # context but the number of tiles.
+        past = [
+            _KeyTile(slots(a, min(a + max_rows, first_query)), None, False)
+            for a in range(first_key, first_query, max_rows)
+        ]
+        return _PrefillSeq(
+            start, start + q_len, [*past, _KeyTile(slots(first_query, seq_len), None, True)]
+        )
     mask = None
     # SDPA's is_causal aligns the first query with the first key, which is only right when the
-    # chunk is the whole of the context it attends.
+    # chunk is the whole of the context it attends; else a sliding window's mask, at most
+    # q_len x (q_len + window), which does not grow with the context either.
     if first_key != first_query or (window is not None and seq_len - first_key > window):
+        key_pos = torch.arange(first_key, seq_len, device=device)
         query_pos = torch.arange(first_query, seq_len, device=device)[:, None]
         attended = (key_pos <= query_pos) & (query_pos - key_pos < (window or seq_len))
         mask = _additive(attended, dtype)
-    slots = _slots(meta.block_tables, meta.block_size, seq, key_pos)
-    return _PrefillSeq(start, start + q_len, slots, mask)
+    tile = _KeyTile(slots(first_key, seq_len), mask, mask is None)
+    return _PrefillSeq(start, start + q_len, [tile])
 
 
 def _decode_rows(

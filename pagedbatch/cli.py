@@ -212,9 +212,16 @@ def _db_upgrade(args: argparse.Namespace) -> int:
 
 
 def _make_model(args: argparse.Namespace) -> int:
-    from pagedbatch.make_model import make_model
+    from pagedbatch.make_model import long_context, make_model
 
-    path = make_model(args.dir, arch=args.arch, size=args.size, seed=args.seed)
+    overrides = None
+    if args.max_position_embeddings is not None:
+        if args.arch not in ("llama", "qwen2", "mistral"):
+            raise SystemExit("--max-position-embeddings: for llama, qwen2 and mistral")
+        overrides = long_context(args.size, args.max_position_embeddings, args.rope_scaling)
+    path = make_model(
+        args.dir, arch=args.arch, size=args.size, seed=args.seed, config_overrides=overrides
+    )
     print(path)
     return 0
 
@@ -234,6 +241,17 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=ARCHS, default="llama")
     p.add_argument("--size", choices=SIZES, default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--max-position-embeddings",
+        type=int,
+        help="the model's context; past the size's own (tiny's 2048), with RoPE scaling",
+    )
+    p.add_argument(
+        "--rope-scaling",
+        choices=("yarn", "llama3", "linear"),
+        default="yarn",
+        help="how RoPE reaches a longer context (default: yarn)",
+    )
     p.add_argument("dir")
     p.set_defaults(func=_make_model)
 

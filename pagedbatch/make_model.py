@@ -75,6 +75,9 @@ SIZES = {
 }
 
 
+ROPE_SCALINGS = ("yarn", "llama3", "linear")
+
+
 @dataclass(frozen=True)
 class VisionSize:
     hidden_size: int
@@ -146,6 +149,24 @@ GEMMA_SUBLAYER_SCALE = 1.5
 # tokens. They enter it at this RMS (after Gemma's sqrt(hidden) scaling), well below what the
 # sublayers write; the final norm's scale then gives the logits their spread.
 GEMMA_EMBED_RMS = 0.25
+
+
+def long_context(size: str, max_position_embeddings: int, rope_type: str = "yarn") -> dict:
+    """Config overrides for a context of `max_position_embeddings` tokens: past the size's own,
+    RoPE scaled by `rope_type` (yarn, llama3 or linear) from the size's context."""
+    if rope_type not in ROPE_SCALINGS:
+        raise ValueError(f"rope scaling must be one of {ROPE_SCALINGS}, got {rope_type!r}")
+    original = SIZES[size].max_position_embeddings
+    overrides: dict[str, Any] = {"max_position_embeddings": max_position_embeddings}
+    if max_position_embeddings > original:
+        factor = max_position_embeddings / original
+        scaling: dict[str, Any] = {"rope_type": rope_type, "factor": factor}
+        if rope_type != "linear":
+            scaling["original_max_position_embeddings"] = original
+        if rope_type == "llama3":
+            scaling |= {"low_freq_factor": 1.0, "high_freq_factor": 4.0}
+        overrides["rope_scaling"] = scaling
+    return overrides
 
 
 def model_config(

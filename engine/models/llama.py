@@ -153,7 +153,8 @@ class LlamaForCausalLM(nn.Module):
 
     def decoder_layers(self, cfg: ModelConfig) -> list[nn.Module]:
         """The layers, each `layer(positions, x, residual, kv_cache, meta) -> (x, residual)`."""
-        rotary = self.rotary_class.from_config(cfg.raw, cfg.head_dim)
+        # The table covers the context the config declares, which max_model_len never passes.
+        rotary = self.rotary_class.from_config(cfg.raw, cfg.head_dim, cfg.max_position_embeddings)
         return [DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)]
 
     def forward(

@@ -98,8 +98,10 @@ def test_a_50000_line_200_mb_batch_is_taken_with_flat_memory(tmp_path, tiny_llam
         assert batch.request_counts.total == LINES
         client.batches.cancel(batch.id)
         grown = peak_rss(server.pid) - baseline
-        # Measured: about 20 MiB, whatever the file's size.
-        assert grown < 50 * MiB, (
+        # Measured: about 20 MiB on one machine, 29 to 54 MiB on another (an AVX2 EPYC, where
+        # the allocator's arenas left more behind validation's chunks), whatever the file's
+        # size: a fraction of the 186 MiB file, never the file.
+        assert grown < 80 * MiB, (
             f"the server grew by {grown / MiB:.0f} MiB for a {size / MiB:.0f} MiB file"
         )
     finally:

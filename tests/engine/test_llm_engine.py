@@ -110,6 +110,16 @@ def test_prompt_longer_than_the_context_is_refused_clearly(tiny_llama):
     assert run_to_completion(engine) == ["ok"]
 
 
+def test_a_kv_cache_too_small_for_max_model_len_is_a_start_up_error(tiny_llama):
+    with pytest.raises(
+        ValueError, match=r"max_model_len 100 .* holds 64 tokens \(4 blocks of 16\)"
+    ):
+        make_engine(tiny_llama, blocks=4, max_model_len=100)
+    # Unset, the context is the model's as far as the KV cache holds it.
+    assert make_engine(tiny_llama, blocks=4).max_model_len == 64
+    assert make_engine(tiny_llama, blocks=4096).max_model_len == 2048  # the model's own
+
+
 def test_bad_token_ids_and_duplicate_ids_are_refused(tiny_llama):
     engine = make_engine(tiny_llama)
     with pytest.raises(ValueError, match="token ids"):

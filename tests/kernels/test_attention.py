@@ -243,3 +243,25 @@ def test_only_float32_decode_goes_to_the_c_kernel(native_path, dtype):
     assert (plan.decode_rows is not None) == in_place
     assert len(plan.decode) == (0 if in_place else 1)  # three decode sequences, one chunk
     assert len(plan.prefill) == 2
+
+
+@pytest.mark.usefixtures("small_gather_budget")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_a_chunk_after_a_long_context_reads_it_in_tiles_without_a_mask(dtype):
+    """Nothing a long prefill chunk needs grows with its context but the number of tiles: no
+    [queries, keys] mask, no gather beyond one tile (a decode outgrowing one gather alike)."""
+    batch = make_batch([(1000, 64), (700, 1)], 6, 2, dtype=dtype)
+    meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
+    out = paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, 0.2)
+    expected = reference_attention(batch, 0.2, None)
+    torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
+    (plan,) = meta._plans.values()
+    rows = attention._workspace(batch.key_cache).shape[1]  # one gather
+    in_place = plan.decode_rows is not None  # the C kernel reads a decode's blocks in place
+    assert [len(seq.tiles) for seq in plan.prefill] == [
+        math.ceil(936 / rows) + 1,
+        *([] if in_place else [math.ceil(699 / rows) + 1]),
+    ]
+    for seq in plan.prefill:
+        assert all(t.mask is None and t.slots.numel() <= rows for t in seq.tiles[:-1])
+        assert seq.tiles[-1].causal and seq.tiles[-1].mask is None

@@ -24,7 +24,7 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTra
 
 from pagedbatch import cli
 from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
-from pagedbatch.make_model import ARCHITECTURES, make_model, model_config
+from pagedbatch.make_model import ARCHITECTURES, long_context, make_model, model_config
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")  # the text models
 MakeCheckpoint = Callable[..., Path]
@@ -162,6 +162,20 @@ def test_mistral_has_a_sliding_window_and_qwen2_has_qkv_biases(
 
     assert biases(tiny_qwen2) == {"q_proj", "k_proj", "v_proj"}
     assert biases(tiny_llama) == biases(tiny_mistral) == set()
+
+
+@pytest.mark.parametrize("rope_type", ["yarn", "llama3", "linear"])
+def test_a_longer_context_scales_rope_from_the_sizes_own(tmp_path: Path, rope_type: str) -> None:
+    args = ["make-model", "--max-position-embeddings", "131072", "--rope-scaling", rope_type]
+    assert cli.main([*args, str(tmp_path)]) == 0
+    config = AutoConfig.from_pretrained(tmp_path)
+    assert config.max_position_embeddings == 131072
+    rope = config.rope_parameters
+    assert (rope["rope_type"], rope["factor"]) == (rope_type, 64.0)
+    if rope_type != "linear":
+        assert rope["original_max_position_embeddings"] == 2048
+    # Within the size's own context, nothing is scaled.
+    assert "rope_scaling" not in long_context("tiny", 1024)
 
 
 def test_config_overrides_are_merged_last(make_checkpoint: MakeCheckpoint) -> None:

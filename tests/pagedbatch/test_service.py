@@ -32,7 +32,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "max_num_seqs": 4,
         "max_num_batched_tokens": 256,
         "block_size": 8,
-        "num_kv_blocks": 40,
+        "num_kv_blocks": 64,  # max_model_len's 512 tokens, whole
         "kv_cache_memory_gib": 0.1,
         "enable_prefix_caching": False,
         "scheduling_policy": "fcfs",
@@ -41,6 +41,9 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "max_images_per_request": 2,
         "max_image_bytes": 1000,
         "max_image_pixels": 10_000,
+        "max_audio_clips_per_request": 2,
+        "max_audio_bytes": 5000,
+        "max_audio_seconds": 5.0,
         "media_allowed_hosts": "images.example.com",
         "max_num_encoder_tokens": 64,
         "encoder_cache_size": 128,
@@ -54,6 +57,6 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         engine = llm.engine
         assert dataclasses.asdict(engine.args) == given
         assert engine.max_model_len == 512
-        assert engine.get_stats()["total_kv_blocks"] == 40
+        assert engine.get_stats()["total_kv_blocks"] == 64
     finally:
         llm.shutdown()
