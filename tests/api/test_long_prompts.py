@@ -3,23 +3,11 @@ one is a 400 naming the limit."""
 
 from __future__ import annotations
 
-from pathlib import Path
-
 import openai
 import pytest
 from test_batches import assert_engine_idle
 
-from pagedbatch.make_model import long_context
-
 CONTEXT = 131_072
-
-
-@pytest.fixture(scope="module")
-def narrow_long(make_checkpoint) -> Path:
-    """tiny's shape cut to one layer of two heads, with a 128K context (see the engine's
-    long-context tests)."""
-    narrow = {"num_hidden_layers": 1, "num_attention_heads": 2, "num_key_value_heads": 1}
-    return make_checkpoint("llama", **long_context("tiny", CONTEXT), **narrow, head_dim=16)
 
 
 def test_a_128k_prompt_through_the_realtime_api(serve_batches, narrow_long):
