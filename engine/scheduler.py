@@ -248,10 +248,12 @@ class Scheduler:
         # A prefill chunk leaves a token for each decode behind it and room for the next waiting
         # prompt: a long prompt's prefill never stalls the others' decoding, nor a new request.
         decodes = sum(1 for r in self.running[start:] if _decoding(r, only))
-        waiting = next((r for r in self.waiting if only is None or r.priority == only), None)
         newcomer = 0
-        if waiting is not None and len(self.running) < self.max_num_seqs:
-            newcomer = min(waiting.num_tokens, self.max_num_batched_tokens // 2)
+        # Waiting requests lie best first: the first is of priority `only` if any is.
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            first = self.waiting[0]
+            if only is None or first.priority == only:
+                newcomer = min(first.num_tokens, self.max_num_batched_tokens // 2)
         while i < len(self.running) and budget > 0:
             request = self.running[i]
             if only is not None and request.priority != only:
