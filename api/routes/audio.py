@@ -9,7 +9,7 @@ from fastapi import APIRouter, Request, Response
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.files.multipart import PartStart, events, field_value, form_boundary, part_data
 from pagedbatch.api.realtime import answer
-from pagedbatch.api.routes.openapi import error_responses
+from pagedbatch.api.routes.openapi import error_responses, form_body
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.audio import Transcription, TranscriptionRequest
 from pagedbatch.protocol.serving.common import parse_request
@@ -18,28 +18,6 @@ from pagedbatch.protocol.serving.transcription import prepare_transcription
 router = APIRouter(prefix="/audio", tags=["audio"])
 
 MAX_FIELDS = 16  # form fields besides the file: OpenAI's form has ten
-
-_TRANSCRIPTION_BODY = {
-    "requestBody": {
-        "required": True,
-        "content": {
-            "multipart/form-data": {
-                "schema": {
-                    "type": "object",
-                    "required": ["file", "model"],
-                    "properties": {
-                        "file": {"type": "string", "format": "binary"},
-                        "model": {"type": "string"},
-                        "language": {"type": "string"},
-                        "prompt": {"type": "string"},
-                        "response_format": {"type": "string", "enum": ["json", "text"]},
-                        "temperature": {"type": "number", "minimum": 0, "maximum": 1},
-                    },
-                }
-            }
-        },
-    }
-}
 
 
 def form_parser(content_type: str | None) -> Callable[[bytes], TranscriptionRequest]:
@@ -72,7 +50,7 @@ def form_parser(content_type: str | None) -> Callable[[bytes], TranscriptionRequ
         200: {"model": Transcription, "content": {"text/plain": {"schema": {"type": "string"}}}},
         **error_responses(404),
     },
-    openapi_extra=_TRANSCRIPTION_BODY,
+    openapi_extra=form_body(TranscriptionRequest),
 )
 async def create_transcription(request: Request, services: ServicesDep) -> Response:
     parse = form_parser(request.headers.get("content-type"))

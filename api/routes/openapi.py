@@ -52,12 +52,21 @@ def streamed(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
     """`openapi_extra` declaring `model` as the JSON body of a route that validates it itself."""
+    return _body(model, "application/json")
+
+
+def form_body(model: type[BaseModel]) -> dict[str, Any]:
+    """The same for a multipart form (a `bytes` field is a file part)."""
+    return _body(model, "multipart/form-data")
+
+
+def _body(model: type[BaseModel], media_type: str) -> dict[str, Any]:
     schema = model.model_json_schema()
     definitions = schema.pop("$defs", {})
     return {
         "requestBody": {
             "required": True,
-            "content": {"application/json": {"schema": _inline(schema, definitions)}},
+            "content": {media_type: {"schema": _inline(schema, definitions)}},
         }
     }
 
