@@ -239,9 +239,10 @@ def _tiled(
     gather: Callable[[torch.Tensor], tuple[torch.Tensor, torch.Tensor]],
     scale: float,
 ) -> torch.Tensor:
-    """Attention of `q` `[1, num_heads, q_len, head_dim]` over the tiles' keys, one tile at a
-    time: each call's output and log-sum-exp are folded into a float32 running result (the
-    online softmax), so no buffer grows with the context beyond one tile."""
+    """Attention of `q` `[1, num_heads, q_len, head_dim]` over the tiles' keys (unmasked tiles:
+    all attended, or causal), one tile at a time: each call's output and log-sum-exp are folded
+    into a float32 running result (the online softmax), so no buffer grows with the context
+    beyond one tile."""
     _, num_heads, q_len, head_dim = q.shape
     total = acc = None
     for tile in tiles:
@@ -251,10 +252,10 @@ def _tiled(
         k, v = k.transpose(0, 1).unsqueeze(0), v.transpose(0, 1).unsqueeze(0)
         if tile.causal:  # each query head against its KV head's keys
             k, v = k.repeat_interleave(groups, dim=1), v.repeat_interleave(groups, dim=1)
-            o, lse = _flash(q, k, v, True, None, scale)
+            o, lse = _flash(q, k, v, True, scale)
         else:  # every query attends every key: a KV head's query heads share one call
             folded = q.reshape(1, num_kv_heads, groups * q_len, head_dim)
-            o, lse = _flash(folded, k, v, False, tile.mask, scale)
+            o, lse = _flash(folded, k, v, False, scale)
             o, lse = o.reshape(q.shape), lse.reshape(1, num_heads, q_len)
         o, lse = o.float(), lse.float()
         if acc is None:
@@ -271,12 +272,11 @@ def _flash(
     k: torch.Tensor,
     v: torch.Tensor,
     causal: bool,
-    mask: torch.Tensor | None,
     scale: float,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     """SDPA's CPU flash kernel: the output and each query's log-sum-exp of its scores."""
     return torch.ops.aten._scaled_dot_product_flash_attention_for_cpu(
-        q, k, v, 0.0, causal, attn_mask=mask, scale=scale
+        q, k, v, 0.0, causal, scale=scale
     )
 
 
