@@ -218,7 +218,10 @@ def _make_model(args: argparse.Namespace) -> int:
     if args.max_position_embeddings is not None:
         if args.arch not in ("llama", "qwen2", "mistral"):
             raise SystemExit("--max-position-embeddings: for llama, qwen2 and mistral")
-        overrides = long_context(args.size, args.max_position_embeddings, args.rope_scaling)
+        try:
+            overrides = long_context(args.size, args.max_position_embeddings, args.rope_scaling)
+        except ValueError as e:
+            raise SystemExit(f"--max-position-embeddings: {e}") from None
     path = make_model(
         args.dir, arch=args.arch, size=args.size, seed=args.seed, config_overrides=overrides
     )

@@ -156,6 +156,8 @@ def long_context(size: str, max_position_embeddings: int, rope_type: str = "yarn
     RoPE scaled by `rope_type` (yarn, llama3 or linear) from the size's context."""
     if rope_type not in ROPE_SCALINGS:
         raise ValueError(f"rope scaling must be one of {ROPE_SCALINGS}, got {rope_type!r}")
+    if max_position_embeddings < 1:
+        raise ValueError(f"max_position_embeddings must be positive, got {max_position_embeddings}")
     original = SIZES[size].max_position_embeddings
     overrides: dict[str, Any] = {"max_position_embeddings": max_position_embeddings}
     if max_position_embeddings > original:

@@ -174,8 +174,10 @@ def test_a_longer_context_scales_rope_from_the_sizes_own(tmp_path: Path, rope_ty
     assert (rope["rope_type"], rope["factor"]) == (rope_type, 64.0)
     if rope_type != "linear":
         assert rope["original_max_position_embeddings"] == 2048
-    # Within the size's own context, nothing is scaled.
+    # Within the size's own context, nothing is scaled; no context is empty.
     assert "rope_scaling" not in long_context("tiny", 1024)
+    with pytest.raises(SystemExit, match="must be positive"):
+        cli.main(["make-model", "--max-position-embeddings", "0", str(tmp_path / "none")])
 
 
 def test_config_overrides_are_merged_last(make_checkpoint: MakeCheckpoint) -> None:
