@@ -42,6 +42,7 @@ class ShardStatus(enum.StrEnum):
 
 class RequestStatus(enum.StrEnum):
     STAGED = "staged"  # written by a validation still running: no shard or finalization reads it
+    REFUSED = "refused"  # staged, with the error line the endpoint answers it with (its result)
     PENDING = "pending"
     SUCCEEDED = "succeeded"  # a line in the output file
     FAILED = "failed"  # a line in the error file: the endpoint refused it

@@ -1,12 +1,16 @@
-"""Validating a batch's input file: all or nothing, every problem reported with its line.
+"""Validating a batch's input file: its format is all or nothing, every problem reported with
+its line. A well-formed line that the endpoint would refuse (its prompt past the context, a bad
+parameter) fails alone, when this process has the engine to ask: it is *refused* here, before
+any engine work, and ends in the error file with the 400 the endpoint answers.
 
 The file is streamed once and its requests are inserted as they are read, committed every
 `INSERT_CHUNK` lines so the API's writes never wait on a whole file (SQLite has one writer at a
 time). Until the batch moves to `in_progress` they are *staged*: a status that neither shards
-nor finalization look at. The move, in one transaction, makes them pending and creates the
-shards; a failed, cancelled or abandoned validation deletes them instead. Rows are inserted
-skipping any already there, so a validation that is run again (after a crash, or redriven while
-the first still runs) builds on what an earlier run left rather than clashing with it.
+nor finalization look at. The move, in one transaction, makes them pending (the refused ones
+failed) and creates the shards; a failed, cancelled or abandoned validation deletes them
+instead. Rows are inserted skipping any already there, so a validation that is run again (after
+a crash, or redriven while the first still runs) builds on what an earlier run left rather than
+clashing with it.
 
 A database or S3 outage is ridden out with `pagedbatch.store.retry`; one that outlasts it
 leaves the batch `validating`, for upkeep to queue again. Only the file fails a batch.
@@ -17,17 +21,23 @@ from __future__ import annotations
 import logging
 from collections.abc import Iterable, Iterator
 from dataclasses import dataclass, field
+from typing import Any
 
 from sqlalchemy import delete, insert, select, update
 from sqlalchemy.dialects import postgresql, sqlite
 from sqlalchemy.orm import Session
 
+from pagedbatch.ids import now
 from pagedbatch.protocol.batch_lines import (
+    ENDPOINTS,
     BatchError,
     BatchInputLine,
     InputLineChecker,
     InvalidBatchLine,
+    line_crashed,
+    openai_error_line,
 )
+from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, RequestStatus, Shard
@@ -114,6 +124,8 @@ def _validate(ctx: WorkerContext, batch_id: str) -> None:
         return
     for _ in range(num_shards):
         ctx.queue.enqueue("run_shard")
+    if num_shards == 0:  # every line was refused: nothing to run, the files can be written
+        ctx.queue.enqueue("finalize_batch", batch_id)
 
 
 def _start(ctx: WorkerContext, batch: Batch, staged: _Staged) -> int | None:
@@ -129,22 +141,35 @@ def _start(ctx: WorkerContext, batch: Batch, staged: _Staged) -> int | None:
             model=staged.model,
         ):
             return None
+        staged_rows = (
+            BatchRequest.batch_id == batch.id,
+            BatchRequest.status == RequestStatus.STAGED,
+        )
+        # Lines refused at validation fail now, counted, and go to no shard.
+        refused = session.execute(
+            update(BatchRequest)
+            .where(BatchRequest.batch_id == batch.id, BatchRequest.status == RequestStatus.REFUSED)
+            .values(status=RequestStatus.FAILED.value, finished_at=now())
+        ).rowcount
+        if refused:
+            session.execute(
+                update(Batch)
+                .where(Batch.id == batch.id)
+                .values(request_failed=Batch.request_failed + refused)
+            )
         # From the rows, not this run's count: an earlier run under another shard_size may
         # have staged some of them.
         indexes = session.scalars(
-            select(BatchRequest.shard_index)
-            .distinct()
-            .where(BatchRequest.batch_id == batch.id, BatchRequest.status == RequestStatus.STAGED)
+            select(BatchRequest.shard_index).distinct().where(*staged_rows)
         ).all()
         session.execute(
-            update(BatchRequest)
-            .where(BatchRequest.batch_id == batch.id, BatchRequest.status == RequestStatus.STAGED)
-            .values(status=RequestStatus.PENDING.value)
+            update(BatchRequest).where(*staged_rows).values(status=RequestStatus.PENDING.value)
         )
-        session.execute(
-            insert(Shard),
-            [{"batch_id": batch.id, "owner": batch.owner, "index": i} for i in indexes],
-        )
+        if indexes:  # none when every line was refused
+            session.execute(
+                insert(Shard),
+                [{"batch_id": batch.id, "owner": batch.owner, "index": i} for i in indexes],
+            )
     return len(indexes)
 
 
@@ -180,13 +205,14 @@ def _bounded(error: BatchError) -> dict:
 
 
 def _discard_staged(ctx: WorkerContext, batch_id: str) -> None:
-    """Delete the batch's staged requests, a chunk per transaction."""
+    """Delete the batch's staged (and refused) requests, a chunk per transaction."""
     while True:
         with transaction(ctx.session_factory) as session:
             chunk = (
                 select(BatchRequest.id)
                 .where(
-                    BatchRequest.batch_id == batch_id, BatchRequest.status == RequestStatus.STAGED
+                    BatchRequest.batch_id == batch_id,
+                    BatchRequest.status.in_([RequestStatus.STAGED, RequestStatus.REFUSED]),
                 )
                 .limit(INSERT_CHUNK)
                 .scalar_subquery()
@@ -253,7 +279,7 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
                 "custom_id": line.custom_id,
                 "shard_index": (staged.total - 1) // ctx.settings.shard_size,
                 "body": line.body,
-                "status": RequestStatus.STAGED,
+                **_staged_status(ctx, batch.endpoint, line),
             }
         )
         if len(rows) >= INSERT_CHUNK:
@@ -302,6 +328,21 @@ def _check_line(
             f"The line could not be checked ({type(e).__name__}); the server logged why.",
             line=number,
         ) from None
+
+
+def _staged_status(ctx: WorkerContext, endpoint: str, line: BatchInputLine) -> dict[str, Any]:
+    """STAGED, or REFUSED with the error line the endpoint answers this line with (a prompt past
+    the context, a bad parameter, an image it cannot read), found by preparing the line as its
+    shard would. Without an engine in this process to ask, STAGED: the shard refuses such a line
+    the same way. A refused line fails alone; its batch goes on without it."""
+    if ctx.engine is not None:
+        try:
+            ENDPOINTS[endpoint](line.body, ctx.engine.engine)
+        except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
+            failure = e if isinstance(e, OpenAIError) else line_crashed(line.custom_id)
+            error = openai_error_line(line.custom_id, failure).model_dump(mode="json")
+            return {"status": RequestStatus.REFUSED, "result": error}
+    return {"status": RequestStatus.STAGED, "result": None}
 
 
 def _insert_chunk(ctx: WorkerContext, batch_id: str, rows: list[dict]) -> bool:

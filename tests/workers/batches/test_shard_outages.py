@@ -68,7 +68,10 @@ def retried(caplog: pytest.LogCaptureFixture, what: str) -> bool:
 
 def test_a_database_outage_mid_shard_is_ridden_out(make_batch_worker, database_proxy, caplog):
     caplog.set_level(logging.WARNING)
-    worker = make_batch_worker(database_port=database_proxy.port, lease_seconds=6)
+    # The lease is renewed each third of it, so an outage that starts just before a renewal has
+    # two thirds of the lease to end in: 8 s, well past the outage's 4 s at most plus reconnecting
+    # on a loaded machine.
+    worker = make_batch_worker(database_port=database_proxy.port, lease_seconds=12)
     observer = make_batch_worker()  # reaches the database directly
     # Lines that end one after another, so that some end while the database is away: 160 tokens
     # apart, a few tenths of a second on a fast machine, which the outage outlasts.
