@@ -234,6 +234,16 @@ class ModelConfig:
         top = self.multimodal
         return top.get("audio_token_id", top.get("audio_token_index"))
 
+    @property
+    def labels(self) -> list[str] | None:
+        """A sequence classifier's labels, by id: its logits are theirs, not the vocabulary's.
+        None for a language model."""
+        if not self.architecture.endswith("ForSequenceClassification"):
+            return None
+        id2label = self.raw.get("id2label") or {}
+        num_labels = self.raw.get("num_labels", len(id2label))
+        return [id2label.get(str(i), f"LABEL_{i}") for i in range(num_labels)]
+
     def check_tensor_parallel(self, size: int) -> None:
         """Raises ValueError unless each of `size` ranks can hold whole heads and an equal share of
         the MLP. (The vocabulary is padded to split evenly.)"""
@@ -273,6 +283,7 @@ class ModelConfig:
         dtype_name = top.get("dtype") or top.get("torch_dtype") or "float32"
         is_qwen2 = architectures[0] in (
             "Qwen2ForCausalLM",
+            "Qwen2ForSequenceClassification",
             "Qwen2VLForConditionalGeneration",
             "Qwen2AudioForConditionalGeneration",
         )

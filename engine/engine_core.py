@@ -175,6 +175,7 @@ class EngineCore:
             encoder = self.encoder_cache.take_work() if self.encoder_cache is not None else None
             logits = self.runner.execute(out.scheduled, block_tables, encoder)
             sampling = [s.request for s in out.scheduled if s.samples]
+            _keep_scores(logits, sampling)
             for request, (token, logprob) in zip(
                 sampling, self._sample(logits, sampling), strict=True
             ):
@@ -235,3 +236,11 @@ class EngineCore:
             self._fail_own(request, str(e), e)
             ended = False
         return SampledToken(request, token, ended)
+
+
+def _keep_scores(logits: torch.Tensor, requests: list[Request]) -> None:
+    """The rows that requests asking for scores sample their first token from, as they are
+    before sampling edits them."""
+    for i, request in enumerate(requests):
+        if request.sampling_params.scores and not request.output_token_ids:
+            request.scores = logits[i].clone()

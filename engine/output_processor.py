@@ -229,6 +229,7 @@ def _cumulative(completion: _Completion) -> CompletionOutput:
         logprobs=(
             list(request.output_logprobs) if request.sampling_params.logprobs is not None else None
         ),
+        scores=request.scores,
     )
 
 
@@ -248,6 +249,7 @@ def _delta(completion: _Completion) -> CompletionOutput | None:
         finish_reason=request.finish_reason,
         stop_reason=request.stop_reason,
         logprobs=request.output_logprobs[start:] if logprobs else None,
+        scores=request.scores if start == 0 else None,
     )
     completion.sent_tokens, completion.sent_chars = tokens, chars
     completion.sent_finished = finished

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import torch
+
 from pagedbatch.engine.request import TokenLogprob
 
 
@@ -23,6 +25,9 @@ class CompletionOutput:
     finish_reason: str | None = None  # "stop", "length", "abort" or "error"
     stop_reason: int | str | None = None  # the stop token id or stop string that ended it
     logprobs: list[TokenLogprob] | None = None
+    # The first token's raw logits row (float32), when `SamplingParams.scores` asked for it; a
+    # DELTA output carries it once, with the first token.
+    scores: torch.Tensor | None = None
 
     @property
     def finished(self) -> bool:
@@ -69,6 +74,8 @@ class RequestOutput:
                     old.logprobs = []
                 old.logprobs.extend(new.logprobs)
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
+            if old.scores is None:
+                old.scores = new.scores
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens

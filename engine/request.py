@@ -7,6 +7,7 @@ import time
 from dataclasses import dataclass, field
 
 import numpy as np
+import torch
 
 from pagedbatch.engine.multimodal import MediaItem
 from pagedbatch.engine.sampling_params import SamplingParams
@@ -107,6 +108,8 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # The first token's raw logits row, float32, when `sampling_params.scores` asks for it.
+    scores: torch.Tensor | None = field(default=None, repr=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0

@@ -66,6 +66,9 @@ class SamplingParams:
     logits_processors: list[LogitsProcessor] = field(default_factory=list)
     structured: StructuredOutput | None = None  # JSON, JSON Schema or tool calls the output obeys
     output_kind: RequestOutputKind = RequestOutputKind.CUMULATIVE
+    # The raw logits row the first token is sampled from (before any mask, bias or penalty), on
+    # the outputs as `scores`: a sequence classifier's label scores, a guard model's verdict.
+    scores: bool = False
 
     def __post_init__(self) -> None:
         if isinstance(self.stop, str):

@@ -222,9 +222,17 @@ def _make_model(args: argparse.Namespace) -> int:
             overrides = long_context(args.size, args.max_position_embeddings, args.rope_scaling)
         except ValueError as e:
             raise SystemExit(f"--max-position-embeddings: {e}") from None
-    path = make_model(
-        args.dir, arch=args.arch, size=args.size, seed=args.seed, config_overrides=overrides
-    )
+    try:
+        path = make_model(
+            args.dir,
+            arch=args.arch,
+            size=args.size,
+            seed=args.seed,
+            config_overrides=overrides,
+            task=args.task,
+        )
+    except ValueError as e:
+        raise SystemExit(f"make-model: {e}") from None
     print(path)
     return 0
 
@@ -244,6 +252,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--arch", choices=ARCHS, default="llama")
     p.add_argument("--size", choices=SIZES, default="tiny")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument(
+        "--task",
+        choices=("generate", "classify"),
+        default="generate",
+        help="classify: a sequence classifier scoring OpenAI's 13 moderation categories",
+    )
     p.add_argument(
         "--max-position-embeddings",
         type=int,

@@ -46,6 +46,7 @@ from pagedbatch.demo_tokenizer import (
     chat_template,
     write_tokenizer,
 )
+from pagedbatch.protocol.moderation import CATEGORIES
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -76,6 +77,11 @@ SIZES = {
 
 
 ROPE_SCALINGS = ("yarn", "llama3", "linear")
+TASKS = ("generate", "classify")
+CLASSIFIER_ARCHS = ("llama", "qwen2", "mistral")
+# The score head's spread: label logits of a few units, so that sigmoid scores span (0, 1)
+# and move with the input.
+SCORE_SCALE = 3.0
 
 
 @dataclass(frozen=True)
@@ -383,15 +389,38 @@ def _qwen2_audio_config(size: str) -> dict[str, Any]:
     }
 
 
+def classifier_config(config: dict[str, Any]) -> dict[str, Any]:
+    """A language model's config made a multi-label sequence classifier's, its labels OpenAI's
+    moderation categories: transformers' `*ForSequenceClassification` reads the score head at
+    the last token that is not padding."""
+    labels = dict(enumerate(CATEGORIES))
+    architecture = config["architectures"][0].replace("ForCausalLM", "ForSequenceClassification")
+    return config | {
+        "architectures": [architecture],
+        "id2label": {str(i): label for i, label in labels.items()},
+        "label2id": {label: i for i, label in labels.items()},
+        "problem_type": "multi_label_classification",
+        "pad_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+    }
+
+
 def make_model(
     out_dir: str | Path,
     arch: str = "llama",
     size: str = "tiny",
     seed: int = 0,
     config_overrides: dict[str, Any] | None = None,
+    task: str = "generate",
 ) -> Path:
-    """Write a checkpoint that transformers and the engine load offline; return its directory."""
+    """Write a checkpoint that transformers and the engine load offline; return its directory.
+    `task` "classify" makes it a moderation classifier (llama, qwen2 and mistral)."""
+    if task not in TASKS:
+        raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if task == "classify" and arch not in CLASSIFIER_ARCHS:
+        raise ValueError(f"a classifier's arch is one of {CLASSIFIER_ARCHS}, got {arch!r}")
     config = model_config(arch, size, config_overrides)
+    if task == "classify":
+        config = classifier_config(config)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     if arch == "llava":
@@ -402,6 +431,11 @@ def make_model(
         weights = init_qwen2_audio_weights(config, seed)
     else:
         weights = init_weights(config, seed)
+    if task == "classify":
+        hidden = config["hidden_size"]
+        del weights["lm_head.weight"]
+        score = torch.randn((len(CATEGORIES), hidden), generator=_generator(seed, "score"))
+        weights["score.weight"] = score * SCORE_SCALE / hidden**0.5
     save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
     _write_json(out / "config.json", config)
     generation_config = {

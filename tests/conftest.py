@@ -53,18 +53,21 @@ def root_logging_restored() -> Iterator[None]:
 
 @pytest.fixture(scope="session")
 def make_checkpoint(tmp_path_factory: pytest.TempPathFactory) -> MakeCheckpoint:
-    """`make_checkpoint(arch, size="tiny", **config_overrides)`: a checkpoint directory.
+    """`make_checkpoint(arch, size="tiny", task="generate", **config_overrides)`: a checkpoint
+    directory.
 
     Each distinct set of arguments is built once per session; treat the directory as read-only.
     """
     built: dict[str, Path] = {}
 
-    def make(arch: str, size: str = "tiny", **config_overrides: Any) -> Path:
-        key = json.dumps([arch, size, config_overrides], sort_keys=True)
+    def make(
+        arch: str, size: str = "tiny", task: str = "generate", **config_overrides: Any
+    ) -> Path:
+        key = json.dumps([arch, size, task, config_overrides], sort_keys=True)
         if key not in built:
-            out_dir = tmp_path_factory.mktemp(f"{arch}-{size}")
+            out_dir = tmp_path_factory.mktemp(f"{arch}-{size}-{task}")
             built[key] = make_model(
-                out_dir, arch=arch, size=size, config_overrides=config_overrides
+                out_dir, arch=arch, size=size, config_overrides=config_overrides, task=task
             )
         return built[key]
 

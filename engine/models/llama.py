@@ -147,9 +147,13 @@ class LlamaForCausalLM(nn.Module):
         self.embed_tokens = self.embedding_class(cfg.vocab_size, cfg.hidden_size)
         self.layers = nn.ModuleList(self.decoder_layers(cfg))
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
-        self.lm_head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        self.lm_head = self.output_head(cfg)
+
+    def output_head(self, cfg: ModelConfig) -> ParallelLMHead:
+        head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
-            self.lm_head.weight = self.embed_tokens.weight
+            head.weight = self.embed_tokens.weight
+        return head
 
     def decoder_layers(self, cfg: ModelConfig) -> list[nn.Module]:
         """The layers, each `layer(positions, x, residual, kv_cache, meta) -> (x, residual)`."""
@@ -217,3 +221,17 @@ class LlamaForCausalLM(nn.Module):
             else:
                 expected.add(name)
         return expected
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """The same decoder under a score head: one logit per label (`ModelConfig.labels`) where a
+    language model has one per token. Transformers reads the head at a sequence's last token,
+    which is where the engine samples a prompt's first token: a request's first logits row
+    (`SamplingParams.scores`) is the sequence's label scores. Also Qwen2's and Mistral's."""
+
+    def output_head(self, cfg: ModelConfig) -> ParallelLMHead:
+        return ParallelLMHead(len(cfg.labels), cfg.hidden_size)  # never tied to the embedding
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        renamed = (("lm_head.weight" if n == "score.weight" else n, t) for n, t in weights)
+        super().load_weights(renamed)

@@ -16,7 +16,7 @@ from importlib.metadata import entry_points
 import torch
 
 from pagedbatch.engine.models.gemma3 import Gemma3ForCausalLM
-from pagedbatch.engine.models.llama import LlamaForCausalLM
+from pagedbatch.engine.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagedbatch.engine.models.llava import LlavaForConditionalGeneration
 from pagedbatch.engine.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from pagedbatch.engine.models.qwen2_vl import Qwen2VLForConditionalGeneration
@@ -27,6 +27,9 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    "LlamaForSequenceClassification": LlamaForSequenceClassification,
+    "MistralForSequenceClassification": LlamaForSequenceClassification,
+    "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
