@@ -32,6 +32,7 @@ class Services:
     served_models: list[str] = field(default_factory=list)  # default: the engine's model
     engine: AsyncLLM | None = None  # serves the realtime endpoints; None in the distributed API
     engines: EngineProxy | None = None  # the distributed API's way to the workers' engines
+    guard: AsyncLLM | None = None  # the moderation model's engine, where one is configured
     started_at: int = field(default_factory=now)  # reported as each served model's `created`
     # An upload holds a thread for as long as its client takes to send it, so uploads get threads
     # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.

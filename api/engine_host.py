@@ -164,7 +164,8 @@ def engine_host_app(
 
     app = FastAPI(title="pagedbatch engine host", lifespan=lifespan)
     app.state.services = services
-    app.state.realtime_admission = admission  # the one api/realtime.py would make
+    # The one api/realtime.py would make for the main engine.
+    app.state.realtime_admissions = {services.engine.engine.model_name: admission}
     guarded = [Depends(_secret_check(settings.engine_secret))]
     v1 = APIRouter(prefix="/v1", dependencies=guarded)
     v1.include_router(audio.router)

@@ -158,9 +158,11 @@ async def answer(
     parse: Callable[[bytes], Body],
     prepare: Callable[[Body, ServedModel], P],
     chunks: Callable[[P], ChunkWriter] | None = None,
+    engine_of: Callable[[Services, str], AsyncLLM] | None = None,
 ) -> Response:
     """An endpoint's answer to the request: the whole response, or its events if streamed (for
-    an endpoint with `chunks`; `prepare` refuses a stream for one without).
+    an endpoint with `chunks`; `prepare` refuses a stream for one without). `engine_of` finds
+    the engine for the request's model (default: the main engine, for the models it serves).
 
     The request is checked in full before it comes near the engine, then runs if admitted.
     """
@@ -172,9 +174,9 @@ async def answer(
         return await services.engines.forward(
             request, params.model, raw, services.served_models, tenant, send_timeout
         )
-    engine = _engine_for(services, params.model)
+    engine = (engine_of or _engine_for)(services, params.model)
     prepared = await _off_loop(services, prepare, params, engine.engine)
-    admission = _admission(request)
+    admission = _admission(request, engine.engine.model_name)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
     ticket = admission.try_enter(tenant, sequences)
@@ -188,7 +190,7 @@ async def answer(
     def run() -> AsyncGenerator[list[RequestOutput | None], None]:
         return _run(engine, prepared.inputs, salt, ticket.release)
 
-    if params.stream and chunks is not None:
+    if chunks is not None and params.stream:
         events = _events(run(), StreamEncoder(chunks(prepared), params))
         return EventStreamResponse(events, ticket.release, send_timeout)
     try:
@@ -232,7 +234,7 @@ def _check_size(sequences: int, params: SamplingRequest, most: int) -> None:
     """A 400 for a request too large ever to be admitted, rather than 429s for ever."""
     if sequences <= most:
         return
-    param = "n" if params.n > most else "prompt"
+    param = "n" if getattr(params, "n", 1) > most else "prompt"
     raise OpenAIError(
         f"This request needs {sequences} sequences (its prompts times n), and the realtime "
         f"endpoints run at most {most} of one client's at once. Send fewer prompts or choices, "
@@ -291,14 +293,17 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-def _admission(request: Request) -> Admission:
+def _admission(request: Request, model: str) -> Admission:
+    """The admission of the engine serving `model` (the main one, or a guard)."""
     state = request.app.state
-    if not hasattr(state, "realtime_admission"):  # made on first use: one per app
+    if not hasattr(state, "realtime_admissions"):
+        state.realtime_admissions = {}
+    if model not in state.realtime_admissions:  # made on first use: one per engine and app
         settings = get_services(request).settings
-        state.realtime_admission = Admission(
+        state.realtime_admissions[model] = Admission(
             settings.max_realtime_queue, settings.realtime_tenant_share
         )
-    return state.realtime_admission
+    return state.realtime_admissions[model]
 
 
 def engine_unavailable(message: str, param: str | None = "model") -> OpenAIError:

@@ -40,6 +40,7 @@ class LLMEngine:
         self.args = args
         self.model_config = ModelConfig.load(args.model)
         self.model_name = args.served_model_name or default_model_name(args.model)
+        self.labels = self.model_config.labels  # a sequence classifier's; None otherwise
         meta = self.model_config.metadata_dir
         self.tokenizer = load_tokenizer(meta, args.chat_template)
         self.eos_token_ids = eos_token_ids(meta, self.tokenizer)

@@ -108,6 +108,26 @@ def start_engine(settings: Settings) -> AsyncLLM:
     )
 
 
+def start_guard(settings: Settings) -> AsyncLLM | None:
+    """The moderation model's engine, beside the main one, with a KV budget and sequence limit
+    of its own; None when no moderation model is set."""
+    if settings.moderation_model is None:
+        return None
+    return AsyncLLM(
+        **{
+            **settings.engine_args(),
+            "model": settings.moderation_model,
+            "served_model_name": None,  # the checkpoint's name
+            "chat_template": None,  # the main model's override is not the guard's
+            "max_model_len": None,
+            "max_num_seqs": settings.moderation_max_num_seqs,
+            "kv_cache_memory_gib": settings.moderation_kv_cache_memory_gib,
+            "num_kv_blocks": None,
+            "tensor_parallel_size": 1,
+        }
+    )
+
+
 def open_store(settings: Settings) -> tuple[sessionmaker[Session], BlobStore]:
     """The job store, migrated to the current schema, and blob storage."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -121,17 +141,21 @@ class Embedded:
     app: FastAPI
     context: WorkerContext
     queue: InProcessQueue
+    guard: AsyncLLM | None = None
 
     def shutdown(self) -> None:
         self.context.stopping.set()
         self.queue.shutdown()
         if self.context.engine is not None:
             self.context.engine.shutdown()
+        if self.guard is not None:
+            self.guard.shutdown()
 
 
 def embedded(settings: Settings) -> Embedded:
     session_factory, blobs = open_store(settings)
     engine = start_engine(settings)
+    guard = start_guard(settings)
     ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine)
     queue = InProcessQueue(
         lambda name, args: run_task(ctx, name, args),
@@ -147,8 +171,9 @@ def embedded(settings: Settings) -> Embedded:
         blobs=blobs,
         queue=queue,
         engine=engine,
+        guard=guard,
     )
-    return Embedded(create_app(settings, services), ctx, queue)
+    return Embedded(create_app(settings, services), ctx, queue, guard)
 
 
 def api_only(settings: Settings) -> FastAPI:

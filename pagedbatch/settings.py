@@ -17,11 +17,12 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_type_hints
 
-from pydantic import Field, create_model, field_validator
+from pydantic import BeforeValidator, Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.logs import LogFormat
+from pagedbatch.protocol.moderation import LEVELS, threshold
 
 DAY = 24 * 3600
 ENV_PREFIX = "PAGEDBATCH_"
@@ -188,6 +189,17 @@ class Settings(EngineSettings):
     batch_data_retention_days: float = Field(30.0, ge=0, le=3650)
     webhook_retention_days: float = Field(7.0, ge=0, le=3650)
     idempotency_key_retention_hours: float = Field(24.0, ge=0, le=24 * 3650)
+
+    # Safety: a sequence classifier checkpoint (its labels OpenAI's moderation categories, as
+    # `make-model --task classify` writes) serves /v1/moderations, on an engine of its own beside
+    # the main one, with a KV budget and sequence limit of its own.
+    moderation_model: str | None = None
+    moderation_kv_cache_memory_gib: float = Field(0.25, gt=0, le=1024)
+    moderation_max_num_seqs: int = Field(32, ge=1, le=1024)
+    max_moderation_inputs: int = Field(32, ge=1, le=1024)  # inputs in one moderation request
+    # The score from which a category counts as flagged: a number in [0, 1], or a level
+    # (`pagedbatch.protocol.moderation.LEVELS`).
+    safety_threshold: Annotated[float, BeforeValidator(threshold)] = LEVELS["medium"]
 
     @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod

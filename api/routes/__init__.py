@@ -7,7 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from pagedbatch.api.auth import get_owner
 from pagedbatch.api.batches import routes as batches
 from pagedbatch.api.files import routes as files
-from pagedbatch.api.routes import audio, chat, completions, engine, models
+from pagedbatch.api.routes import audio, chat, completions, engine, models, moderations
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.api.webhooks import routes as webhooks
 from pagedbatch.protocol.errors import OpenAIError
@@ -37,4 +37,5 @@ api_router.include_router(completions.router)
 api_router.include_router(engine.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)
+api_router.include_router(moderations.router)
 api_router.include_router(webhooks.router)

@@ -515,7 +515,7 @@ def test_200_streaming_clients_each_complete_or_get_429_in_bounded_memory(serve_
         if status == 429:
             assert json.loads(body)["error"]["code"] == "rate_limit_exceeded"
     assert growth < 64 * MiB, f"peak RSS grew by {growth / MiB:.1f} MiB"
-    admission = server.embedded.app.state.realtime_admission
+    admission = server.embedded.app.state.realtime_admissions["tiny"]
     seconds_until(lambda: admission.admitted == 0, timeout=5)  # the last may still be closing
     seconds_until_idle(server)
 

@@ -40,6 +40,7 @@ class ServedModel(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     model_name: str
+    labels: list[str] | None  # a sequence classifier's labels; None: a language model
     image_processor: ImageProcessor | None  # None: the model takes no images
     audio_processor: AudioProcessor | None  # None: the model takes no audio
 
