@@ -156,7 +156,7 @@ def embedded(settings: Settings) -> Embedded:
     session_factory, blobs = open_store(settings)
     engine = start_engine(settings)
     guard = start_guard(settings)
-    ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine)
+    ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine, guard=guard)
     queue = InProcessQueue(
         lambda name, args: run_task(ctx, name, args),
         # Webhook receivers can be slow: their deliveries must not hold up batch work.
@@ -207,7 +207,14 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
     if beat:
         logger.warning("--beat is deprecated and does nothing: every worker runs upkeep")
     session_factory, blobs = open_store(settings)
-    ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=start_engine(settings))
+    ctx = WorkerContext(
+        settings,
+        session_factory,
+        blobs,
+        queue=None,
+        engine=start_engine(settings),
+        guard=start_guard(settings),
+    )
 
     def run(name: str, args: tuple) -> None:
         run_task(ctx, name, args)

@@ -37,6 +37,7 @@ class WorkerContext:
     blobs: BlobStore
     queue: TaskQueue
     engine: AsyncLLM | None = None  # only processes that run shards have one
+    guard: AsyncLLM | None = None  # the moderation model's engine, where one is configured
     worker_id: str = field(default_factory=default_worker_id)
     shard_slots: threading.BoundedSemaphore = field(init=False)
     liveness: Liveness = field(default_factory=Liveness)
@@ -47,7 +48,3 @@ class WorkerContext:
     def __post_init__(self) -> None:
         # However many task threads the queue has, this engine runs this many shards at once.
         self.shard_slots = threading.BoundedSemaphore(self.settings.worker_concurrency)
-
-    @property
-    def served_model(self) -> str | None:
-        return self.engine.engine.model_name if self.engine else None

@@ -19,6 +19,7 @@ from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
 from pagedbatch.api.lists import ListPage
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.ids import new_id, now
+from pagedbatch.protocol.batch_lines import MODERATIONS
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.store.batches import transition
@@ -53,6 +54,13 @@ def create_batch(
     if params.endpoint not in SUPPORTED_ENDPOINTS:
         raise OpenAIError(
             f"endpoint must be one of {', '.join(SUPPORTED_ENDPOINTS)}, got {params.endpoint!r}",
+            param="endpoint",
+            code="invalid_value",
+        )
+    if params.endpoint == MODERATIONS and services.settings.moderation_model is None:
+        raise OpenAIError(
+            "This server runs no moderation model (set PAGEDBATCH_MODERATION_MODEL), so it "
+            "takes no /v1/moderations batches.",
             param="endpoint",
             code="invalid_value",
         )

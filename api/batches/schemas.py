@@ -9,7 +9,8 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pagedbatch.api.files.schemas import ExpiresAfter
 from pagedbatch.store.models import Batch
 
-SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions")
+# `/v1/moderations` where a moderation model is configured.
+SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/moderations")
 
 
 class BatchCreate(BaseModel):

@@ -135,6 +135,8 @@ def _prepare_completion(body: Any, served: ServedModel) -> Prepared:
     return prepare_completion(parse_request(CompletionRequest, body), served)
 
 
+MODERATIONS = "/v1/moderations"  # run on the moderation model, where one is configured
+# The endpoints the main model serves.
 ENDPOINTS: dict[str, Callable[[Any, ServedModel], Prepared]] = {
     "/v1/chat/completions": _prepare_chat,
     "/v1/completions": _prepare_completion,

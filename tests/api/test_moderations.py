@@ -7,6 +7,7 @@ from __future__ import annotations
 import openai
 import pytest
 import torch
+from test_batches import create, finished, results
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from pagedbatch.protocol.moderation import CATEGORIES
@@ -103,4 +104,35 @@ def test_bad_input_is_refused(serve_batches, reference, body, status, param):
 def test_without_a_moderation_model_the_endpoint_says_so(serve_batches):
     with pytest.raises(openai.NotFoundError) as caught:
         serve_batches().client().moderations.create(input="hello")
+    assert "PAGEDBATCH_MODERATION_MODEL" in caught.value.body["message"]
+
+
+def test_a_batch_of_moderations(serve_batches, reference):
+    path, expected = reference
+
+    def line(custom_id: str, given: object) -> dict:
+        body = {"model": "omni-moderation-latest", "input": given}
+        return {"custom_id": custom_id, "method": "POST", "url": "/v1/moderations", "body": body}
+
+    server = serve_batches(moderation_model=str(path))
+    client = server.client()
+    lines = [line("one", TEXTS[0]), line("two", TEXTS[1:]), line("blank", "")]
+    batch = finished(client, create(client, lines, endpoint="/v1/moderations").id)
+    assert batch.status == "completed"
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (2, 1)
+    output, errors = results(client, batch)
+    by_id = {o["custom_id"]: o["response"]["body"] for o in output}
+    scored = [r["category_scores"] for r in by_id["one"]["results"] + by_id["two"]["results"]]
+    for text, scores in zip(TEXTS, scored, strict=True):
+        assert scores == pytest.approx(expected[text], abs=1e-4)
+    [blank] = errors
+    assert blank["response"]["status_code"] == 400
+    assert blank["response"]["body"]["error"]["param"] == "input"
+    assert_guard_idle(server)
+
+
+def test_moderation_batches_need_a_moderation_model(serve_batches):
+    client = serve_batches().client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, [], endpoint="/v1/moderations")
     assert "PAGEDBATCH_MODERATION_MODEL" in caught.value.body["message"]

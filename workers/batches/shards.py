@@ -31,11 +31,9 @@ from typing import Any
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
-from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.async_llm import EngineDeadError
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.protocol.batch_lines import (
-    ENDPOINTS,
     line_crashed,
     openai_error_line,
     response_line,
@@ -60,6 +58,7 @@ from pagedbatch.store.models import (
     ShardStatus,
 )
 from pagedbatch.store.retry import is_transient, retrying
+from pagedbatch.workers.batches.endpoints import Endpoint, endpoint
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.metrics import BATCH_REQUESTS
 
@@ -209,14 +208,18 @@ def run_shard(ctx: WorkerContext) -> None:
         shard = claim_shard(ctx)
         if shard is None:
             return
+        served = endpoint(ctx, shard.endpoint)
+        if served is None:  # its lease lapses: a worker that has the engine takes it
+            raise RuntimeError(f"this worker has no engine for {shard.endpoint} batches")
         logger.info("running shard %s of %s", shard.index, shard.batch_id)
-        asyncio.run(_ShardRun(ctx, ctx.engine, shard).run())
+        asyncio.run(_ShardRun(ctx, served, shard).run())
 
 
 class _ShardRun:
-    def __init__(self, ctx: WorkerContext, engine: AsyncLLM, shard: ClaimedShard):
+    def __init__(self, ctx: WorkerContext, served: Endpoint, shard: ClaimedShard):
         self.ctx = ctx
-        self.engine = engine
+        self.engine = engine = served.engine
+        self.prepare = served.prepare
         self.shard = shard
         self.stop = asyncio.Event()
         self.lease_lost = False
@@ -409,8 +412,7 @@ class _ShardRun:
         """The line's response body; None if the shard was told to stop. Raises OpenAIError with
         what the endpoint would have answered instead, or whatever else went wrong."""
         # On a thread: decoding a line's images or clips takes long enough to hold up the others.
-        prepare = ENDPOINTS[self.shard.endpoint]
-        prepared = await asyncio.to_thread(prepare, request.body, self.engine.engine)
+        prepared = await asyncio.to_thread(self.prepare, request.body, self.engine.engine)
         try:
             outputs = await self._generate(prepared)
         except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small

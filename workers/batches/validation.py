@@ -29,7 +29,6 @@ from sqlalchemy.orm import Session
 
 from pagedbatch.ids import now
 from pagedbatch.protocol.batch_lines import (
-    ENDPOINTS,
     BatchError,
     BatchInputLine,
     InputLineChecker,
@@ -42,6 +41,7 @@ from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, RequestStatus, Shard
 from pagedbatch.store.retry import is_transient, retrying
+from pagedbatch.workers.batches.endpoints import Endpoint, endpoint
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.webhooks import queue_batch_webhooks
 
@@ -246,6 +246,7 @@ def _file_errors(ctx: WorkerContext, input_file: File | None) -> list[BatchError
 def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Staged:
     """Check every line; stage the requests while none is bad."""
     checker = InputLineChecker([batch.endpoint])
+    served = endpoint(ctx, batch.endpoint)  # None: no engine here to check models and bodies
     limit = ctx.settings.max_batch_lines
     staged = _Staged()
     rows: list[dict] = []
@@ -263,7 +264,7 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
             )
             break
         try:
-            line = _check_line(ctx, checker, raw, number, staged.model)
+            line = _check_line(checker, raw, number, staged.model, served)
         except InvalidBatchLine as e:
             staged.errors.append(e.error)
             if len(staged.errors) >= MAX_REPORTED_ERRORS:
@@ -279,7 +280,7 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
                 "custom_id": line.custom_id,
                 "shard_index": (staged.total - 1) // ctx.settings.shard_size,
                 "body": line.body,
-                **_staged_status(ctx, batch.endpoint, line),
+                **_staged_status(served, line),
             }
         )
         if len(rows) >= INSERT_CHUNK:
@@ -297,7 +298,11 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
 
 
 def _check_line(
-    ctx: WorkerContext, checker: InputLineChecker, raw: bytes, number: int, model: str | None
+    checker: InputLineChecker,
+    raw: bytes,
+    number: int,
+    model: str | None,
+    served: Endpoint | None,
 ) -> BatchInputLine:
     """The line's request, or `InvalidBatchLine`; whatever goes wrong is this line's error."""
     try:
@@ -317,7 +322,7 @@ def _check_line(
                 line=number,
                 param="custom_id",
             )
-        _check_model(line.body, model, ctx.served_model, number)
+        _check_model(line.body, model, served, number)
         return line
     except InvalidBatchLine:
         raise
@@ -330,14 +335,14 @@ def _check_line(
         ) from None
 
 
-def _staged_status(ctx: WorkerContext, endpoint: str, line: BatchInputLine) -> dict[str, Any]:
+def _staged_status(served: Endpoint | None, line: BatchInputLine) -> dict[str, Any]:
     """STAGED, or REFUSED with the error line the endpoint answers this line with (a prompt past
     the context, a bad parameter, an image it cannot read), found by preparing the line as its
     shard would. Without an engine in this process to ask, STAGED: the shard refuses such a line
     the same way. A refused line fails alone; its batch goes on without it."""
-    if ctx.engine is not None:
+    if served is not None:
         try:
-            ENDPOINTS[endpoint](line.body, ctx.engine.engine)
+            served.prepare(line.body, served.engine.engine)
         except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
             failure = e if isinstance(e, OpenAIError) else line_crashed(line.custom_id)
             error = openai_error_line(line.custom_id, failure).model_dump(mode="json")
@@ -361,7 +366,7 @@ def _insert_skipping_existing(session: Session) -> postgresql.Insert | sqlite.In
     )
 
 
-def _check_model(body: dict, model: str | None, served: str | None, line: int) -> None:
+def _check_model(body: dict, model: str | None, served: Endpoint | None, line: int) -> None:
     requested = body.get("model")
     if not isinstance(requested, str) or not requested:
         raise InvalidBatchLine(
@@ -378,10 +383,10 @@ def _check_model(body: dict, model: str | None, served: str | None, line: int) -
             line=line,
             param="body.model",
         )
-    if served is not None and requested != served:
+    if served is not None and not served.serves(requested):
         raise InvalidBatchLine(
             "model_not_found",
-            f"The model {requested!r} is not served here; this service serves {served!r}.",
+            f"The model {requested!r} is not served here; this service serves {served.model!r}.",
             line=line,
             param="body.model",
         )
