@@ -36,6 +36,7 @@ from pagedbatch.api.deps import Services, get_services
 from pagedbatch.api.request_body import decode_json
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.common import SamplingRequest
 from pagedbatch.protocol.serving.common import (
@@ -48,6 +49,7 @@ from pagedbatch.protocol.serving.common import (
     prefix_cache_salt,
 )
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
+from pagedbatch.safety import policy_for, prompt_refused, record, screen
 from pagedbatch.store.models import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)
@@ -176,6 +178,16 @@ async def answer(
         )
     engine = (engine_of or _engine_for)(services, params.model)
     prepared = await _off_loop(services, prepare, params, engine.engine)
+    salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
+    policy = policy_for(services.settings, tenant)
+    if policy.screens_input:
+        texts = prepared.input_texts()
+        verdict = await screen(
+            services.guard, texts, policy, priority=REALTIME_PRIORITY, cache_salt=salt
+        )
+        record(verdict, door="realtime", direction="input", request_id=current_request_id.get())
+        if verdict.flagged:
+            raise prompt_refused(verdict)
     admission = _admission(request, engine.engine.model_name)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
@@ -185,7 +197,6 @@ async def answer(
             f"The server is at its limit of {admission.limit} realtime sequences at once, or "
             "you hold your share of them."
         )
-    salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
 
     def run() -> AsyncGenerator[list[RequestOutput | None], None]:
         return _run(engine, prepared.inputs, salt, ticket.release)

@@ -268,6 +268,7 @@ def engine_host_of(ctx: WorkerContext) -> EngineHost:
         session_factory=ctx.session_factory,
         blobs=ctx.blobs,
         engine=ctx.engine,
+        guard=ctx.guard,  # screens the input of the requests it answers
     )
     return EngineHost(services, ctx.worker_id)
 

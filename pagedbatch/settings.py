@@ -17,12 +17,20 @@ from functools import cached_property
 from pathlib import Path
 from typing import Annotated, Any, Literal, get_args, get_type_hints
 
-from pydantic import BeforeValidator, Field, create_model, field_validator
+from pydantic import AfterValidator, BeforeValidator, Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.logs import LogFormat
-from pagedbatch.protocol.moderation import LEVELS, threshold
+from pagedbatch.protocol.moderation import (
+    LEVELS,
+    Category,
+    Checks,
+    TenantSafety,
+    Threshold,
+    blocklist,
+    threshold,
+)
 
 DAY = 24 * 3600
 ENV_PREFIX = "PAGEDBATCH_"
@@ -200,6 +208,14 @@ class Settings(EngineSettings):
     # The score from which a category counts as flagged: a number in [0, 1], or a level
     # (`pagedbatch.protocol.moderation.LEVELS`).
     safety_threshold: Annotated[float, BeforeValidator(threshold)] = LEVELS["medium"]
+    # The content filter on the doors (see README "Safety"): which way it screens, per-category
+    # thresholds (JSON: {"hate": "low", "violence": 0.9}), a blocklist of regular expressions
+    # (JSON list) checked before any model, and per-tenant overrides of any of these (JSON:
+    # {"<API key id>": {"policy", "threshold", "categories", "blocklist"}}).
+    safety_policy: Checks = "off"
+    safety_category_thresholds: dict[Category, Threshold] = Field(default_factory=dict)
+    safety_blocklist: Annotated[list[str], AfterValidator(blocklist)] = Field(default_factory=list)
+    safety_tenants: dict[str, TenantSafety] = Field(default_factory=dict)
 
     @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod

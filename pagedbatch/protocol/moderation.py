@@ -1,7 +1,12 @@
-"""OpenAI's moderation categories, the labels a classifier guard scores, and the thresholds at
-which a category's score flags its input."""
+"""OpenAI's moderation categories, the labels a classifier guard scores; the thresholds at which
+a category's score flags its input; and the shape of a tenant's content-filter settings."""
 
 from __future__ import annotations
+
+import re
+from typing import Annotated, Literal
+
+from pydantic import BaseModel, BeforeValidator, ConfigDict, field_validator
 
 CATEGORIES = (
     "harassment",
@@ -36,3 +41,38 @@ def threshold(value: object) -> float:
     if isinstance(value, bool) or not isinstance(value, int | float) or not 0 <= value <= 1:
         raise ValueError(f"a threshold is one of {sorted(LEVELS)} or a number in [0, 1]")
     return float(value)
+
+
+Threshold = Annotated[float, BeforeValidator(threshold)]
+Category = Literal[CATEGORIES]  # type: ignore[valid-type]
+Checks = Literal["off", "input", "output", "both"]  # which way content is screened
+MAX_BLOCKLIST_PATTERNS = 1000
+
+
+def blocklist(patterns: list[str]) -> list[str]:
+    """`patterns`, if each is a regular expression and there are not too many."""
+    if len(patterns) > MAX_BLOCKLIST_PATTERNS:
+        raise ValueError(f"a blocklist holds at most {MAX_BLOCKLIST_PATTERNS} patterns")
+    for pattern in patterns:
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise ValueError(f"blocklist pattern {pattern!r} is no regular expression: {e}") from e
+    return patterns
+
+
+class TenantSafety(BaseModel):
+    """One tenant's departures from the service's content filter; what it leaves unset, it
+    inherits."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    policy: Checks | None = None
+    threshold: Threshold | None = None
+    categories: dict[Category, Threshold] = {}
+    blocklist: list[str] | None = None
+
+    @field_validator("blocklist")
+    @classmethod
+    def _patterns(cls, value: list[str] | None) -> list[str] | None:
+        return None if value is None else blocklist(value)

@@ -40,6 +40,7 @@ from pagedbatch.protocol.batch_lines import (
 )
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
+from pagedbatch.safety import policy_for, prompt_refused, record, screen
 from pagedbatch.store.batches import (
     LineResult,
     fail_pending,
@@ -234,6 +235,7 @@ class _ShardRun:
         self.cache_salt = prefix_cache_salt(
             ctx.settings.share_prefix_cache_across_tenants, shard.owner
         )
+        self.safety = policy_for(ctx.settings, shard.owner)
 
     async def run(self) -> None:
         requests = retrying(self._pending_requests, "reading a shard's requests")
@@ -413,6 +415,17 @@ class _ShardRun:
         what the endpoint would have answered instead, or whatever else went wrong."""
         # On a thread: decoding a line's images or clips takes long enough to hold up the others.
         prepared = await asyncio.to_thread(self.prepare, request.body, self.engine.engine)
+        if self.safety.screens_input:
+            verdict = await screen(
+                self.ctx.guard,
+                prepared.input_texts(),
+                self.safety,
+                priority=BATCH_PRIORITY,
+                cache_salt=self.cache_salt,
+            )
+            record(verdict, door="batch", direction="input", request_id=request.custom_id)
+            if verdict.flagged:
+                raise prompt_refused(verdict)
         try:
             outputs = await self._generate(prepared)
         except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small

@@ -65,6 +65,19 @@ class PreparedChat:
     inputs: list[EngineInput]
     calls_tools: bool = False  # the output may hold tool calls, to be returned as `tool_calls`
 
+    def input_texts(self) -> list[str]:
+        """Each user message's text (its text parts together)."""
+        texts = []
+        for message in self.request.messages:
+            if message.role != "user":
+                continue
+            content = message.content
+            if isinstance(content, str):
+                texts.append(content)
+            else:
+                texts.append("\n".join(part.text for part in content if part.type == "text"))
+        return texts
+
     def response(self, outputs: Sequence[RequestOutput]) -> ChatCompletion:
         (output,) = outputs
         choices = []

@@ -59,6 +59,9 @@ class EngineInput:
 class Prepared(Protocol):
     inputs: list[EngineInput]
 
+    def input_texts(self) -> list[str]:
+        """What the content filter screens of the request's input: each text a user wrote."""
+
     def response(self, outputs: Sequence[RequestOutput]) -> BaseModel | str:
         """The response body from the final output of each of `inputs`, in the same order: an
         object sent as JSON, or text sent as text/plain.

@@ -49,6 +49,10 @@ class PreparedCompletion:
     prompts: list[str | list[int]]
     inputs: list[EngineInput]
 
+    def input_texts(self) -> list[str]:
+        """Each prompt, as text (a prompt of token ids decoded)."""
+        return [p if isinstance(p, str) else self.tokenizer.decode(p) for p in self.prompts]
+
     def response(self, outputs: Sequence[RequestOutput]) -> Completion:
         n = self.request.n
         choices = []

@@ -11,6 +11,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+import torch
+
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.ids import new_id
@@ -48,6 +50,9 @@ class PreparedModeration:
     threshold: float
     inputs: list[EngineInput]
 
+    def input_texts(self) -> list[str]:
+        return []  # what is moderated is not filtered
+
     def response(self, outputs: list[RequestOutput]) -> ModerationCreateResponse:
         return ModerationCreateResponse(
             id=self.id,
@@ -56,16 +61,21 @@ class PreparedModeration:
         )
 
     def _result(self, output: RequestOutput) -> Moderation:
-        scores = dict(zip(self.labels, output.outputs[0].scores.sigmoid().tolist(), strict=True))
-        # Every OpenAI category is reported; one the guard does not score is never flagged.
-        category_scores = {category: scores.get(category, 0.0) for category in CATEGORIES}
-        categories = {c: score >= self.threshold for c, score in category_scores.items()}
+        scores = category_scores(self.labels, output.outputs[0].scores)
+        categories = {c: score >= self.threshold for c, score in scores.items()}
         return Moderation(
             flagged=any(categories.values()),
             categories=categories,
-            category_scores=category_scores,
+            category_scores=scores,
             category_applied_input_types={c: ["text"] for c in CATEGORIES},
         )
+
+
+def category_scores(labels: list[str], logits: torch.Tensor) -> dict[str, float]:
+    """Every OpenAI category's score from a classifier's label logits: their sigmoid; a category
+    the classifier does not score is 0, never flagged."""
+    scores = dict(zip(labels, logits.sigmoid().tolist(), strict=True))
+    return {category: scores.get(category, 0.0) for category in CATEGORIES}
 
 
 def guard_model(requested: str | None, guard: ServedModel) -> str:

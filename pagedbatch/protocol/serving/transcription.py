@@ -45,6 +45,9 @@ class PreparedTranscription:
     request: TranscriptionRequest
     inputs: list[EngineInput]
 
+    def input_texts(self) -> list[str]:
+        return [self.request.prompt] if self.request.prompt else []
+
     def response(self, outputs: Sequence[RequestOutput]) -> Transcription | str:
         """The transcription, or its bare text for `response_format: "text"`."""
         (output,) = outputs

@@ -1,0 +1,156 @@
+"""Content filtering on the doors: each tenant's policy, its blocklist, and screening text with
+the moderation model.
+
+A policy says which way content is checked (`off`, `input`, `output` or `both`), from what score
+each category counts as flagged, and which literal strings or regular expressions refuse a text
+before any model reads it. The service's settings give the default; `safety_tenants` overrides
+any part of it for one tenant (an API key's id), and for that tenant only.
+
+Screening scores a text exactly as `/v1/moderations` does. A text longer than the moderation
+model's context is scored in windows of that context, each on its own, and is flagged if any
+window is: length is no way past the filter. Decisions are logged with the request id and
+counted by door, direction and category, never with the text.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+from prometheus_client import Counter
+
+from pagedbatch.ids import new_id
+from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.moderation import CATEGORIES, Checks, TenantSafety
+from pagedbatch.protocol.serving.moderations import SCORES, category_scores
+
+if TYPE_CHECKING:
+    from pagedbatch.engine import AsyncLLM
+    from pagedbatch.settings import Settings
+
+logger = logging.getLogger(__name__)
+
+BLOCKLIST = "blocklist"  # the category a blocklist match is counted and reported under
+
+CONTENT_FILTERED = Counter(
+    "pagedbatch:content_filter_decisions",
+    "Texts the content filter refused, by door (realtime or batch), direction (input or "
+    "output) and category (or blocklist).",
+    ["door", "direction", "category"],
+)
+
+
+@dataclass(frozen=True)
+class SafetyPolicy:
+    checks: Checks = "off"
+    threshold: float = 0.5
+    categories: Mapping[str, float] = field(default_factory=dict)  # per-category thresholds
+    blocklist: tuple[re.Pattern[str], ...] = ()
+
+    @property
+    def screens_input(self) -> bool:
+        return self.checks in ("input", "both")
+
+    @property
+    def screens_output(self) -> bool:
+        return self.checks in ("output", "both")
+
+    def flagged(self, scores: Mapping[str, float]) -> list[str]:
+        """The categories whose score reaches their threshold."""
+        return [c for c, score in scores.items() if score >= self.categories.get(c, self.threshold)]
+
+    def blocked(self, text: str) -> bool:
+        return any(pattern.search(text) for pattern in self.blocklist)
+
+
+def policy_for(settings: Settings, tenant: str) -> SafetyPolicy:
+    """The policy in force for `tenant`: the service's, with the tenant's overrides."""
+    own = settings.safety_tenants.get(tenant) or TenantSafety()
+    blocklist = own.blocklist if own.blocklist is not None else settings.safety_blocklist
+    return SafetyPolicy(
+        checks=own.policy or settings.safety_policy,
+        threshold=own.threshold if own.threshold is not None else settings.safety_threshold,
+        categories={**settings.safety_category_thresholds, **own.categories},
+        blocklist=tuple(re.compile(pattern) for pattern in blocklist),
+    )
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """What screening found: the flagged categories (BLOCKLIST for a blocklist match)."""
+
+    categories: tuple[str, ...] = ()
+
+    @property
+    def flagged(self) -> bool:
+        return bool(self.categories)
+
+
+async def screen(
+    guard: AsyncLLM | None,
+    texts: Sequence[str],
+    policy: SafetyPolicy,
+    *,
+    priority: int,
+    cache_salt: str | None = None,
+) -> Verdict:
+    """Screen `texts` against `policy`: the blocklist first, then the moderation model (each text,
+    in windows of its context, all at once). Without a moderation model only the blocklist
+    applies."""
+    if any(policy.blocked(text) for text in texts):
+        return Verdict((BLOCKLIST,))
+    if guard is None:
+        return Verdict()
+    served = guard.engine
+    window = served.max_model_len - 1  # the scored position is the window's last token
+    prompts = []
+    for text in texts:
+        tokens = served.tokenizer.encode(text)
+        prompts.extend(tokens[start : start + window] for start in range(0, len(tokens), window))
+
+    async def score(prompt: list[int]) -> dict[str, float]:
+        final = None
+        async for output in guard.generate(
+            prompt,
+            SCORES,
+            request_id=new_id("screen-"),
+            priority=priority,
+            final_only=True,
+            cache_salt=cache_salt,
+        ):
+            final = output
+        return category_scores(served.labels, final.outputs[0].scores)
+
+    flagged: set[str] = set()
+    for scores in await asyncio.gather(*(score(p) for p in prompts if p)):
+        flagged.update(policy.flagged(scores))
+    return Verdict(tuple(c for c in CATEGORIES if c in flagged))
+
+
+def record(verdict: Verdict, *, door: str, direction: str, request_id: str | None) -> None:
+    """Log and count a refusal, without the text."""
+    if not verdict.flagged:
+        return
+    logger.warning(
+        "content filter: %s %s of request %s flagged for %s",
+        door,
+        direction,
+        request_id,
+        ", ".join(verdict.categories),
+    )
+    for category in verdict.categories:
+        CONTENT_FILTERED.labels(door, direction, category).inc()
+
+
+def prompt_refused(verdict: Verdict) -> OpenAIError:
+    """The 400 of a prompt the content filter flagged, naming the categories."""
+    return OpenAIError(
+        "The prompt was refused by the content filter: it was flagged for "
+        f"{', '.join(verdict.categories)}.",
+        param="prompt",
+        code="content_filter",
+    )
