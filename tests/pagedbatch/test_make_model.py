@@ -20,11 +20,18 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PreTrainedModel
+from transformers import (
+    AutoConfig,
+    AutoModelForCausalLM,
+    AutoModelForSequenceClassification,
+    AutoTokenizer,
+    PreTrainedModel,
+)
 
 from pagedbatch import cli
 from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
 from pagedbatch.make_model import ARCHITECTURES, long_context, make_model, model_config
+from pagedbatch.protocol.moderation import CATEGORIES
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")  # the text models
 MakeCheckpoint = Callable[..., Path]
@@ -229,6 +236,24 @@ def test_transformers_loads_every_weight(arch: str, make_checkpoint: MakeCheckpo
         make_checkpoint(arch), dtype=torch.float32, output_loading_info=True
     )
     assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+def test_a_classifier_scores_the_moderation_categories(arch: str, tmp_path: Path) -> None:
+    assert cli.main(["make-model", "--arch", arch, "--task", "classify", str(tmp_path)]) == 0
+    model, info = AutoModelForSequenceClassification.from_pretrained(
+        tmp_path, dtype=torch.float32, output_loading_info=True
+    )
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    family = ARCHITECTURES[arch].removesuffix("ForCausalLM")
+    assert type(model).__name__ == f"{family}ForSequenceClassification"
+    assert list(model.config.id2label.values()) == list(CATEGORIES)
+    assert model.config.problem_type == "multi_label_classification"
+
+
+def test_only_decoders_make_classifiers(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="a classifier's arch"):
+        cli.main(["make-model", "--arch", "gemma3", "--task", "classify", str(tmp_path)])
 
 
 # The tokenizer
