@@ -23,7 +23,7 @@ import logging
 import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from itertools import zip_longest
 from typing import Any, Protocol, TypeVar, cast
 
@@ -36,6 +36,7 @@ from pagedbatch.api.deps import Services, get_services
 from pagedbatch.api.request_body import decode_json
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.sampling_params import RequestOutputKind
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.common import SamplingRequest
@@ -49,7 +50,7 @@ from pagedbatch.protocol.serving.common import (
     prefix_cache_salt,
 )
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
-from pagedbatch.safety import policy_for, prompt_refused, record, screen
+from pagedbatch.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.store.models import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)
@@ -198,8 +199,24 @@ async def answer(
             "you hold your share of them."
         )
 
+    output_screen = None
+    if policy.screens_output and engine is services.engine:  # not the moderation model's scores
+        output_screen = OutputScreen(
+            services.guard,
+            policy,
+            services.settings.safety_output_check_tokens,
+            [engine_input.params.n for engine_input in prepared.inputs],
+            priority=REALTIME_PRIORITY,
+            cache_salt=salt,
+            door="realtime",
+            request_id=current_request_id.get(),
+        )
+        # Pieces as they come, so that flagged output stops the request mid-way.
+        prepared.inputs = [_in_pieces(engine_input) for engine_input in prepared.inputs]
+
     def run() -> AsyncGenerator[list[RequestOutput | None], None]:
-        return _run(engine, prepared.inputs, salt, ticket.release)
+        running = _run(engine, prepared.inputs, salt, ticket.release)
+        return output_screen.screened(running) if output_screen is not None else running
 
     if chunks is not None and params.stream:
         events = _events(run(), StreamEncoder(chunks(prepared), params))
@@ -410,12 +427,24 @@ async def _run(
 async def _final_outputs(
     running: AsyncGenerator[list[RequestOutput | None], None],
 ) -> list[RequestOutput]:
-    """Each request's one output (they run as FINAL_ONLY)."""
+    """Each request's whole output: its one FINAL_ONLY output, or its DELTA pieces folded."""
     final: list[RequestOutput | None] = []
     async with contextlib.aclosing(running):
         async for outputs in running:
-            final = [new if new is not None else old for new, old in zip_longest(outputs, final)]
+            for position, (new, old) in enumerate(zip_longest(outputs, final)):
+                if position == len(final):
+                    final.append(new)
+                elif old is None:
+                    final[position] = new
+                elif new is not None:
+                    old.add(new)
     return cast("list[RequestOutput]", final)  # all there, and finished
+
+
+def _in_pieces(engine_input: EngineInput) -> EngineInput:
+    """The input, its outputs asked for as DELTA pieces."""
+    params = replace(engine_input.params, output_kind=RequestOutputKind.DELTA)
+    return replace(engine_input, params=params)
 
 
 async def _events(

@@ -28,6 +28,8 @@ class CompletionOutput:
     # The first token's raw logits row (float32), when `SamplingParams.scores` asked for it; a
     # DELTA output carries it once, with the first token.
     scores: torch.Tensor | None = None
+    # Why the service's content filter ended it (its finish_reason then "content_filter").
+    refusal: str | None = None
 
     @property
     def finished(self) -> bool:
@@ -76,6 +78,7 @@ class RequestOutput:
             old.finish_reason, old.stop_reason = new.finish_reason, new.stop_reason
             if old.scores is None:
                 old.scores = new.scores
+            old.refusal = new.refusal or old.refusal
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished
         self.num_cached_tokens = later.num_cached_tokens

@@ -15,14 +15,16 @@ counted by door, direction and category, never with the text.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import re
-from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from collections.abc import AsyncGenerator, Mapping, Sequence
+from dataclasses import dataclass, field, replace
 from typing import TYPE_CHECKING
 
 from prometheus_client import Counter
 
+from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.ids import new_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.moderation import CATEGORIES, Checks, TenantSafety
@@ -129,6 +131,132 @@ async def screen(
     for scores in await asyncio.gather(*(score(p) for p in prompts if p)):
         flagged.update(policy.flagged(scores))
     return Verdict(tuple(c for c in CATEGORIES if c in flagged))
+
+
+class OutputScreen:
+    """Screens what one request generates, as it comes: each completion's text is held back until
+    the text so far has been screened, every `every` tokens and at its end, so no text goes out
+    that was not. Flagged, the request stops: every completion still running ends with
+    finish_reason "content_filter" and a refusal naming the categories, its unscreened text
+    dropped (its tokens still counted), and closing the outputs' source aborts the engine
+    requests.
+
+    It wraps a source that yields, whenever the request moves, one output per engine request
+    (None if that one did not move): DELTA pieces of a stream, or one FINAL_ONLY output each.
+    """
+
+    def __init__(
+        self,
+        guard: AsyncLLM | None,
+        policy: SafetyPolicy,
+        every: int,
+        choices: Sequence[int],
+        *,
+        priority: int,
+        cache_salt: str | None,
+        door: str,
+        request_id: str | None,
+    ) -> None:
+        self.guard = guard
+        self.policy = policy
+        self.every = every
+        self.choices = choices  # completions of each engine request (its n)
+        self.priority = priority
+        self.cache_salt = cache_salt
+        self.door = door
+        self.request_id = request_id
+
+    async def screened(
+        self, running: AsyncGenerator[list[RequestOutput | None], None]
+    ) -> AsyncGenerator[list[RequestOutput | None], None]:
+        held: list[RequestOutput | None] = [None] * len(self.choices)
+        seen: list[RequestOutput | None] = [None] * len(self.choices)
+        released: dict[tuple[int, int], str] = {}  # (engine request, completion) -> text out
+        ended: set[tuple[int, int]] = set()
+        async with contextlib.aclosing(running):
+            async for outputs in running:
+                for i, new in enumerate(outputs):
+                    if new is not None:
+                        seen[i] = new
+                        if held[i] is None:
+                            held[i] = new
+                        else:
+                            held[i].add(new)
+                due = [
+                    i for i, output in enumerate(held) if output is not None and self._due(output)
+                ]
+                if not due:
+                    continue
+                texts = [
+                    released.get((i, c.index), "") + c.text for i in due for c in held[i].outputs
+                ]
+                verdict = await screen(
+                    self.guard,
+                    texts,
+                    self.policy,
+                    priority=self.priority,
+                    cache_salt=self.cache_salt,
+                )
+                if verdict.flagged:
+                    record(verdict, door=self.door, direction="output", request_id=self.request_id)
+                    yield [
+                        self._stopped(i, held[i], seen[i], ended, verdict) for i in range(len(held))
+                    ]
+                    return
+                out: list[RequestOutput | None] = [None] * len(held)
+                for i in due:
+                    output, held[i] = held[i], None
+                    for c in output.outputs:
+                        released[(i, c.index)] = released.get((i, c.index), "") + c.text
+                        if c.finished:
+                            ended.add((i, c.index))
+                    out[i] = output
+                yield out
+
+    async def screened_final(self, outputs: list[RequestOutput]) -> list[RequestOutput]:
+        """Finished outputs, screened: as they were, or stopped by the filter."""
+
+        async def once() -> AsyncGenerator[list[RequestOutput | None], None]:
+            yield list(outputs)
+
+        final: list[RequestOutput] = []
+        async for screened in self.screened(once()):
+            final = [s if s is not None else o for s, o in zip(screened, outputs, strict=True)]
+        return final
+
+    def _due(self, output: RequestOutput) -> bool:
+        return any(c.finished or len(c.token_ids) >= self.every for c in output.outputs)
+
+    def _stopped(
+        self,
+        position: int,
+        held: RequestOutput | None,
+        seen: RequestOutput | None,
+        ended: set[tuple[int, int]],
+        verdict: Verdict,
+    ) -> RequestOutput:
+        """The engine request's last output: each completion not yet ended stops, its held text
+        dropped."""
+        refusal = (
+            "The response was stopped by the content filter: it was flagged for "
+            f"{', '.join(verdict.categories)}."
+        )
+        tokens = {c.index: c.token_ids for c in held.outputs} if held is not None else {}
+        template = seen or RequestOutput(request_id="", prompt_token_ids=[], outputs=[])
+        return replace(
+            template,
+            outputs=[
+                CompletionOutput(
+                    index=k,
+                    token_ids=list(tokens.get(k, [])),
+                    finish_reason="content_filter",
+                    refusal=refusal,
+                )
+                for k in range(self.choices[position])
+                if (position, k) not in ended
+            ],
+            finished=True,
+        )
 
 
 def record(verdict: Verdict, *, door: str, direction: str, request_id: str | None) -> None:

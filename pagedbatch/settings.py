@@ -216,6 +216,9 @@ class Settings(EngineSettings):
     safety_category_thresholds: dict[Category, Threshold] = Field(default_factory=dict)
     safety_blocklist: Annotated[list[str], AfterValidator(blocklist)] = Field(default_factory=list)
     safety_tenants: dict[str, TenantSafety] = Field(default_factory=dict)
+    # Output is screened every this many generated tokens (and at its end); a stream holds back
+    # text until it has been.
+    safety_output_check_tokens: int = Field(32, ge=1, le=4096)
 
     @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
     @classmethod

@@ -133,3 +133,106 @@ def test_batch_lines_are_screened_alike(serve_batches, guard):
     [refused] = errors
     assert refused["response"]["status_code"] == 400
     assert refused["response"]["body"]["error"]["code"] == "content_filter"
+
+
+# Output screening. The guard's scores of what the tiny model writes are whatever they are, so
+# the test reads them first (with the policy off) and sets one category's threshold between the
+# scores of the output's first checked piece and of the whole output: the filter must then let
+# the first piece out and stop the request before its end.
+
+PROMPT = [(i * 131) % 3000 + 400 for i in range(12)]  # token ids: no template in the way
+EVERY = 8  # tokens between checks
+MAX_TOKENS = 6 * EVERY
+
+
+def completion(client: openai.OpenAI, **options):
+    return client.completions.create(
+        model="tiny",
+        prompt=PROMPT,
+        max_tokens=MAX_TOKENS,
+        temperature=0,
+        extra_body={"ignore_eos": True},
+        **options,
+    )
+
+
+def output_case(serve_batches, guard) -> tuple[dict, str, str]:
+    """Settings under which the filter stops the output mid-way, the category it is stopped for,
+    and the output unfiltered."""
+    client = serve_batches(moderation_model=guard["path"]).client()
+    text, pieces = "", []
+    for chunk in completion(client, stream=True, logprobs=0):
+        text += chunk.choices[0].text
+        tokens = chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
+        pieces.extend([text] * len(tokens))
+    first = pieces[EVERY - 1]  # the text the first check reads
+    early, whole = (
+        result.category_scores.model_dump(by_alias=True)
+        for result in client.moderations.create(input=[first, text]).results
+    )
+    category = max(CATEGORIES, key=lambda c: whole[c] - early[c])
+    assert whole[category] - early[category] > 0.01, "no category rises along the output"
+    threshold = (early[category] + whole[category]) / 2
+    settings = {
+        "moderation_model": guard["path"],
+        "safety_policy": "output",
+        "safety_category_thresholds": dict.fromkeys(CATEGORIES, 1.0) | {category: threshold},
+        "safety_output_check_tokens": EVERY,
+    }
+    return settings, category, text
+
+
+def test_flagged_output_stops_the_request(serve_batches, guard):
+    settings, category, unfiltered = output_case(serve_batches, guard)
+    server = serve_batches(**settings)
+    client = server.client()
+    answer = completion(client).choices[0]
+    assert answer.finish_reason == "content_filter"
+    # What went out is what was screened clean: a beginning of the output, not all of it.
+    assert answer.text and unfiltered.startswith(answer.text) and answer.text != unfiltered
+    scores = client.moderations.create(input=answer.text).results[0].category_scores
+    assert (
+        scores.model_dump(by_alias=True)[category]
+        < settings["safety_category_thresholds"][category]
+    )
+    streamed, finish = "", None
+    for chunk in completion(client, stream=True):
+        streamed += chunk.choices[0].text
+        finish = chunk.choices[0].finish_reason or finish
+    assert (streamed, finish) == (answer.text, "content_filter")
+    assert_engine_idle(server)
+
+
+def test_a_chat_reply_says_why_in_its_refusal(serve_batches, guard):
+    # At threshold 0 every category flags whatever is written: the first check stops it.
+    settings = {"moderation_model": guard["path"], "safety_policy": "output"}
+    client = serve_batches(**settings, safety_threshold=0).client()
+    messages = [{"role": "user", "content": "Write."}]
+    options = {"model": "tiny", "messages": messages, "max_tokens": MAX_TOKENS}
+    options["extra_body"] = {"ignore_eos": True}
+    reply = client.chat.completions.create(**options).choices[0]
+    assert reply.finish_reason == "content_filter" and not reply.message.content
+    assert reply.message.refusal.startswith("The response was stopped by the content filter")
+    assert all(category in reply.message.refusal for category in CATEGORIES)
+    chunks = list(client.chat.completions.create(**options, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == ""
+    last = chunks[-1].choices[0]
+    assert last.finish_reason == "content_filter"
+    assert last.delta.refusal == reply.message.refusal
+
+
+def test_batch_output_is_screened_at_its_end(serve_batches, guard):
+    settings, category, _ = output_case(serve_batches, guard)
+    client = serve_batches(**settings).client()
+    body = {
+        "model": "tiny",
+        "prompt": PROMPT,
+        "max_tokens": MAX_TOKENS,
+        "temperature": 0,
+        "ignore_eos": True,
+    }
+    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
+    batch = finished(client, create(client, [line], endpoint="/v1/completions").id)
+    [output], _ = results(client, batch)
+    choice = output["response"]["body"]["choices"][0]
+    assert (choice["finish_reason"], choice["text"]) == ("content_filter", "")

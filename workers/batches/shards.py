@@ -40,7 +40,7 @@ from pagedbatch.protocol.batch_lines import (
 )
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
-from pagedbatch.safety import policy_for, prompt_refused, record, screen
+from pagedbatch.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.store.batches import (
     LineResult,
     fail_pending,
@@ -432,6 +432,18 @@ class _ShardRun:
             raise OpenAIError(str(e)) from None
         if outputs is None:
             return None
+        if self.safety.screens_output and self.engine is self.ctx.engine:  # not moderation's
+            output_screen = OutputScreen(
+                self.ctx.guard,
+                self.safety,
+                self.ctx.settings.safety_output_check_tokens,
+                [engine_input.params.n for engine_input in prepared.inputs],
+                priority=BATCH_PRIORITY,
+                cache_salt=self.cache_salt,
+                door="batch",
+                request_id=request.custom_id,
+            )
+            outputs = await output_screen.screened_final(outputs)
         return prepared.response(outputs).model_dump(mode="json")
 
     async def _generate(self, prepared: Prepared) -> list[RequestOutput] | None:

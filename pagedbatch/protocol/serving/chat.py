@@ -36,6 +36,7 @@ from pagedbatch.protocol.schemas.chat import (
 )
 from pagedbatch.protocol.serving.common import (
     EngineInput,
+    FinishReason,
     ServedModel,
     TokenPieces,
     check_context_length,
@@ -87,7 +88,9 @@ class PreparedChat:
                 Choice(
                     index=choice.index,
                     message=ChatCompletionMessage(
-                        content=content, tool_calls=[new_tool_call(c) for c in calls] or None
+                        content=content,
+                        refusal=choice.refusal,
+                        tool_calls=[new_tool_call(c) for c in calls] or None,
                     ),
                     finish_reason=self.finish_reason(choice, output, bool(calls)),
                     logprobs=self.logprobs(choice.logprobs or []),
@@ -110,7 +113,7 @@ class PreparedChat:
     @staticmethod
     def finish_reason(
         choice: CompletionOutput, output: RequestOutput, called: bool
-    ) -> Literal["stop", "length", "tool_calls"]:
+    ) -> FinishReason | Literal["tool_calls"]:
         return tool_calls_finish(finish_reason(choice, output), called)
 
     @cached_property
@@ -173,9 +176,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     )
 
 
-def tool_calls_finish(
-    reason: Literal["stop", "length"], called: bool
-) -> Literal["stop", "length", "tool_calls"]:
+def tool_calls_finish(reason: FinishReason, called: bool) -> FinishReason | Literal["tool_calls"]:
     """A choice that made calls and stopped by itself ends for them, as OpenAI reports it."""
     return "tool_calls" if called and reason == "stop" else reason
 

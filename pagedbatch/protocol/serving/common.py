@@ -241,9 +241,12 @@ def prefix_cache_salt(share: bool, owner: str) -> str | None:
     return None if share else owner
 
 
-def finish_reason(choice: CompletionOutput, output: RequestOutput) -> Literal["stop", "length"]:
+FinishReason = Literal["stop", "length", "content_filter"]
+
+
+def finish_reason(choice: CompletionOutput, output: RequestOutput) -> FinishReason:
     """OpenAI's finish_reason; an aborted or failed request is an error response instead."""
-    if choice.finish_reason in ("stop", "length"):
+    if choice.finish_reason in ("stop", "length", "content_filter"):
         return choice.finish_reason
     if choice.finish_reason == "abort":
         raise OpenAIError(

@@ -13,7 +13,7 @@ import json
 from collections import defaultdict
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Literal, Protocol
+from typing import Protocol
 
 from pydantic import BaseModel
 
@@ -30,7 +30,7 @@ from pagedbatch.protocol.schemas.chat import (
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.schemas.completions import Completion, CompletionChoice
 from pagedbatch.protocol.serving.chat import PreparedChat, new_tool_call, tool_calls_finish
-from pagedbatch.protocol.serving.common import counted_usage, finish_reason
+from pagedbatch.protocol.serving.common import FinishReason, counted_usage, finish_reason
 from pagedbatch.protocol.serving.completions import LogprobsWriter, PreparedCompletion
 
 DONE = b"data: [DONE]\n\n"
@@ -43,8 +43,9 @@ class Delta:
     index: int  # the choice's index in the response
     text: str
     logprobs: list[TokenLogprob]  # of the tokens generated since; empty unless asked for
-    finish_reason: Literal["stop", "length"] | None  # set on the choice's last chunk only
+    finish_reason: FinishReason | None  # set on the choice's last chunk only
     first: bool
+    refusal: str | None = None  # why the content filter ended the choice
 
 
 class ChunkWriter(Protocol):
@@ -123,6 +124,7 @@ class StreamEncoder:
                     logprobs=choice.logprobs or [],
                     finish_reason=finish_reason(choice, output) if choice.finished else None,
                     first=not sent.started,
+                    refusal=choice.refusal,
                 )
                 if not (delta.text or delta.logprobs or delta.finish_reason):
                     continue  # tokens whose text is held back (a stop string may be forming)
@@ -162,6 +164,7 @@ class ChatChunks:
             delta=ChoiceDelta(
                 role="assistant" if delta.first else None,
                 content=content if content or not calls else None,
+                refusal=delta.refusal,
                 tool_calls=calls or None,
             ),
             finish_reason=reason,
