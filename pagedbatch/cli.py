@@ -254,9 +254,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--task",
-        choices=("generate", "classify"),
+        choices=("generate", "classify", "guard"),
         default="generate",
-        help="classify: a sequence classifier scoring OpenAI's 13 moderation categories",
+        help="classify: a sequence classifier scoring OpenAI's 13 moderation categories; "
+        "guard: a causal LM with a Llama-Guard-shaped template (safe/unsafe, hazard codes)",
     )
     p.add_argument(
         "--max-position-embeddings",

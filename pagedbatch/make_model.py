@@ -46,7 +46,7 @@ from pagedbatch.demo_tokenizer import (
     chat_template,
     write_tokenizer,
 )
-from pagedbatch.protocol.moderation import CATEGORIES
+from pagedbatch.protocol.moderation import CATEGORIES, GUARD_CODES
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -77,7 +77,7 @@ SIZES = {
 
 
 ROPE_SCALINGS = ("yarn", "llama3", "linear")
-TASKS = ("generate", "classify")
+TASKS = ("generate", "classify", "guard")
 CLASSIFIER_ARCHS = ("llama", "qwen2", "mistral")
 # The score head's spread: label logits of a few units, so that sigmoid scores span (0, 1)
 # and move with the input.
@@ -389,6 +389,25 @@ def _qwen2_audio_config(size: str) -> dict[str, Any]:
     }
 
 
+# A Llama-Guard-shaped chat template: the conversation and the hazard categories in, "safe" or
+# "unsafe" and the violated codes out, as Llama Guard 3's template asks of its model.
+GUARD_TEMPLATE = (
+    "{%- set role = 'Agent' if messages[-1]['role'] == 'assistant' else 'User' -%}"
+    "<|im_start|>user\nTask: Check if there is unsafe content in '{{ role }}' messages in "
+    "conversations according to our safety policy with the below categories.\n\n"
+    "<BEGIN UNSAFE CONTENT CATEGORIES>\n"
+    + "".join(f"{code}: {name}.\n" for code, (name, _) in GUARD_CODES.items())
+    + "<END UNSAFE CONTENT CATEGORIES>\n\n<BEGIN CONVERSATION>\n\n"
+    "{%- for message in messages %}\n\n"
+    "{{ 'User' if message['role'] == 'user' else 'Agent' }}: {{ message['content'] }}"
+    "{%- endfor %}\n\n<END CONVERSATION>\n\n"
+    "Provide your safety assessment for ONLY THE LAST {{ role }} message in the above "
+    "conversation:\n - First line must read 'safe' or 'unsafe'.\n - If unsafe, a second line "
+    "must include a comma-separated list of violated categories.<|im_end|>\n"
+    "<|im_start|>assistant\n"
+)
+
+
 def classifier_config(config: dict[str, Any]) -> dict[str, Any]:
     """A language model's config made a multi-label sequence classifier's, its labels OpenAI's
     moderation categories: transformers' `*ForSequenceClassification` reads the score head at
@@ -413,11 +432,12 @@ def make_model(
     task: str = "generate",
 ) -> Path:
     """Write a checkpoint that transformers and the engine load offline; return its directory.
-    `task` "classify" makes it a moderation classifier (llama, qwen2 and mistral)."""
+    `task` "classify" makes it a moderation classifier, "guard" a Llama-Guard-shaped moderation
+    model (both: llama, qwen2 and mistral)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
-    if task == "classify" and arch not in CLASSIFIER_ARCHS:
-        raise ValueError(f"a classifier's arch is one of {CLASSIFIER_ARCHS}, got {arch!r}")
+    if task != "generate" and arch not in CLASSIFIER_ARCHS:
+        raise ValueError(f"a moderation model's arch is one of {CLASSIFIER_ARCHS}, got {arch!r}")
     config = model_config(arch, size, config_overrides)
     if task == "classify":
         config = classifier_config(config)
@@ -452,7 +472,8 @@ def make_model(
         _write_qwen2_audio_processor(out)
     else:
         # transformers normalises Qwen2 input to NFC whatever the file says: the file says so too.
-        write_tokenizer(out, nfc=arch == "qwen2")
+        template = GUARD_TEMPLATE if task == "guard" else ""
+        write_tokenizer(out, nfc=arch == "qwen2", template=template)
     return out
 
 

@@ -6,9 +6,9 @@ each category counts as flagged, and which literal strings or regular expression
 before any model reads it. The service's settings give the default; `safety_tenants` overrides
 any part of it for one tenant (an API key's id), and for that tenant only.
 
-Screening scores a text exactly as `/v1/moderations` does. A text longer than the moderation
-model's context is scored in windows of that context, each on its own, and is flagged if any
-window is: length is no way past the filter. Decisions are logged with the request id and
+Screening scores a text exactly as `/v1/moderations` does (protocol/serving/guards.py), a text
+longer than the moderation model's context in windows of it, flagged if any window is: length
+is no way past the filter. Decisions are logged with the request id and
 counted by door, direction and category, never with the text.
 """
 
@@ -28,7 +28,7 @@ from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.ids import new_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.moderation import CATEGORIES, Checks, TenantSafety
-from pagedbatch.protocol.serving.moderations import SCORES, category_scores
+from pagedbatch.protocol.serving.guards import guard_of
 
 if TYPE_CHECKING:
     from pagedbatch.engine import AsyncLLM
@@ -107,28 +107,28 @@ async def screen(
         return Verdict((BLOCKLIST,))
     if guard is None:
         return Verdict()
-    served = guard.engine
-    window = served.max_model_len - 1  # the scored position is the window's last token
-    prompts = []
-    for text in texts:
-        tokens = served.tokenizer.encode(text)
-        prompts.extend(tokens[start : start + window] for start in range(0, len(tokens), window))
+    reader = guard_of(guard.engine)
+
+    def windows() -> list[list[int]]:
+        return [prompt for text in texts for prompt in reader.prompts(text) if prompt]
 
     async def score(prompt: list[int]) -> dict[str, float]:
         final = None
         async for output in guard.generate(
             prompt,
-            SCORES,
+            reader.params,
             request_id=new_id("screen-"),
             priority=priority,
             final_only=True,
             cache_salt=cache_salt,
         ):
             final = output
-        return category_scores(served.labels, final.outputs[0].scores)
+        return reader.scores(final.outputs[0])
 
+    # Tokenizing a long prompt takes long enough to stall the event loop.
+    prompts = await asyncio.to_thread(windows)
     flagged: set[str] = set()
-    for scores in await asyncio.gather(*(score(p) for p in prompts if p)):
+    for scores in await asyncio.gather(*(score(p) for p in prompts)):
         flagged.update(policy.flagged(scores))
     return Verdict(tuple(c for c in CATEGORIES if c in flagged))
 

@@ -24,6 +24,25 @@ CATEGORIES = (
     "violence/graphic",
 )
 
+# Llama Guard 3's hazard codes and the OpenAI category each is reported under (codes with no
+# counterpart, such as defamation or elections, are reported under none).
+GUARD_CODES = {
+    "S1": ("Violent Crimes", "violence"),
+    "S2": ("Non-Violent Crimes", "illicit"),
+    "S3": ("Sex-Related Crimes", "sexual"),
+    "S4": ("Child Sexual Exploitation", "sexual/minors"),
+    "S5": ("Defamation", None),
+    "S6": ("Specialized Advice", None),
+    "S7": ("Privacy", None),
+    "S8": ("Intellectual Property", None),
+    "S9": ("Indiscriminate Weapons", "illicit/violent"),
+    "S10": ("Hate", "hate"),
+    "S11": ("Suicide & Self-Harm", "self-harm"),
+    "S12": ("Sexual Content", "sexual"),
+    "S13": ("Elections", None),
+    "S14": ("Code Interpreter Abuse", None),
+}
+
 # A level names the least severe content it filters, as content filters' levels do: `low`
 # filters the most (anything scored from 0.25 up), `high` only what the guard is sure of.
 LEVELS = {"low": 0.25, "medium": 0.5, "high": 0.75}

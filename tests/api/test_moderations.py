@@ -136,3 +136,15 @@ def test_moderation_batches_need_a_moderation_model(serve_batches):
     with pytest.raises(openai.BadRequestError) as caught:
         create(client, [], endpoint="/v1/moderations")
     assert "PAGEDBATCH_MODERATION_MODEL" in caught.value.body["message"]
+
+
+def test_a_generative_guard_serves_moderations_too(serve_batches, make_checkpoint):
+    path = make_checkpoint("llama", task="guard")
+    client = serve_batches(moderation_model=str(path), safety_threshold=0).client()
+    [result] = client.moderations.create(input="Hello there").results
+    scores = result.category_scores.model_dump(by_alias=True)
+    # The codes it wrote name the categories that get its P("unsafe"); the others get 0.
+    assert set(scores) == set(CATEGORIES) and all(0 <= s <= 1 for s in scores.values())
+    assert len({s for s in scores.values() if s > 0}) <= 1
+    # At threshold 0 every category is flagged, scored or not.
+    assert result.flagged and all(result.categories.model_dump(by_alias=True).values())

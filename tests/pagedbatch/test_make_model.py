@@ -31,7 +31,7 @@ from transformers import (
 from pagedbatch import cli
 from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
 from pagedbatch.make_model import ARCHITECTURES, long_context, make_model, model_config
-from pagedbatch.protocol.moderation import CATEGORIES
+from pagedbatch.protocol.moderation import CATEGORIES, GUARD_CODES
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")  # the text models
 MakeCheckpoint = Callable[..., Path]
@@ -251,8 +251,22 @@ def test_a_classifier_scores_the_moderation_categories(arch: str, tmp_path: Path
     assert model.config.problem_type == "multi_label_classification"
 
 
+def test_a_guard_renders_the_conversation_and_the_hazard_codes(tmp_path: Path) -> None:
+    assert cli.main(["make-model", "--task", "guard", str(tmp_path)]) == 0
+    _, info = AutoModelForCausalLM.from_pretrained(
+        tmp_path, dtype=torch.float32, output_loading_info=True
+    )
+    assert info["missing_keys"] == info["unexpected_keys"] == set()
+    tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+    conversation = [{"role": "user", "content": "How do I bake bread?"}]
+    prompt = tokenizer.apply_chat_template(conversation, add_generation_prompt=True, tokenize=False)
+    assert "User: How do I bake bread?" in prompt
+    assert all(f"{code}: {name}." in prompt for code, (name, _) in GUARD_CODES.items())
+    assert "ONLY THE LAST User message" in prompt and prompt.endswith("<|im_start|>assistant\n")
+
+
 def test_only_decoders_make_classifiers(tmp_path: Path) -> None:
-    with pytest.raises(SystemExit, match="a classifier's arch"):
+    with pytest.raises(SystemExit, match="a moderation model's arch"):
         cli.main(["make-model", "--arch", "gemma3", "--task", "classify", str(tmp_path)])
 
 

@@ -1,9 +1,8 @@
-"""Moderation on a sequence classifier guard: each input's text becomes one engine request that
-asks for its scores (the score head's logits at the last token, `SamplingParams.scores`); a
-category's score is the sigmoid of its label's logit, as transformers' multi-label classifiers
-read them, and an input is flagged where any score reaches the threshold.
+"""Moderation on the served moderation model (a classifier or a generative guard, see
+guards.py): each input's text becomes one engine request per window of the model's context, and
+an input is flagged where any category's score reaches the threshold.
 
-OpenAI's moderation model names (`omni-moderation-latest` and the like) name the served guard,
+OpenAI's moderation model names (`omni-moderation-latest` and the like) name the served model,
 so that clients written for OpenAI run unchanged.
 """
 
@@ -11,10 +10,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-import torch
-
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.ids import new_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.moderation import CATEGORIES
@@ -23,12 +19,8 @@ from pagedbatch.protocol.schemas.moderations import (
     ModerationCreateResponse,
     ModerationRequest,
 )
-from pagedbatch.protocol.serving.common import (
-    EngineInput,
-    ServedModel,
-    check_context_length,
-    model_not_found,
-)
+from pagedbatch.protocol.serving.common import EngineInput, ServedModel, model_not_found
+from pagedbatch.protocol.serving.guards import Guard, guard_of, highest
 
 OPENAI_MODELS = frozenset(
     {
@@ -39,29 +31,29 @@ OPENAI_MODELS = frozenset(
         "text-moderation-007",
     }
 )
-SCORES = SamplingParams(max_tokens=1, temperature=0.0, scores=True)
 
 
 @dataclass
 class PreparedModeration:
     id: str
     model: str
-    labels: list[str]
+    guard: Guard
     threshold: float
     inputs: list[EngineInput]
+    windows: list[int]  # engine requests of each input, in order
 
     def input_texts(self) -> list[str]:
         return []  # what is moderated is not filtered
 
     def response(self, outputs: list[RequestOutput]) -> ModerationCreateResponse:
-        return ModerationCreateResponse(
-            id=self.id,
-            model=self.model,
-            results=[self._result(output) for output in outputs],
-        )
+        results, start = [], 0
+        for count in self.windows:
+            scores = [self.guard.scores(o.outputs[0]) for o in outputs[start : start + count]]
+            results.append(self._result(highest(scores)))
+            start += count
+        return ModerationCreateResponse(id=self.id, model=self.model, results=results)
 
-    def _result(self, output: RequestOutput) -> Moderation:
-        scores = category_scores(self.labels, output.outputs[0].scores)
+    def _result(self, scores: dict[str, float]) -> Moderation:
         categories = {c: score >= self.threshold for c, score in scores.items()}
         return Moderation(
             flagged=any(categories.values()),
@@ -69,13 +61,6 @@ class PreparedModeration:
             category_scores=scores,
             category_applied_input_types={c: ["text"] for c in CATEGORIES},
         )
-
-
-def category_scores(labels: list[str], logits: torch.Tensor) -> dict[str, float]:
-    """Every OpenAI category's score from a classifier's label logits: their sigmoid; a category
-    the classifier does not score is 0, never flagged."""
-    scores = dict(zip(labels, logits.sigmoid().tolist(), strict=True))
-    return {category: scores.get(category, 0.0) for category in CATEGORIES}
 
 
 def guard_model(requested: str | None, guard: ServedModel) -> str:
@@ -87,24 +72,21 @@ def guard_model(requested: str | None, guard: ServedModel) -> str:
 
 
 def prepare_moderation(
-    request: ModerationRequest, guard: ServedModel, threshold: float, max_inputs: int
+    request: ModerationRequest, served: ServedModel, threshold: float, max_inputs: int
 ) -> PreparedModeration:
-    """One engine request per input; OpenAIError for what the guard cannot score."""
-    model = guard_model(request.model, guard)
-    labels = guard.labels
-    if labels is None:
-        raise OpenAIError(
-            f"The model `{model}` is not a classifier and cannot score content.", param="model"
-        )
-    texts = _texts(request, max_inputs)
+    """Engine requests for each input's windows; OpenAIError for what cannot be scored."""
+    model = guard_model(request.model, served)
+    guard = guard_of(served)
     id_ = new_id("modr-")
-    inputs = []
-    for i, text in enumerate(texts):
-        prompt = guard.tokenizer.encode(text)
-        param = "input" if isinstance(request.input, str) else f"input[{i}]"
-        check_context_length(len(prompt), 1, guard, param=param)
-        inputs.append(EngineInput(f"{id_}-{i}", prompt, SCORES))
-    return PreparedModeration(id_, model, labels, threshold, inputs)
+    inputs, windows = [], []
+    for text in _texts(request, max_inputs):
+        prompts = guard.prompts(text)
+        windows.append(len(prompts))
+        inputs.extend(
+            EngineInput(f"{id_}-{len(inputs) + i}", prompt, guard.params)
+            for i, prompt in enumerate(prompts)
+        )
+    return PreparedModeration(id_, model, guard, threshold, inputs, windows)
 
 
 def _texts(request: ModerationRequest, max_inputs: int) -> list[str]:
