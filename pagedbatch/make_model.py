@@ -404,7 +404,8 @@ GUARD_TEMPLATE = (
     "Provide your safety assessment for ONLY THE LAST {{ role }} message in the above "
     "conversation:\n - First line must read 'safe' or 'unsafe'.\n - If unsafe, a second line "
     "must include a comma-separated list of violated categories.<|im_end|>\n"
-    "<|im_start|>assistant\n"
+    # An expression, not text: Jinja drops a template's last newline.
+    "<|im_start|>assistant{{ '\\n' }}"
 )
 
 
