@@ -1,8 +1,9 @@
 """A worker's engine host: its engine's realtime endpoints over HTTP, for the distributed API.
 
-It serves `/v1/chat/completions` and `/v1/completions` with the embedded server's own code
-(api/realtime.py), so checks, admission (429 with Retry-After), streaming and the abort of a
-request whose client left behave alike in both deployments; the API forwards requests here and
+It serves `/v1/chat/completions`, `/v1/completions`, `/v1/audio/transcriptions` and
+`/v1/moderations` with the embedded server's own code (api/realtime.py), so checks, admission
+(429 with Retry-After), streaming and the abort of a request whose client left behave alike in
+both deployments; the API forwards requests here and
 passes the answers back unchanged (api/engine_proxy.py). `GET /internal/load` tells this engine's
 load. Every heartbeat the host writes its address and load into Redis (store/engine_registry.py),
 where the API finds it; the record lapses within seconds of the worker dying, and is deleted at
@@ -35,7 +36,7 @@ from pagedbatch.addresses import is_loopback
 from pagedbatch.api.app import install_error_handling
 from pagedbatch.api.deps import Services
 from pagedbatch.api.realtime import Admission
-from pagedbatch.api.routes import audio, chat, completions
+from pagedbatch.api.routes import audio, chat, completions, moderations
 from pagedbatch.api.routes.engine import settings_in_force
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.protocol.errors import OpenAIError
@@ -171,6 +172,7 @@ def engine_host_app(
     v1.include_router(audio.router)
     v1.include_router(chat.router)
     v1.include_router(completions.router)
+    v1.include_router(moderations.router)  # on the worker's moderation model, where it has one
     app.include_router(v1)
 
     @app.get("/internal/load", dependencies=guarded)

@@ -231,6 +231,23 @@ async def answer(
     return Response(body, media_type=media_type)
 
 
+async def forward_to_any_host(request: Request, services: Services) -> Response:
+    """The distributed API's answer to a request for an engine every worker runs whatever its
+    main model (the moderation model): the least loaded host of a live model answers it."""
+    assert services.engines is not None
+    models = await services.engines.models()
+    if not models:
+        raise engine_unavailable("No engine can be reached right now. Please try again later.")
+    return await services.engines.forward(
+        request,
+        models[0],
+        await request.body(),
+        services.served_models,
+        _tenant(request),
+        services.settings.stream_send_timeout_seconds,
+    )
+
+
 def json_of(schema: type[SamplingRequest]) -> Callable[[bytes], SamplingRequest]:
     """The parser of a JSON body that `schema` validates."""
     return lambda raw: parse_request(schema, decode_json(raw))

@@ -5,7 +5,7 @@ from __future__ import annotations
 from fastapi import APIRouter, Request, Response
 
 from pagedbatch.api.deps import Services, ServicesDep
-from pagedbatch.api.realtime import answer, engine_unavailable, json_of
+from pagedbatch.api.realtime import answer, forward_to_any_host, json_of
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.protocol.errors import OpenAIError
@@ -35,14 +35,8 @@ def _guard(services: Services, model: str | None) -> AsyncLLM:
 )
 async def create_moderation(request: Request, services: ServicesDep) -> Response:
     settings = services.settings
-    if services.engines is not None:
-        # Workers run the moderation model for batches and for the doors' content filter; the
-        # API does not route this endpoint to their engine hosts yet.
-        raise engine_unavailable(
-            "The distributed API does not serve /v1/moderations in realtime yet; send "
-            "/v1/moderations lines in a batch.",
-            param=None,
-        )
+    if services.engines is not None:  # every worker runs the moderation model beside its own
+        return await forward_to_any_host(request, services)
 
     def prepare(params: ModerationRequest, guard: ServedModel) -> PreparedModeration:
         threshold, most = settings.safety_threshold, settings.max_moderation_inputs

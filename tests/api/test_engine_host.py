@@ -82,23 +82,29 @@ def settings(tmp_path: Path, broker: str, tiny_llama: Path) -> Settings:
     )
 
 
-def worker_services(settings: Settings, engine: AsyncLLM) -> Services:
+def worker_services(
+    settings: Settings, engine: AsyncLLM, guard: AsyncLLM | None = None
+) -> Services:
     session_factory, blobs = open_store(settings)
     return Services(
         settings=settings,
         session_factory=session_factory,
         blobs=blobs,
         engine=engine,
+        guard=guard,
     )
 
 
 @pytest.fixture
 def start_host(engine: AsyncLLM) -> Iterator[Callable[..., EngineHost]]:
-    """`start_host(settings, worker_id)`: a started engine host of a worker on `engine`."""
+    """`start_host(settings, worker_id, guard=None)`: a started engine host of a worker on
+    `engine` (and `guard`, its moderation model)."""
     with ExitStack() as stack:
 
-        def start(settings: Settings, worker_id: str = "worker-1") -> EngineHost:
-            host = EngineHost(worker_services(settings, engine), worker_id)
+        def start(
+            settings: Settings, worker_id: str = "worker-1", guard: AsyncLLM | None = None
+        ) -> EngineHost:
+            host = EngineHost(worker_services(settings, engine, guard), worker_id)
             host.start()
             stack.callback(host.stop)
             return host
@@ -223,6 +229,22 @@ def test_a_transcription_form_reaches_the_host_whole(settings, start_host):
         "model",
         "unsupported_content_type",
     )
+
+
+def test_moderation_reaches_a_hosts_moderation_model(settings, start_host, make_checkpoint):
+    guard = AsyncLLM(str(make_checkpoint("llama", task="classify")), num_kv_blocks=64)
+    try:
+        host = start_host(settings, guard=guard)
+        eventually(lambda: len(engine_records(settings.broker_url)) == 1)
+        texts = ["You are wonderful.", "I will find you."]
+        with serving(api_only(settings)) as url:
+            answer = client(url).moderations.create(input=texts, model="omni-moderation-latest")
+        direct = client(host.address).moderations.create(input=texts)
+        assert [r.category_scores for r in answer.results] == [
+            r.category_scores for r in direct.results
+        ]
+    finally:
+        guard.shutdown()
 
 
 def test_the_models_are_the_configured_one_and_those_of_live_engines(settings):
