@@ -9,9 +9,8 @@ import re
 
 import openai
 import pytest
-import torch
+from moderation_oracle import classifier_scores
 from test_batches import assert_engine_idle, create, finished, results
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from pagedbatch.api.auth import key_owner
 from pagedbatch.protocol.moderation import CATEGORIES
@@ -31,13 +30,7 @@ def guard(make_checkpoint):
     """The classifier, a text it flags and one it passes at `threshold` (between their highest
     scores), and the categories it flags in the first."""
     path = make_checkpoint("llama", task="classify")
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    scores = {}
-    for text in CANDIDATES:
-        with torch.no_grad():
-            logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
-        scores[text] = dict(zip(CATEGORIES, logits.sigmoid().tolist(), strict=True))
+    scores = dict(zip(CANDIDATES, classifier_scores(path, CANDIDATES), strict=True))
     ranked = sorted(CANDIDATES, key=lambda text: max(scores[text].values()))
     clean, bad = ranked[0], ranked[-1]
     threshold = (max(scores[clean].values()) + max(scores[bad].values())) / 2

@@ -6,9 +6,8 @@ from __future__ import annotations
 
 import openai
 import pytest
-import torch
+from moderation_oracle import classifier_scores
 from test_batches import create, finished, results
-from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
 from pagedbatch.protocol.moderation import CATEGORIES
 
@@ -25,14 +24,7 @@ def assert_guard_idle(server) -> None:
 def reference(make_checkpoint):
     """The classifier's scores per text, from transformers."""
     path = make_checkpoint("llama", task="classify")
-    model = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-    tokenizer = AutoTokenizer.from_pretrained(path)
-    scores = {}
-    for text in TEXTS:
-        with torch.no_grad():
-            logits = model(**tokenizer(text, return_tensors="pt")).logits[0]
-        scores[text] = dict(zip(CATEGORIES, logits.sigmoid().tolist(), strict=True))
-    return path, scores
+    return path, dict(zip(TEXTS, classifier_scores(path, TEXTS), strict=True))
 
 
 def test_scores_are_the_classifiers(serve_batches, reference):

@@ -7,10 +7,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from transformers import AutoModelForCausalLM, AutoModelForSequenceClassification
+from moderation_oracle import classifier_scores
+from transformers import AutoModelForCausalLM
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.protocol.moderation import CATEGORIES, GUARD_CODES
+from pagedbatch.protocol.moderation import GUARD_CODES
 from pagedbatch.protocol.serving.guards import (
     UNSAFE,
     Classifier,
@@ -62,11 +63,5 @@ def test_a_text_past_the_context_is_read_in_windows(make_checkpoint):
     assert len(windows) > 2 and all(len(w) <= 63 for w in windows)
     assert sum(windows, []) == llm.tokenizer.encode(text)
     outputs = llm.generate(windows, classifier.params)
-    reference = AutoModelForSequenceClassification.from_pretrained(path, dtype=torch.float32)
-    each = []
-    for window in windows:
-        with torch.no_grad():
-            logits = reference(torch.tensor([window])).logits[0]
-        each.append(dict(zip(CATEGORIES, logits.sigmoid().tolist(), strict=True)))
     read = highest([classifier.scores(o.outputs[0]) for o in outputs])
-    assert read == pytest.approx(highest(each), abs=1e-4)
+    assert read == pytest.approx(highest(classifier_scores(path, windows)), abs=1e-4)
