@@ -11,6 +11,7 @@ import openai
 import pytest
 from moderation_oracle import classifier_scores
 from test_batches import assert_engine_idle, create, finished, results
+from transformers import AutoTokenizer
 
 from pagedbatch.api.auth import key_owner
 from pagedbatch.protocol.moderation import CATEGORIES
@@ -159,13 +160,18 @@ def output_case(serve_batches, guard) -> tuple[dict, str, str]:
         tokens = chunk.choices[0].logprobs.tokens if chunk.choices[0].logprobs else []
         pieces.extend([text] * len(tokens))
     first = pieces[EVERY - 1]  # the text the first check reads
-    early, whole = (
+    asked = AutoTokenizer.from_pretrained(guard["path"]).decode(
+        PROMPT
+    )  # what input screening reads
+    early, whole, prompt = (
         result.category_scores.model_dump(by_alias=True)
-        for result in client.moderations.create(input=[first, text]).results
+        for result in client.moderations.create(input=[first, text, asked]).results
     )
-    category = max(CATEGORIES, key=lambda c: whole[c] - early[c])
-    assert whole[category] - early[category] > 0.01, "no category rises along the output"
-    threshold = (early[category] + whole[category]) / 2
+    # A category the output rises in, above where its first piece and the prompt stand.
+    below = {c: max(early[c], prompt[c]) for c in CATEGORIES}
+    category = max(CATEGORIES, key=lambda c: whole[c] - below[c])
+    assert whole[category] - below[category] > 0.01, "no category rises along the output"
+    threshold = (below[category] + whole[category]) / 2
     settings = {
         "moderation_model": guard["path"],
         "safety_policy": "output",
@@ -214,8 +220,10 @@ def test_a_chat_reply_says_why_in_its_refusal(serve_batches, guard):
     assert last.delta.refusal == reply.message.refusal
 
 
-def test_batch_output_is_screened_at_its_end(serve_batches, guard):
+def test_a_batch_with_both_kinds_of_lines(serve_batches, guard):
+    # Output is screened once, at a line's end; a prompt the blocklist refuses is an error line.
     settings, category, _ = output_case(serve_batches, guard)
+    settings |= {"safety_policy": "both", "safety_blocklist": ["forbidden"]}
     client = serve_batches(**settings).client()
     body = {
         "model": "tiny",
@@ -224,8 +232,19 @@ def test_batch_output_is_screened_at_its_end(serve_batches, guard):
         "temperature": 0,
         "ignore_eos": True,
     }
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/completions", "body": body}
-    batch = finished(client, create(client, [line], endpoint="/v1/completions").id)
-    [output], _ = results(client, batch)
+    lines = [
+        {"custom_id": "written", "method": "POST", "url": "/v1/completions", "body": body},
+        {
+            "custom_id": "asked",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {**body, "prompt": "Something forbidden"},
+        },
+    ]
+    batch = finished(client, create(client, lines, endpoint="/v1/completions").id)
+    assert (batch.request_counts.completed, batch.request_counts.failed) == (1, 1)
+    [output], [error] = results(client, batch)
     choice = output["response"]["body"]["choices"][0]
     assert (choice["finish_reason"], choice["text"]) == ("content_filter", "")
+    assert error["custom_id"] == "asked" and error["response"]["status_code"] == 400
+    assert "blocklist" in error["response"]["body"]["error"]["message"]
