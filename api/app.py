@@ -24,7 +24,7 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.errors import BodyTooLarge
 from pagedbatch.api.metrics import install_metrics
 from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
-from pagedbatch.api.routes import api_router, ui
+from pagedbatch.api.routes import admin_router, api_router, ui
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
@@ -43,8 +43,10 @@ def create_app(settings: Settings, services: Services) -> FastAPI:
     their limits from `services.settings`, normally the same object."""
     app = FastAPI(title="pagedbatch", version="0.1.0")
     app.state.keys = KeyRing(settings.api_keys)
+    app.state.admin_keys = KeyRing(settings.admin_keys)
     app.state.services = services
     app.include_router(api_router)
+    app.include_router(admin_router)
     app.include_router(ui.router)
     app.add_api_route("/health", health, methods=["GET"], tags=["health"])
     # Innermost of the middleware, so that its 413s carry request ids and are counted.

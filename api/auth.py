@@ -29,6 +29,15 @@ class KeyRing:
     def __init__(self, keys: Sequence[str]) -> None:
         self._owners = [(key.encode(), key_owner(key)) for key in keys]
 
+    @property
+    def configured(self) -> bool:
+        return bool(self._owners)
+
+    def holds(self, token: str) -> bool:
+        """Whether `token` is one of the keys (compared in constant time with each)."""
+        presented = token.encode()
+        return any([hmac.compare_digest(presented, key) for key, _ in self._owners])
+
     def owner(self, authorization: str | None) -> str:
         if not self._owners:
             return DEFAULT_OWNER
@@ -56,3 +65,20 @@ def get_owner(request: Request) -> str:
 
 
 OwnerDep = Annotated[str, Depends(get_owner)]
+
+
+def get_usage_scope(request: Request) -> str | None:
+    """Whose usage the caller may read: every tenant's (None) with an admin key, its own with a
+    tenant's key; 401 for any other key."""
+    authorization = request.headers.get("authorization")
+    admins: KeyRing = request.app.state.admin_keys
+    _, _, token = (authorization or "").partition(" ")
+    if token.strip() and admins.holds(token.strip()):
+        return None
+    owner = get_owner(request)
+    if owner == DEFAULT_OWNER and admins.configured:
+        raise _unauthorized("This endpoint needs an admin key or a tenant's API key.")
+    return owner
+
+
+UsageScopeDep = Annotated[str | None, Depends(get_usage_scope)]

@@ -16,6 +16,7 @@ from pagedbatch.ids import now
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
 from pagedbatch.store.queue import TaskQueue
+from pagedbatch.store.usage import LedgerWriter
 
 if TYPE_CHECKING:  # it serves the realtime routes, which use this module
     from pagedbatch.api.engine_proxy import EngineProxy
@@ -33,6 +34,7 @@ class Services:
     engine: AsyncLLM | None = None  # serves the realtime endpoints; None in the distributed API
     engines: EngineProxy | None = None  # the distributed API's way to the workers' engines
     guard: AsyncLLM | None = None  # the moderation model's engine, where one is configured
+    ledger: LedgerWriter | None = None  # records realtime requests' usage, where they run
     started_at: int = field(default_factory=now)  # reported as each served model's `created`
     # An upload holds a thread for as long as its client takes to send it, so uploads get threads
     # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.

@@ -72,6 +72,7 @@ class EngineHost:
             f"http://{_url_host(_advertised_host(settings.engine_host))}:{port}"
         )
         self.engine_id = engine_id
+        self.services = services
         self.app = engine_host_app(settings, services, self.engine_id, self.address)
         config = uvicorn.Config(
             self.app,
@@ -98,6 +99,8 @@ class EngineHost:
     def stop(self) -> None:
         self.server.should_exit = True
         self._thread.join(GRACEFUL_STOP_SECONDS + START_SECONDS)
+        if self.services.ledger is not None:
+            self.services.ledger.close()  # what the last requests used
 
 
 def engine_host_app(

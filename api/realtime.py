@@ -39,7 +39,7 @@ from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.schemas.common import SamplingRequest
+from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.serving.common import (
     REALTIME_PRIORITY,
     EngineInput,
@@ -48,10 +48,12 @@ from pagedbatch.protocol.serving.common import (
     model_not_found,
     parse_request,
     prefix_cache_salt,
+    usage,
 )
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
 from pagedbatch.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.store.models import DEFAULT_OWNER
+from pagedbatch.store.usage import Usage as LedgerUsage
 
 logger = logging.getLogger(__name__)
 
@@ -218,8 +220,9 @@ async def answer(
         running = _run(engine, prepared.inputs, salt, ticket.release)
         return output_screen.screened(running) if output_screen is not None else running
 
+    account = _accountant(services, tenant) if engine is services.engine else None
     if chunks is not None and params.stream:
-        events = _events(run(), StreamEncoder(chunks(prepared), params))
+        events = _events(run(), StreamEncoder(chunks(prepared), params), account)
         return EventStreamResponse(events, ticket.release, send_timeout)
     try:
         outputs = await unless_disconnected(request, _final_outputs(run()))
@@ -227,8 +230,34 @@ async def answer(
         ticket.release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
+    if account is not None:
+        account(usage(outputs))
     body, media_type = await _off_loop(services, _rendered, prepared, outputs)
     return Response(body, media_type=media_type)
+
+
+def _accountant(services: Services, tenant: str) -> Callable[[Usage], None] | None:
+    """What records a finished request's usage in the ledger (None without one)."""
+    ledger = services.ledger
+    if ledger is None or services.engine is None:
+        return None
+    model = services.engine.engine.model_name
+
+    def record(used: Usage) -> None:
+        details = used.prompt_tokens_details
+        ledger.add(
+            LedgerUsage(
+                owner=tenant,
+                model=model,
+                input_tokens=used.prompt_tokens,
+                output_tokens=used.completion_tokens,
+                cached_tokens=details.cached_tokens,
+                image_tokens=details.image_tokens or 0,
+                audio_tokens=details.audio_tokens or 0,
+            )
+        )
+
+    return record
 
 
 async def forward_to_any_host(request: Request, services: Services) -> Response:
@@ -465,8 +494,11 @@ def _in_pieces(engine_input: EngineInput) -> EngineInput:
 
 
 async def _events(
-    running: AsyncGenerator[list[RequestOutput | None], None], stream: StreamEncoder
+    running: AsyncGenerator[list[RequestOutput | None], None],
+    stream: StreamEncoder,
+    account: Callable[[Usage], None] | None = None,
 ) -> AsyncGenerator[bytes, None]:
+    """The stream's events; however it ends, `account` gets the usage of what was streamed."""
     try:
         async with contextlib.aclosing(running):
             async for outputs in running:
@@ -485,6 +517,9 @@ async def _events(
                 type="server_error",
             )
         )
+    finally:
+        if account is not None:
+            account(stream.usage())
 
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:

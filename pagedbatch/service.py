@@ -32,6 +32,7 @@ from pagedbatch.store.blobs import BlobStore, make_blob_store
 from pagedbatch.store.db import make_engine, make_session_factory
 from pagedbatch.store.migrate import upgrade
 from pagedbatch.store.queue import InProcessQueue
+from pagedbatch.store.usage import LedgerWriter
 from pagedbatch.workers.celery_app import CeleryQueue, make_celery
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import declare_dead
@@ -141,7 +142,11 @@ class Embedded:
     app: FastAPI
     context: WorkerContext
     queue: InProcessQueue
-    guard: AsyncLLM | None = None
+    services: Services
+
+    @property
+    def guard(self) -> AsyncLLM | None:
+        return self.services.guard
 
     def shutdown(self) -> None:
         self.context.stopping.set()
@@ -150,6 +155,8 @@ class Embedded:
             self.context.engine.shutdown()
         if self.guard is not None:
             self.guard.shutdown()
+        if self.services.ledger is not None:
+            self.services.ledger.close()
 
 
 def embedded(settings: Settings) -> Embedded:
@@ -172,8 +179,9 @@ def embedded(settings: Settings) -> Embedded:
         queue=queue,
         engine=engine,
         guard=guard,
+        ledger=LedgerWriter(session_factory),
     )
-    return Embedded(create_app(settings, services), ctx, queue, guard)
+    return Embedded(create_app(settings, services), ctx, queue, services)
 
 
 def api_only(settings: Settings) -> FastAPI:
@@ -269,6 +277,7 @@ def engine_host_of(ctx: WorkerContext) -> EngineHost:
         blobs=ctx.blobs,
         engine=ctx.engine,
         guard=ctx.guard,  # screens the input of the requests it answers
+        ledger=LedgerWriter(ctx.session_factory),
     )
     return EngineHost(services, ctx.worker_id)
 

@@ -82,6 +82,8 @@ class Settings(EngineSettings):
     port: int = 8000
     # Comma-separated in the environment. Empty: no auth, one shared tenant.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Keys that read every tenant's usage (`/v1/organization/...`, the SDK's `admin_api_key`).
+    admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # `pagedbatch serve` refuses to listen beyond loopback without api_keys unless this is on:
     # an open port would give anyone who reaches it the engine and every file and batch.
     allow_unauthenticated: bool = False
@@ -220,7 +222,7 @@ class Settings(EngineSettings):
     # text until it has been.
     safety_output_check_tokens: int = Field(32, ge=1, le=4096)
 
-    @field_validator("api_keys", "webhook_allowed_hosts", mode="before")
+    @field_validator("api_keys", "admin_keys", "webhook_allowed_hosts", mode="before")
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

@@ -7,9 +7,9 @@ processes racing (a cancel against the last shard finishing, say) cannot both wi
 from __future__ import annotations
 
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import asdict, dataclass
 
-from sqlalchemy import func, select, update
+from sqlalchemy import func, insert, select, update
 from sqlalchemy.orm import Session
 
 from pagedbatch.ids import new_id, now
@@ -21,7 +21,9 @@ from pagedbatch.store.models import (
     RequestStatus,
     Shard,
     ShardStatus,
+    UsageRecord,
 )
+from pagedbatch.store.usage import Usage
 from pagedbatch.store.webhooks import record_batch_event
 
 S = BatchStatus
@@ -81,6 +83,8 @@ class LineResult:
     prompt_tokens: int = 0
     cached_tokens: int = 0
     completion_tokens: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
 
 
 def holds_lease(session: Session, shard_id: int, worker_id: str) -> bool:
@@ -104,7 +108,8 @@ def record_results(
     Only requests still pending are written (locked first, so no other writer changes them
     before the commit) and only those are counted: a retried write, a replayed shard's, or one
     racing finalization's closing of a stopped batch writes and counts nothing twice. The batch
-    row is updated once, however many results there are.
+    row is updated once, however many results there are; the usage ledger gets a record per
+    line that ran a model, in the same transaction.
     """
     pending = set(
         session.scalars(
@@ -147,7 +152,37 @@ def record_results(
             output_tokens=Batch.output_tokens + sum(r.completion_tokens for r in written),
         )
     )
+    _record_usage(session, batch_id, written, finished_at)
     return written
+
+
+def _record_usage(
+    session: Session, batch_id: str, written: Sequence[LineResult], finished_at: int
+) -> None:
+    """The usage ledger's records of the lines that ran a model, with their results (so a line
+    is counted exactly when its result is written, once)."""
+    ran = [r for r in written if r.prompt_tokens or r.completion_tokens]
+    if not ran:
+        return
+    owner, model = session.execute(
+        select(Batch.owner, Batch.model).where(Batch.id == batch_id)
+    ).one()
+    records = [
+        Usage(
+            owner=owner,
+            model=model,
+            batch_id=batch_id,
+            input_tokens=r.prompt_tokens,
+            cached_tokens=r.cached_tokens,
+            output_tokens=r.completion_tokens,
+            image_tokens=r.image_tokens,
+            audio_tokens=r.audio_tokens,
+        )
+        for r in ran
+    ]
+    session.execute(
+        insert(UsageRecord), [{**asdict(u), "finished_at": finished_at} for u in records]
+    )
 
 
 def fail_pending(session: Session, batch_id: str, shard_index: int, error: dict[str, str]) -> int:

@@ -147,6 +147,26 @@ class BatchRequest(Base):
     finished_at: Mapped[int | None] = mapped_column(BigInteger)
 
 
+class UsageRecord(Base):
+    """One finished request's tokens, realtime or a batch line: the ledger that usage and costs
+    are read from (store/usage.py). Apart from batch requests, whose retention is shorter; a
+    batch line's record is written in the transaction that records its result, once."""
+
+    __tablename__ = "usage_records"
+    __table_args__ = (Index("ix_usage_records_time", "finished_at"),)
+
+    id: Mapped[int] = mapped_column(primary_key=True, autoincrement=True)
+    owner: Mapped[str] = mapped_column(String(64))  # the tenant: its API key's id
+    model: Mapped[str] = mapped_column(String(256))
+    batch_id: Mapped[str | None] = mapped_column(String(64))  # None: a realtime request
+    input_tokens: Mapped[int] = mapped_column(default=0)  # cached, image and audio ones included
+    cached_tokens: Mapped[int] = mapped_column(default=0)
+    output_tokens: Mapped[int] = mapped_column(default=0)
+    image_tokens: Mapped[int] = mapped_column(default=0)
+    audio_tokens: Mapped[int] = mapped_column(default=0)
+    finished_at: Mapped[int] = mapped_column(BigInteger)  # Unix seconds
+
+
 class IdempotencyKey(Base):
     """The resource a POST created under an `Idempotency-Key`, returned again on a retry."""
 

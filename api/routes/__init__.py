@@ -1,4 +1,4 @@
-"""The `/v1` API: a router per resource, all behind the API-key check."""
+"""The `/v1` API: a router per resource, all behind the API-key check but the admin API's."""
 
 from __future__ import annotations
 
@@ -7,6 +7,7 @@ from fastapi import APIRouter, Depends, Request
 from pagedbatch.api.auth import get_owner
 from pagedbatch.api.batches import routes as batches
 from pagedbatch.api.files import routes as files
+from pagedbatch.api.organization import routes as organization
 from pagedbatch.api.routes import audio, chat, completions, engine, models, moderations
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.api.webhooks import routes as webhooks
@@ -39,3 +40,11 @@ api_router.include_router(files.router)
 api_router.include_router(models.router)
 api_router.include_router(moderations.router)
 api_router.include_router(webhooks.router)
+
+# The admin API reads usage with admin keys as well as tenants' keys: it checks them itself.
+admin_router = APIRouter(
+    prefix="/v1",
+    dependencies=[Depends(reject_nul)],
+    responses=error_responses(400, 401, "4XX"),
+)
+admin_router.include_router(organization.router)

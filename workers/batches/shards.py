@@ -398,15 +398,17 @@ class _ShardRun:
             if body is None:
                 return  # stopped mid-way
             usage = body.get("usage") or {}
-            cached = (usage.get("prompt_tokens_details") or {}).get("cached_tokens") or 0
+            details = usage.get("prompt_tokens_details") or {}
             self.results.add(
                 LineResult(
                     request.id,
                     RequestStatus.SUCCEEDED,
                     response_line(request.custom_id, 200, body).model_dump(mode="json"),
                     prompt_tokens=usage.get("prompt_tokens", 0),
-                    cached_tokens=cached,
+                    cached_tokens=details.get("cached_tokens") or 0,
                     completion_tokens=usage.get("completion_tokens", 0),
+                    image_tokens=details.get("image_tokens") or 0,
+                    audio_tokens=details.get("audio_tokens") or 0,
                 )
             )
 

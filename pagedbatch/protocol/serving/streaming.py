@@ -87,10 +87,13 @@ class StreamEncoder:
         """The events once every request has finished: usage if asked for, then [DONE]."""
         if not self._include_usage:
             return DONE
+        return self._event(self._writer.usage_chunk(self.usage())) + DONE
+
+    def usage(self) -> Usage:
+        """The tokens of what has been streamed so far."""
         counts = self._prompt_tokens.values()
         prompt, cached, images, audio = (sum(c[i] for c in counts) for i in range(4))
-        counted = counted_usage(prompt, self._completion_tokens, cached, images, audio)
-        return self._event(self._writer.usage_chunk(counted)) + DONE
+        return counted_usage(prompt, self._completion_tokens, cached, images, audio)
 
     @staticmethod
     def error(error: OpenAIError) -> bytes:

@@ -23,7 +23,7 @@ from sqlalchemy import event, select, update
 from test_shard_outages import Background, database_proxy, eventually  # noqa: F401 - a fixture
 
 from pagedbatch.store.db import transaction
-from pagedbatch.store.models import BatchRequest, BatchStatus, Shard, ShardStatus
+from pagedbatch.store.models import BatchRequest, BatchStatus, Shard, ShardStatus, UsageRecord
 from pagedbatch.workers.batches.shards import run_shard
 from pagedbatch.workers.periodic import reap_leases
 
@@ -141,6 +141,12 @@ def test_a_worker_killed_between_flushes_loses_and_duplicates_nothing(
     usage = [line["response"]["body"]["usage"] for line in results.values()]
     assert ended.output_tokens == sum(u["completion_tokens"] for u in usage)
     assert ended.input_tokens == sum(u["prompt_tokens"] for u in usage)
+    # The usage ledger too: a record per line, written with its result, so once.
+    with replacement.ctx.session_factory() as session:
+        ledger = session.scalars(
+            select(UsageRecord.output_tokens).where(UsageRecord.batch_id == batch_id)
+        ).all()
+    assert (len(ledger), sum(ledger)) == (len(lines), ended.output_tokens)
 
 
 def test_a_flush_after_the_lease_was_lost_writes_nothing(make_batch_worker):

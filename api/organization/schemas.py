@@ -1,0 +1,40 @@
+"""The admin API's usage objects, in OpenAI's shapes: a page of time buckets, each holding one
+result per group."""
+
+from __future__ import annotations
+
+from typing import Literal
+
+from pydantic import BaseModel
+
+
+class CompletionsUsageResult(BaseModel):
+    object: Literal["organization.usage.completions.result"] = (
+        "organization.usage.completions.result"
+    )
+    input_tokens: int  # cached, image and audio tokens included, as OpenAI counts them
+    output_tokens: int
+    input_cached_tokens: int
+    input_image_tokens: int
+    input_audio_tokens: int
+    num_model_requests: int
+    project_id: str | None = None
+    user_id: str | None = None
+    api_key_id: str | None = None  # set when grouped by it, as the others below
+    model: str | None = None
+    batch: bool | None = None
+    service_tier: str | None = None
+
+
+class UsageBucket(BaseModel):
+    object: Literal["bucket"] = "bucket"
+    start_time: int
+    end_time: int
+    results: list[CompletionsUsageResult]
+
+
+class UsagePage(BaseModel):
+    object: Literal["page"] = "page"
+    data: list[UsageBucket]
+    has_more: bool
+    next_page: str | None

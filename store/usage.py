@@ -1,0 +1,159 @@
+"""The usage ledger (`UsageRecord`): a record per finished request, for usage and costs, and
+the sums the admin API reads of it.
+
+Batch lines are recorded by `record_results`, in the transaction that records their results.
+Realtime requests are recorded here by a `LedgerWriter`, a batch of rows per transaction: a
+request's record costs its handler a list append, never a commit of its own.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+from dataclasses import asdict, dataclass
+
+from sqlalchemy import func, insert, select
+from sqlalchemy.orm import Session, sessionmaker
+
+from pagedbatch.ids import now
+from pagedbatch.store.db import transaction
+from pagedbatch.store.models import UsageRecord
+from pagedbatch.store.retry import is_transient
+
+logger = logging.getLogger(__name__)
+
+FLUSH_SECONDS = 1.0
+# Records kept while the database is away; past this many the oldest are dropped (and logged):
+# a long outage must not grow the server's memory without bound.
+MAX_WAITING = 100_000
+
+
+@dataclass(frozen=True)
+class Usage:
+    """One request's tokens, as its response's `usage` says them."""
+
+    owner: str
+    model: str
+    input_tokens: int
+    output_tokens: int
+    cached_tokens: int = 0
+    image_tokens: int = 0
+    audio_tokens: int = 0
+    batch_id: str | None = None
+
+
+class LedgerWriter:
+    """Writes the records `add` is given, every FLUSH_SECONDS, all waiting in one transaction, on
+    a thread of its own. A failed write (the database restarting) keeps its records for the next
+    one; `close` writes what waits and stops."""
+
+    def __init__(self, session_factory: sessionmaker[Session]) -> None:
+        self._session_factory = session_factory
+        self._waiting: list[dict] = []
+        self._lock = threading.Lock()
+        self._closed = threading.Event()
+        self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
+        self._thread.start()
+
+    def add(self, usage: Usage) -> None:
+        record = {**asdict(usage), "finished_at": now()}
+        with self._lock:
+            self._waiting.append(record)
+            if len(self._waiting) > MAX_WAITING:
+                dropped = len(self._waiting) - MAX_WAITING
+                del self._waiting[:dropped]
+                logger.error("usage ledger: %d records dropped (the database is away)", dropped)
+
+    def close(self) -> None:
+        self._closed.set()
+        self._thread.join()
+
+    def _run(self) -> None:
+        while not self._closed.wait(FLUSH_SECONDS):
+            self._flush()
+        self._flush()
+
+    def _flush(self) -> None:
+        with self._lock:
+            records, self._waiting = self._waiting, []
+        if not records:
+            return
+        try:
+            with transaction(self._session_factory) as session:
+                session.execute(insert(UsageRecord), records)
+        except Exception as e:
+            if not is_transient(e):
+                logger.exception("usage ledger: %d records could not be written", len(records))
+                return
+            logger.warning("usage ledger: writing %d records failed (%s)", len(records), e)
+            with self._lock:
+                self._waiting[:0] = records  # before what came meanwhile
+
+
+@dataclass(frozen=True)
+class UsageQuery:
+    """Which records to add up, and how: buckets of `width` seconds (aligned to multiples of it,
+    in UTC) from `start` to `end` (exclusive), grouped by some of model, batch and api_key_id."""
+
+    start: int
+    end: int
+    width: int
+    group_by: frozenset[str] = frozenset()
+    owners: frozenset[str] | None = None  # None: every tenant's
+    models: frozenset[str] | None = None
+    batch: bool | None = None  # True: batch lines only; False: realtime only
+
+
+@dataclass(frozen=True)
+class UsageSums:
+    bucket: int  # the bucket's start
+    input_tokens: int
+    cached_tokens: int
+    output_tokens: int
+    image_tokens: int
+    audio_tokens: int
+    requests: int
+    model: str | None = None
+    batch: bool | None = None
+    api_key_id: str | None = None
+
+
+def usage_sums(session: Session, query: UsageQuery) -> list[UsageSums]:
+    """The sums of the records `query` selects, per bucket and group, in bucket order."""
+    record = UsageRecord
+    bucket = (record.finished_at - record.finished_at % query.width).label("bucket")
+    groups = {
+        "model": record.model,
+        "batch": record.batch_id.is_not(None),
+        "api_key_id": record.owner,
+    }
+    keys = [groups[name].label(name) for name in sorted(query.group_by)]
+    statement = (
+        select(
+            bucket,
+            *keys,
+            func.sum(record.input_tokens),
+            func.sum(record.cached_tokens),
+            func.sum(record.output_tokens),
+            func.sum(record.image_tokens),
+            func.sum(record.audio_tokens),
+            func.count(),
+        )
+        .where(record.finished_at >= query.start, record.finished_at < query.end)
+        .group_by(bucket, *keys)
+        .order_by(bucket, *keys)
+    )
+    if query.owners is not None:
+        statement = statement.where(record.owner.in_(query.owners))
+    if query.models is not None:
+        statement = statement.where(record.model.in_(query.models))
+    if query.batch is not None:
+        statement = statement.where(groups["batch"] if query.batch else record.batch_id.is_(None))
+    sums = []
+    for row in session.execute(statement):
+        named = dict(zip(sorted(query.group_by), row[1 : 1 + len(keys)], strict=True))
+        tokens = [int(value or 0) for value in row[1 + len(keys) :]]
+        if "batch" in named:
+            named["batch"] = bool(named["batch"])
+        sums.append(UsageSums(int(row[0]), *tokens, **named))
+    return sums
