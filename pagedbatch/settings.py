@@ -20,6 +20,7 @@ from typing import Annotated, Any, Literal, get_args, get_type_hints
 from pydantic import AfterValidator, BeforeValidator, Field, create_model, field_validator
 from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 
+from pagedbatch.costs import ModelPrice, prices_from
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.logs import LogFormat
 from pagedbatch.protocol.moderation import (
@@ -84,6 +85,13 @@ class Settings(EngineSettings):
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Keys that read every tenant's usage (`/v1/organization/...`, the SDK's `admin_api_key`).
     admin_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # What usage costs (pagedbatch/costs.py): inline JSON or a JSON file's path, per served model
+    # name {"input", "cached_input", "output"} in USD per million tokens; batch tokens at the
+    # discount's fraction of those prices.
+    prices: Annotated[dict[str, ModelPrice], NoDecode, BeforeValidator(prices_from)] = Field(
+        default_factory=dict
+    )
+    batch_discount: float = Field(0.5, ge=0, le=1)
     # `pagedbatch serve` refuses to listen beyond loopback without api_keys unless this is on:
     # an open port would give anyone who reaches it the engine and every file and batch.
     allow_unauthenticated: bool = False

@@ -6,33 +6,70 @@ tenant's own key reads its own through the same endpoints, never another's.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+from typing import TypeVar
+
 from fastapi import APIRouter, Request
+from pydantic import BaseModel
 
 from pagedbatch.api.auth import UsageScopeDep
-from pagedbatch.api.deps import SessionDep
-from pagedbatch.api.organization.schemas import CompletionsUsageResult, UsageBucket, UsagePage
+from pagedbatch.api.deps import ServicesDep, SessionDep
+from pagedbatch.api.organization.schemas import (
+    Amount,
+    CompletionsUsageResult,
+    CostBucket,
+    CostResult,
+    CostsPage,
+    UsageBucket,
+    UsagePage,
+)
 from pagedbatch.api.routes.openapi import error_responses
+from pagedbatch.costs import line_items
 from pagedbatch.ids import now
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.store.usage import UsageQuery, UsageSums, usage_sums
 
 router = APIRouter(prefix="/organization", tags=["organization"])
+Page = TypeVar("Page", bound=BaseModel)
 
 # Bucket width: (seconds, buckets a page holds by default, at most), as OpenAI has them.
 WIDTHS = {"1m": (60, 60, 1440), "1h": (3600, 24, 168), "1d": (86400, 7, 31)}
+COST_WIDTHS = {"1d": (86400, 7, 180)}
 GROUPS = ("model", "batch", "api_key_id")
+COST_GROUPS = ("line_item", "api_key_id")
 MAX_FILTER_VALUES = 100
 
 
-@router.get(
-    "/usage/completions",
-    response_model=UsagePage,
-    responses=error_responses(400, 401),
-)
-def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDep) -> UsagePage:
-    """Tokens and requests of chat and completions, realtime and batch, in time buckets."""
-    params = _Params(request)
-    width, default_limit, most = WIDTHS[params.choice("bucket_width", WIDTHS, "1d")]
+@dataclass(frozen=True)
+class _Window:
+    """The buckets one page covers: from `first` (a bucket's start) to `stop`, within the
+    query's [start, end)."""
+
+    start: int
+    end: int
+    width: int
+    first: int
+    stop: int
+
+    def page(self, page: type[Page], bucket: type[BaseModel], results: dict[int, list]) -> Page:
+        """The page of every bucket it covers, each with its `results` (none by default)."""
+        more = self.stop < self.end
+        return page(
+            data=[
+                bucket(
+                    start_time=max(at, self.start),
+                    end_time=min(at + self.width, self.end),
+                    results=results.get(at, []),
+                )
+                for at in range(self.first, self.stop, self.width)
+            ],
+            has_more=more,
+            next_page=str(self.stop) if more else None,
+        )
+
+
+def _window(params: _Params, widths: dict[str, tuple[int, int, int]]) -> _Window:
+    width, default_limit, most = widths[params.choice("bucket_width", widths, "1d")]
     start = params.integer("start_time", required=True)
     end = params.integer("end_time") or now() + 1
     if end <= start:
@@ -45,39 +82,97 @@ def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDe
     first = params.integer("page") or start - start % width
     if first % width or first < start - start % width:
         raise OpenAIError("page is not a cursor this query gave.", param="page")
-    group_by = params.values("group_by")
-    if unknown := set(group_by) - set(GROUPS):
-        raise OpenAIError(
-            f"group_by: {sorted(unknown)[0]!r} is not supported; use {', '.join(GROUPS)}.",
-            param="group_by",
-        )
+    return _Window(start, end, width, first, min(end, first + limit * width))
+
+
+def _owners(params: _Params, scope: str | None) -> frozenset[str] | None:
+    """Whose records to read: the keys asked for, and never another tenant's for a tenant."""
     keys = params.values("api_key_ids")
     owners = frozenset(keys) if keys else None
-    if scope is not None:  # a tenant reads its own usage only
+    if scope is not None:
         owners = frozenset({scope}) & owners if owners is not None else frozenset({scope})
-    stop = min(end, first + limit * width)
+    return owners
+
+
+def _group_by(params: _Params, allowed: tuple[str, ...]) -> frozenset[str]:
+    group_by = params.values("group_by")
+    if unknown := set(group_by) - set(allowed):
+        raise OpenAIError(
+            f"group_by: {sorted(unknown)[0]!r} is not supported; use {', '.join(allowed)}.",
+            param="group_by",
+        )
+    return frozenset(group_by)
+
+
+@router.get(
+    "/usage/completions",
+    response_model=UsagePage,
+    responses=error_responses(400, 401),
+)
+def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDep) -> UsagePage:
+    """Tokens and requests of chat and completions, realtime and batch, in time buckets."""
+    params = _Params(request)
+    window = _window(params, WIDTHS)
     query = UsageQuery(
-        start=max(start, first),
-        end=stop,
-        width=width,
-        group_by=frozenset(group_by),
-        owners=owners,
+        start=max(window.start, window.first),
+        end=window.stop,
+        width=window.width,
+        group_by=_group_by(params, GROUPS),
+        owners=_owners(params, scope),
         models=frozenset(models) if (models := params.values("models")) else None,
         batch=params.boolean("batch"),
     )
     by_bucket: dict[int, list[CompletionsUsageResult]] = {}
     for sums in usage_sums(session, query):
         by_bucket.setdefault(sums.bucket, []).append(_result(sums))
-    buckets = [
-        UsageBucket(
-            start_time=max(at, start),
-            end_time=min(at + width, end),
-            results=by_bucket.get(at, []),
+    return window.page(UsagePage, UsageBucket, by_bucket)
+
+
+@router.get("/costs", response_model=CostsPage, responses=error_responses(400, 401))
+def costs(
+    request: Request, scope: UsageScopeDep, session: SessionDep, services: ServicesDep
+) -> CostsPage:
+    """What the usage cost at the configured prices, in daily buckets: batch tokens at the
+    batch discount, each model's input, cached input and output its own line items."""
+    params = _Params(request)
+    window = _window(params, COST_WIDTHS)
+    group_by = _group_by(params, COST_GROUPS)
+    wanted = set(params.values("line_items"))
+    settings = services.settings
+    query = UsageQuery(
+        start=max(window.start, window.first),
+        end=window.stop,
+        width=window.width,
+        group_by=frozenset({"model", "batch"} | ({"api_key_id"} & group_by)),
+        owners=_owners(params, scope),
+    )
+    totals: dict[tuple[int, str | None, str | None], list[float]] = {}
+    for sums in usage_sums(session, query):
+        tokens = (sums.input_tokens, sums.cached_tokens, sums.output_tokens)
+        items = line_items(sums.model, sums.batch, tokens, settings.prices, settings.batch_discount)
+        for item in items:
+            if wanted and item.name not in wanted:
+                continue
+            key = (
+                sums.bucket,
+                item.name if "line_item" in group_by else None,
+                sums.api_key_id if "api_key_id" in group_by else None,
+            )
+            total = totals.setdefault(key, [0.0, 0])
+            total[0] += item.usd
+            total[1] += item.tokens
+    by_bucket: dict[int, list[CostResult]] = {}
+    for (at, line_item, api_key_id), (usd, tokens) in sorted(totals.items(), key=str):
+        by_bucket.setdefault(at, []).append(
+            CostResult(
+                amount=Amount(value=usd),
+                line_item=line_item,
+                api_key_id=api_key_id,
+                quantity=tokens if line_item is not None else None,
+                quantity_unit="tokens" if line_item is not None else None,
+            )
         )
-        for at in range(first, stop, width)
-    ]
-    more = stop < end
-    return UsagePage(data=buckets, has_more=more, next_page=str(stop) if more else None)
+    return window.page(CostsPage, CostBucket, by_bucket)
 
 
 def _result(sums: UsageSums) -> CompletionsUsageResult:

@@ -1,5 +1,5 @@
-"""The admin API's usage objects, in OpenAI's shapes: a page of time buckets, each holding one
-result per group."""
+"""The admin API's usage and costs objects, in OpenAI's shapes: a page of time buckets, each
+holding one result per group."""
 
 from __future__ import annotations
 
@@ -36,5 +36,34 @@ class UsageBucket(BaseModel):
 class UsagePage(BaseModel):
     object: Literal["page"] = "page"
     data: list[UsageBucket]
+    has_more: bool
+    next_page: str | None
+
+
+class Amount(BaseModel):
+    value: float
+    currency: Literal["usd"] = "usd"
+
+
+class CostResult(BaseModel):
+    object: Literal["organization.costs.result"] = "organization.costs.result"
+    amount: Amount
+    line_item: str | None = None  # set when grouped by it, as api_key_id
+    api_key_id: str | None = None
+    quantity: int | None = None  # the line item's tokens
+    quantity_unit: Literal["tokens"] | None = None
+    project_id: str | None = None
+
+
+class CostBucket(BaseModel):
+    object: Literal["bucket"] = "bucket"
+    start_time: int
+    end_time: int
+    results: list[CostResult]
+
+
+class CostsPage(BaseModel):
+    object: Literal["page"] = "page"
+    data: list[CostBucket]
     has_more: bool
     next_page: str | None

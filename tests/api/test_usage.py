@@ -44,6 +44,7 @@ def work(server) -> tuple[Counter, int]:
                 max_tokens=4 + n,
             )
             used[(key, False, "input")] += answer.usage.prompt_tokens
+            used[(key, False, "cached")] += answer.usage.prompt_tokens_details.cached_tokens
             used[(key, False, "output")] += answer.usage.completion_tokens
             used[(key, False, "requests")] += 1
         stream = client.completions.create(
@@ -55,12 +56,14 @@ def work(server) -> tuple[Counter, int]:
         )
         usage = [chunk.usage for chunk in stream if chunk.usage][0]
         used[(key, False, "input")] += usage.prompt_tokens
+        used[(key, False, "cached")] += usage.prompt_tokens_details.cached_tokens
         used[(key, False, "output")] += usage.completion_tokens
         used[(key, False, "requests")] += 1
         lines = [chat_line(f"{key}-{j}", content=f"Line {j}", max_tokens=3 + j) for j in range(3)]
         batch = finished(client, create(client, lines).id)
         assert batch.status == "completed"
         used[(key, True, "input")] += batch.usage.input_tokens
+        used[(key, True, "cached")] += batch.usage.input_tokens_details.cached_tokens
         used[(key, True, "output")] += batch.usage.output_tokens
         used[(key, True, "requests")] += batch.request_counts.completed
     return used, began
@@ -72,9 +75,10 @@ def sums(page, fields=("api_key_id", "batch")) -> Counter:
         for result in bucket.results:
             group = tuple(getattr(result, f) for f in fields)
             found[(*group, "input")] += result.input_tokens
+            found[(*group, "cached")] += result.input_cached_tokens
             found[(*group, "output")] += result.output_tokens
             found[(*group, "requests")] += result.num_model_requests
-    return found
+    return +found  # without the zeros
 
 
 @pytest.fixture
@@ -84,7 +88,7 @@ def server(serve_batches):
 
 def test_usage_sums_equal_what_the_responses_reported(server):
     used, began = work(server)
-    expected = Counter({(key_owner(k), b, what): n for (k, b, what), n in used.items()})
+    expected = +Counter({(key_owner(k), b, what): n for (k, b, what), n in used.items()})
     usage = admin(server).admin.organization.usage
 
     def read(**options):
@@ -107,7 +111,7 @@ def test_usage_sums_equal_what_the_responses_reported(server):
 def test_a_tenant_reads_only_itself_and_others_are_refused(server):
     used, began = work(server)
     bob = key_owner("bob")
-    mine = Counter({(bob, b, what): n for (k, b, what), n in used.items() if k == "bob"})
+    mine = +Counter({(bob, b, what): n for (k, b, what), n in used.items() if k == "bob"})
     reader = tenant_reader(server, "bob").admin.organization.usage
 
     def read(**options):
@@ -151,3 +155,52 @@ def test_buckets_are_aligned_and_pages_follow_each_other(server):
         usage.completions(start_time=start, bucket_width="1m", limit=2000)
     with pytest.raises(openai.BadRequestError):
         usage.completions(start_time=start, group_by=["project_id"])
+
+
+PRICES = {"tiny": {"input": 2.0, "cached_input": 1.0, "output": 8.0}}
+
+
+def test_costs_at_the_prices_with_batch_tokens_discounted(serve_batches):
+    server = serve_batches(
+        api_keys=",".join(TENANTS), admin_keys=ADMIN, prices=PRICES, batch_discount=0.5
+    )
+    used, began = work(server)
+    costs = admin(server).admin.organization.usage.costs
+    expected = {}
+    for batch, suffix, factor in ((False, "", 1.0), (True, " (batch)", 0.5)):
+        tokens: Counter = Counter()
+        for (_, was_batch, what), n in used.items():
+            if was_batch == batch:
+                tokens[what] += n
+        for kind, count, price in (
+            ("input", tokens["input"] - tokens["cached"], 2.0),
+            ("cached input", tokens["cached"], 1.0),
+            ("output", tokens["output"], 8.0),
+        ):
+            if count:
+                expected[f"tiny, {kind}{suffix}"] = (count, count * price * factor / 1e6)
+
+    def items() -> dict:
+        page = costs(start_time=began, group_by=["line_item"])
+        return {r.line_item: (r.quantity, r.amount.value) for b in page.data for r in b.results}
+
+    quantities = {name: quantity for name, (quantity, _) in expected.items()}
+    eventually(lambda: {k: q for k, (q, _) in items().items()} == quantities, timeout=10)
+    for name, (quantity, usd) in items().items():
+        assert usd == pytest.approx(expected[name][1], rel=1e-9)
+        assert quantity == expected[name][0]
+    [total] = [r for b in costs(start_time=began).data for r in b.results]
+    assert total.amount.currency == "usd" and total.line_item is None
+    assert total.amount.value == pytest.approx(sum(usd for _, usd in expected.values()))
+
+
+def test_a_model_without_a_price_costs_nothing_and_says_so(server):
+    _, began = work(server)
+    costs = admin(server).admin.organization.usage.costs
+
+    def items():
+        page = costs(start_time=began, group_by=["line_item"])
+        return [r for b in page.data for r in b.results]
+
+    eventually(lambda: any(r.line_item == "tiny, output (batch)" for r in items()), timeout=10)
+    assert all(r.amount.value == 0 and r.quantity > 0 for r in items())
