@@ -64,7 +64,7 @@ def install_metrics(app: FastAPI, services: Services, settings: Settings) -> Non
     """`/metrics`, guarded as `settings` (the app's: its API keys) say."""
     registry = CollectorRegistry(auto_describe=False)
     registry.register(_DefaultRegistry())
-    store = StoreCollector(services.session_factory)
+    store = StoreCollector(services.session_factory, settings.prices, settings.batch_discount)
     registry.register(CachedCollector(store, services.settings.metrics_cache_seconds))
     if services.queue is not None:
         registry.register(QueueDepthCollector(services.queue))

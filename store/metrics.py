@@ -1,28 +1,45 @@
 """Metrics read from the job store when Prometheus scrapes: batches by status, files and bytes
-stored, webhook delivery attempts by outcome.
+stored, webhook delivery attempts by outcome, and from the usage ledger the tokens used and what
+they cost, by model and by batch or realtime.
 
 They describe the whole store, so only API processes export them (every replica the same
-figures: dashboards take `max` across instances); workers do not. They are gauges: rows come and
-go (files are deleted, webhook endpoints with their logs), so none is a counter.
+figures: dashboards take `max` across instances); workers do not. Most are gauges: rows come and
+go (files are deleted, webhook endpoints with their logs). The ledger only grows, so its sums are
+counters.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator
 
-from prometheus_client.core import GaugeMetricFamily, Metric
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from pagedbatch.store.models import Batch, BatchStatus, File, WebhookDelivery, WebhookOutcome
+from pagedbatch.costs import ModelPrice, line_items
+from pagedbatch.store.models import (
+    Batch,
+    BatchStatus,
+    File,
+    UsageRecord,
+    WebhookDelivery,
+    WebhookOutcome,
+)
 
 PREFIX = "pagedbatch:"
 
 
 class StoreCollector(Collector):
-    def __init__(self, session_factory: sessionmaker[Session]):
+    def __init__(
+        self,
+        session_factory: sessionmaker[Session],
+        prices: dict[str, ModelPrice] | None = None,
+        batch_discount: float = 1.0,
+    ):
         self.session_factory = session_factory
+        self.prices = prices or {}
+        self.batch_discount = batch_discount
 
     def collect(self) -> Iterator[Metric]:
         with self.session_factory() as session:
@@ -38,6 +55,16 @@ class StoreCollector(Collector):
                     select(WebhookDelivery.outcome, func.count()).group_by(WebhookDelivery.outcome)
                 ).all()
             )
+            batch = UsageRecord.batch_id.is_not(None)
+            used = session.execute(
+                select(
+                    UsageRecord.model,
+                    batch,
+                    func.sum(UsageRecord.input_tokens),
+                    func.sum(UsageRecord.cached_tokens),
+                    func.sum(UsageRecord.output_tokens),
+                ).group_by(UsageRecord.model, batch)
+            ).all()
         family = GaugeMetricFamily(f"{PREFIX}batches", "Batches by status.", labels=["status"])
         for status in BatchStatus:  # every status, so a panel shows zeros, not gaps
             family.add_metric([status.value], batches.get(status.value, 0))
@@ -59,8 +86,33 @@ class StoreCollector(Collector):
         for outcome in WebhookOutcome:
             family.add_metric([outcome.value], deliveries.get(outcome.value, 0))
         yield family
+        yield from self._usage(used)
+
+    def _usage(self, used: list) -> Iterator[Metric]:
+        tokens = CounterMetricFamily(
+            f"{PREFIX}tokens",
+            "Tokens used, by model, mode (batch or realtime) and kind (input, of which cached, "
+            "and output).",
+            labels=["model", "mode", "kind"],
+        )
+        cost = CounterMetricFamily(
+            f"{PREFIX}cost_usd",
+            "What the tokens used cost at the configured prices, by model and mode.",
+            labels=["model", "mode"],
+        )
+        for model, batch, input_tokens, cached, output in sorted(used):
+            mode = "batch" if batch else "realtime"
+            counts = (int(input_tokens or 0), int(cached or 0), int(output or 0))
+            for kind, count in zip(("input", "cached", "output"), counts, strict=True):
+                tokens.add_metric([model, mode, kind], count)
+            items = line_items(model, bool(batch), counts, self.prices, self.batch_discount)
+            cost.add_metric([model, mode], sum(item.usd for item in items))
+        yield tokens
+        yield cost
 
     def describe(self) -> Iterator[Metric]:
         # Without it the registry would query the store at registration, to learn the names.
         for name in ("batches", "files", "file_bytes", "webhook_deliveries"):
             yield GaugeMetricFamily(f"{PREFIX}{name}", "")
+        for name in ("tokens", "cost_usd"):
+            yield CounterMetricFamily(f"{PREFIX}{name}", "")

@@ -162,7 +162,12 @@ PRICES = {"tiny": {"input": 2.0, "cached_input": 1.0, "output": 8.0}}
 
 def test_costs_at_the_prices_with_batch_tokens_discounted(serve_batches):
     server = serve_batches(
-        api_keys=",".join(TENANTS), admin_keys=ADMIN, prices=PRICES, batch_discount=0.5
+        api_keys=",".join(TENANTS),
+        admin_keys=ADMIN,
+        prices=PRICES,
+        batch_discount=0.5,
+        metrics_token="m",
+        metrics_cache_seconds=0,
     )
     used, began = work(server)
     costs = admin(server).admin.organization.usage.costs
@@ -192,6 +197,15 @@ def test_costs_at_the_prices_with_batch_tokens_discounted(serve_batches):
     [total] = [r for b in costs(start_time=began).data for r in b.results]
     assert total.amount.currency == "usd" and total.line_item is None
     assert total.amount.value == pytest.approx(sum(usd for _, usd in expected.values()))
+    # /metrics says the same, by mode.
+    metrics = server.http("m").get("/metrics").text
+    batch_usd = sum(usd for name, (_, usd) in expected.items() if name.endswith("(batch)"))
+    [line] = [
+        x
+        for x in metrics.splitlines()
+        if x.startswith("pagedbatch:cost_usd_total{") and 'mode="batch"' in x
+    ]
+    assert float(line.split()[-1]) == pytest.approx(batch_usd)
 
 
 def test_a_model_without_a_price_costs_nothing_and_says_so(server):
