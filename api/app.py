@@ -25,6 +25,7 @@ from pagedbatch.api.errors import BodyTooLarge
 from pagedbatch.api.metrics import install_metrics
 from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
 from pagedbatch.api.routes import admin_router, api_router, ui
+from pagedbatch.api.spend import SpendGuard
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
@@ -44,6 +45,7 @@ def create_app(settings: Settings, services: Services) -> FastAPI:
     app = FastAPI(title="pagedbatch", version="0.1.0")
     app.state.keys = KeyRing(settings.api_keys)
     app.state.admin_keys = KeyRing(settings.admin_keys)
+    app.state.spend = SpendGuard(services.session_factory, settings)
     app.state.services = services
     app.include_router(api_router)
     app.include_router(admin_router)

@@ -82,3 +82,14 @@ def get_usage_scope(request: Request) -> str | None:
 
 
 UsageScopeDep = Annotated[str | None, Depends(get_usage_scope)]
+
+
+def require_admin(request: Request) -> None:
+    """401 unless the request bears an admin key (or the service has no keys at all)."""
+    admins: KeyRing = request.app.state.admin_keys
+    keys: KeyRing = request.app.state.keys
+    if not admins.configured and not keys.configured:
+        return
+    _, _, token = (request.headers.get("authorization") or "").partition(" ")
+    if not (token.strip() and admins.holds(token.strip())):
+        raise _unauthorized("This endpoint needs an admin key.")

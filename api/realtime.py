@@ -174,6 +174,9 @@ async def answer(
     raw = await request.body()
     params = await _off_loop(services, parse, raw)
     tenant = _tenant(request)
+    spend = getattr(request.app.state, "spend", None)  # none on an engine host: the API checked
+    if spend is not None and engine_of is None:  # moderation costs nothing
+        await _off_loop(services, spend.check, tenant)
     send_timeout = services.settings.stream_send_timeout_seconds
     if services.engines is not None:  # the distributed API: a worker's engine host answers
         return await services.engines.forward(

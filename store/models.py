@@ -167,6 +167,19 @@ class UsageRecord(Base):
     finished_at: Mapped[int] = mapped_column(BigInteger)  # Unix seconds
 
 
+class SpendLimit(Base):
+    """The service's hard spend limit (`/v1/organization/spend_limit`): one row, or none."""
+
+    __tablename__ = "spend_limits"
+
+    id: Mapped[str] = mapped_column(String(32), primary_key=True)  # ORGANIZATION
+    threshold_cents: Mapped[int] = mapped_column(BigInteger)
+    currency: Mapped[str] = mapped_column(String(8))
+    interval: Mapped[str] = mapped_column(String(16))
+    notification_channel: Mapped[dict[str, Any] | None]
+    updated_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
 class IdempotencyKey(Base):
     """The resource a POST created under an `Idempotency-Key`, returned again on a retry."""
 

@@ -11,10 +11,12 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import asdict, dataclass
+from datetime import UTC, datetime
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
 
+from pagedbatch.costs import LineItem, ModelPrice, line_items
 from pagedbatch.ids import now
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import UsageRecord
@@ -26,6 +28,7 @@ FLUSH_SECONDS = 1.0
 # Records kept while the database is away; past this many the oldest are dropped (and logged):
 # a long outage must not grow the server's memory without bound.
 MAX_WAITING = 100_000
+ALL_TIME = 2**40  # a bucket width that holds every record in one bucket
 
 
 @dataclass(frozen=True)
@@ -117,6 +120,12 @@ class UsageSums:
     batch: bool | None = None
     api_key_id: str | None = None
 
+    def line_items(self, prices: dict[str, ModelPrice], discount: float) -> list[LineItem]:
+        """What these tokens cost; the sums must be grouped by model and batch."""
+        assert self.model is not None and self.batch is not None
+        tokens = (self.input_tokens, self.cached_tokens, self.output_tokens)
+        return line_items(self.model, self.batch, tokens, prices, discount)
+
 
 def usage_sums(session: Session, query: UsageQuery) -> list[UsageSums]:
     """The sums of the records `query` selects, per bucket and group, in bucket order."""
@@ -157,3 +166,28 @@ def usage_sums(session: Session, query: UsageQuery) -> list[UsageSums]:
             named["batch"] = bool(named["batch"])
         sums.append(UsageSums(int(row[0]), *tokens, **named))
     return sums
+
+
+def month_start(moment: int) -> int:
+    """The Unix second the UTC month of `moment` began."""
+    day = datetime.fromtimestamp(moment, UTC)
+    return int(datetime(day.year, day.month, 1, tzinfo=UTC).timestamp())
+
+
+def spend_usd(
+    session: Session,
+    since: int,
+    prices: dict[str, ModelPrice],
+    discount: float,
+    owner: str | None = None,
+) -> float:
+    """What the usage since `since` cost at `prices`: every tenant's, or `owner`'s."""
+    query = UsageQuery(
+        start=since,
+        end=now() + 1,
+        width=ALL_TIME,
+        group_by=frozenset({"model", "batch"}),
+        owners=frozenset({owner}) if owner is not None else None,
+    )
+    sums = usage_sums(session, query)
+    return sum(item.usd for s in sums for item in s.line_items(prices, discount))

@@ -7,7 +7,7 @@ from __future__ import annotations
 
 from typing import Annotated, Any
 
-from fastapi import APIRouter, Body, Query
+from fastapi import APIRouter, Body, Query, Request
 from sqlalchemy import ColumnElement, select, tuple_
 from sqlalchemy.orm import Session
 
@@ -45,11 +45,13 @@ def get_batch(session: Session, owner: str, batch_id: str) -> Batch:
 
 @router.post("", responses=error_responses(404), openapi_extra=json_body(BatchCreate))
 def create_batch(
+    request: Request,
     services: ServicesDep,
     owner: OwnerDep,
     body: Annotated[Any, Body()] = None,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> BatchObject:
+    request.app.state.spend.check(owner)  # a running batch finishes; no new one past a limit
     params = parse_request(BatchCreate, body)
     if params.endpoint not in SUPPORTED_ENDPOINTS:
         raise OpenAIError(

@@ -1,18 +1,21 @@
-"""The admin API's usage, read from the usage ledger (store/usage.py).
+"""The admin API: usage and costs, read from the usage ledger (store/usage.py), and the service's
+spend limit (api/spend.py).
 
 An admin key (`PAGEDBATCH_ADMIN_KEYS`; the SDK's `admin_api_key`) reads every tenant's usage; a
-tenant's own key reads its own through the same endpoints, never another's.
+tenant's own key reads its own through the same endpoints, never another's. Only admin keys
+read or set the spend limit.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import TypeVar
+from typing import Annotated, Any, TypeVar
 
-from fastapi import APIRouter, Request
+from fastapi import APIRouter, Body, Depends, Request
 from pydantic import BaseModel
+from sqlalchemy import delete
 
-from pagedbatch.api.auth import UsageScopeDep
+from pagedbatch.api.auth import UsageScopeDep, require_admin
 from pagedbatch.api.deps import ServicesDep, SessionDep
 from pagedbatch.api.organization.schemas import (
     Amount,
@@ -20,13 +23,18 @@ from pagedbatch.api.organization.schemas import (
     CostBucket,
     CostResult,
     CostsPage,
+    SpendLimitDeleted,
+    SpendLimitObject,
+    SpendLimitUpdate,
     UsageBucket,
     UsagePage,
 )
-from pagedbatch.api.routes.openapi import error_responses
-from pagedbatch.costs import line_items
+from pagedbatch.api.routes.openapi import error_responses, json_body
+from pagedbatch.api.spend import ORGANIZATION, SpendGuard
 from pagedbatch.ids import now
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.serving.common import parse_request
+from pagedbatch.store.models import SpendLimit
 from pagedbatch.store.usage import UsageQuery, UsageSums, usage_sums
 
 router = APIRouter(prefix="/organization", tags=["organization"])
@@ -148,9 +156,7 @@ def costs(
     )
     totals: dict[tuple[int, str | None, str | None], list[float]] = {}
     for sums in usage_sums(session, query):
-        tokens = (sums.input_tokens, sums.cached_tokens, sums.output_tokens)
-        items = line_items(sums.model, sums.batch, tokens, settings.prices, settings.batch_discount)
-        for item in items:
+        for item in sums.line_items(settings.prices, settings.batch_discount):
             if wanted and item.name not in wanted:
                 continue
             key = (
@@ -230,3 +236,73 @@ class _Params:
         if len(values) > MAX_FILTER_VALUES or any(len(v) > 256 for v in values):
             raise OpenAIError(f"{name} holds too many or too long values.", param=name)
         return values
+
+
+@router.get(
+    "/spend_limit",
+    response_model=SpendLimitObject,
+    dependencies=[Depends(require_admin)],
+    responses=error_responses(401, 404),
+)
+def get_spend_limit(request: Request, session: SessionDep) -> SpendLimitObject:
+    limit = session.get(SpendLimit, ORGANIZATION)
+    if limit is None:
+        raise OpenAIError("No spend limit is set.", status_code=404, code="not_found")
+    return _spend_limit(limit, request.app.state.spend)
+
+
+@router.post(
+    "/spend_limit",
+    response_model=SpendLimitObject,
+    dependencies=[Depends(require_admin)],
+    responses=error_responses(400, 401),
+    openapi_extra=json_body(SpendLimitUpdate),
+)
+def set_spend_limit(
+    request: Request, session: SessionDep, body: Annotated[Any, Body()] = None
+) -> SpendLimitObject:
+    """Create or replace the service's hard monthly spend limit, in cents."""
+    params = parse_request(SpendLimitUpdate, body)
+    values = {
+        "threshold_cents": params.threshold_amount,
+        "currency": params.currency,
+        "interval": params.interval,
+        "updated_at": now(),
+    }
+    if "notification_channel" in params.model_fields_set:
+        channel = params.notification_channel
+        values["notification_channel"] = channel.model_dump() if channel else None
+    with session.begin():
+        limit = session.get(SpendLimit, ORGANIZATION, with_for_update=True)
+        if limit is None:
+            limit = SpendLimit(id=ORGANIZATION, notification_channel=None, **values)
+            session.add(limit)
+        else:
+            for name, value in values.items():
+                setattr(limit, name, value)
+    request.app.state.spend.forget()
+    return _spend_limit(limit, request.app.state.spend)
+
+
+@router.delete(
+    "/spend_limit",
+    response_model=SpendLimitDeleted,
+    dependencies=[Depends(require_admin)],
+    responses=error_responses(401),
+)
+def delete_spend_limit(request: Request, session: SessionDep) -> SpendLimitDeleted:
+    with session.begin():
+        deleted = session.execute(delete(SpendLimit).where(SpendLimit.id == ORGANIZATION))
+    request.app.state.spend.forget()
+    return SpendLimitDeleted(deleted=deleted.rowcount == 1)
+
+
+def _spend_limit(limit: SpendLimit, spend: SpendGuard) -> SpendLimitObject:
+    enforcing = spend.spent_usd() * 100 >= limit.threshold_cents
+    return SpendLimitObject(
+        currency=limit.currency,
+        interval=limit.interval,
+        threshold_amount=limit.threshold_cents,
+        notification_channel=limit.notification_channel,
+        enforcement={"status": "enforcing" if enforcing else "inactive"},
+    )

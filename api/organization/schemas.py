@@ -3,9 +3,9 @@ holding one result per group."""
 
 from __future__ import annotations
 
-from typing import Literal
+from typing import Annotated, Literal
 
-from pydantic import BaseModel
+from pydantic import BaseModel, ConfigDict, Field
 
 
 class CompletionsUsageResult(BaseModel):
@@ -67,3 +67,38 @@ class CostsPage(BaseModel):
     data: list[CostBucket]
     has_more: bool
     next_page: str | None
+
+
+class NotificationChannel(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    type: Literal["email"]
+    recipients: Annotated[list[Annotated[str, Field(max_length=320)]], Field(max_length=50)] = []
+    subject_prefix: Annotated[str, Field(max_length=100)] | None = None
+
+
+class SpendLimitUpdate(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    currency: Literal["USD"]
+    interval: Literal["month"]
+    threshold_amount: Annotated[int, Field(ge=0, le=2**53)]  # cents
+    notification_channel: NotificationChannel | None = None  # kept, not sent: we send no mail
+
+
+class Enforcement(BaseModel):
+    status: Literal["inactive", "enforcing"]
+
+
+class SpendLimitObject(BaseModel):
+    object: Literal["organization.spend_limit"] = "organization.spend_limit"
+    currency: str
+    interval: str
+    threshold_amount: int
+    enforcement: Enforcement
+    notification_channel: dict | None = None
+
+
+class SpendLimitDeleted(BaseModel):
+    object: Literal["organization.spend_limit.deleted"] = "organization.spend_limit.deleted"
+    deleted: bool

@@ -1,4 +1,5 @@
-"""The usage ledger: one record per finished request, realtime or batch line (store/usage.py).
+"""The usage ledger (one record per finished request, realtime or batch line) and the service's
+spend limit (store/usage.py).
 
 Revision ID: 0004
 Revises: 0003
@@ -32,8 +33,19 @@ def upgrade() -> None:
         sa.PrimaryKeyConstraint("id"),
     )
     op.create_index("ix_usage_records_time", "usage_records", ["finished_at"])
+    op.create_table(
+        "spend_limits",
+        sa.Column("id", sa.String(32), nullable=False),
+        sa.Column("threshold_cents", sa.BigInteger(), nullable=False),
+        sa.Column("currency", sa.String(8), nullable=False),
+        sa.Column("interval", sa.String(16), nullable=False),
+        sa.Column("notification_channel", sa.JSON(), nullable=True),
+        sa.Column("updated_at", sa.BigInteger(), nullable=False),
+        sa.PrimaryKeyConstraint("id"),
+    )
 
 
 def downgrade() -> None:
+    op.drop_table("spend_limits")
     op.drop_index("ix_usage_records_time", "usage_records")
     op.drop_table("usage_records")
