@@ -39,6 +39,7 @@ from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.serving.common import (
     REALTIME_PRIORITY,
@@ -51,7 +52,6 @@ from pagedbatch.protocol.serving.common import (
     usage,
 )
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
-from pagedbatch.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.store.models import DEFAULT_OWNER
 from pagedbatch.store.usage import Usage as LedgerUsage
 

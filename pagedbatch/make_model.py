@@ -46,7 +46,7 @@ from pagedbatch.demo_tokenizer import (
     chat_template,
     write_tokenizer,
 )
-from pagedbatch.protocol.moderation import CATEGORIES, GUARD_CODES
+from pagedbatch.moderation import CATEGORIES, GUARD_CODES
 
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",

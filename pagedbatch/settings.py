@@ -23,7 +23,7 @@ from pydantic_settings import BaseSettings, NoDecode, SettingsConfigDict
 from pagedbatch.costs import ModelPrice, prices_from
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.logs import LogFormat
-from pagedbatch.protocol.moderation import (
+from pagedbatch.moderation import (
     LEVELS,
     Category,
     Checks,
@@ -222,7 +222,7 @@ class Settings(EngineSettings):
     moderation_max_num_seqs: int = Field(32, ge=1, le=1024)
     max_moderation_inputs: int = Field(32, ge=1, le=1024)  # inputs in one moderation request
     # The score from which a category counts as flagged: a number in [0, 1], or a level
-    # (`pagedbatch.protocol.moderation.LEVELS`).
+    # (`pagedbatch.moderation.LEVELS`).
     safety_threshold: Annotated[float, BeforeValidator(threshold)] = LEVELS["medium"]
     # The content filter on the doors (see README "Safety"): which way it screens, per-category
     # thresholds (JSON: {"hate": "low", "violence": 0.9}), a blocklist of regular expressions

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from transformers import AutoModelForSequenceClassification, AutoTokenizer
 
-from pagedbatch.protocol.moderation import CATEGORIES
+from pagedbatch.moderation import CATEGORIES
 
 
 def classifier_scores(path: Path, inputs: list[str] | list[list[int]]) -> list[dict[str, float]]:

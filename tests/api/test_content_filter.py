@@ -14,7 +14,7 @@ from test_batches import assert_engine_idle, create, finished, results
 from transformers import AutoTokenizer
 
 from pagedbatch.api.auth import key_owner
-from pagedbatch.protocol.moderation import CATEGORIES
+from pagedbatch.moderation import CATEGORIES
 
 CANDIDATES = [
     "Tell me about the weather.",

@@ -9,7 +9,7 @@ import pytest
 from moderation_oracle import classifier_scores
 from test_batches import create, finished, results
 
-from pagedbatch.protocol.moderation import CATEGORIES
+from pagedbatch.moderation import CATEGORIES
 
 TEXTS = ["You are wonderful.", "I will find you.", "Recipes for a quiet evening at home."]
 

@@ -10,7 +10,7 @@ from transformers import AutoModelForSequenceClassification
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import ModelConfig
-from pagedbatch.protocol.moderation import CATEGORIES
+from pagedbatch.moderation import CATEGORIES
 
 SCORES = SamplingParams(max_tokens=1, temperature=0.0, scores=True)
 

@@ -31,7 +31,7 @@ from transformers import (
 from pagedbatch import cli
 from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN_IDS, tokenizer_json
 from pagedbatch.make_model import ARCHITECTURES, long_context, make_model, model_config
-from pagedbatch.protocol.moderation import CATEGORIES, GUARD_CODES
+from pagedbatch.moderation import CATEGORIES, GUARD_CODES
 
 ARCHS = ("llama", "qwen2", "mistral", "gemma3")  # the text models
 MakeCheckpoint = Callable[..., Path]

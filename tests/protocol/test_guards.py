@@ -11,7 +11,7 @@ from moderation_oracle import classifier_scores
 from transformers import AutoModelForCausalLM
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.protocol.moderation import GUARD_CODES
+from pagedbatch.moderation import GUARD_CODES
 from pagedbatch.protocol.serving.guards import (
     UNSAFE,
     Classifier,

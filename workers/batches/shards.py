@@ -39,8 +39,8 @@ from pagedbatch.protocol.batch_lines import (
     response_line,
 )
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
-from pagedbatch.safety import OutputScreen, policy_for, prompt_refused, record, screen
 from pagedbatch.store.batches import (
     LineResult,
     fail_pending,

@@ -26,8 +26,8 @@ import torch
 from pagedbatch.engine.outputs import CompletionOutput
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.structured_output import StructuredOutput
+from pagedbatch.moderation import CATEGORIES, GUARD_CODES
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.moderation import CATEGORIES, GUARD_CODES
 from pagedbatch.protocol.serving.common import ServedModel
 
 UNSAFE = "unsafe"

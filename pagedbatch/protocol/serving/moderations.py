@@ -12,8 +12,8 @@ from dataclasses import dataclass
 
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.ids import new_id
+from pagedbatch.moderation import CATEGORIES
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.moderation import CATEGORIES
 from pagedbatch.protocol.schemas.moderations import (
     Moderation,
     ModerationCreateResponse,

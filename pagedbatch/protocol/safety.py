@@ -26,8 +26,8 @@ from prometheus_client import Counter
 
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.ids import new_id
+from pagedbatch.moderation import CATEGORIES, Checks, TenantSafety
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.moderation import CATEGORIES, Checks, TenantSafety
 from pagedbatch.protocol.serving.guards import guard_of
 
 if TYPE_CHECKING:
