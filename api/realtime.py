@@ -39,7 +39,14 @@ from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.safety import OutputScreen, policy_for, prompt_refused, record, screen
+from pagedbatch.protocol.safety import (
+    OutputScreen,
+    SafetyPolicy,
+    policy_for,
+    prompt_refused,
+    record,
+    screen,
+)
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.serving.common import (
     REALTIME_PRIORITY,
@@ -187,13 +194,7 @@ async def answer(
     salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
     policy = policy_for(services.settings, tenant)
     if policy.screens_input:
-        texts = prepared.input_texts()
-        verdict = await screen(
-            services.guard, texts, policy, priority=REALTIME_PRIORITY, cache_salt=salt
-        )
-        record(verdict, door="realtime", direction="input", request_id=current_request_id.get())
-        if verdict.flagged:
-            raise prompt_refused(verdict)
+        await _screen_input(services.guard, prepared, policy, salt)
     admission = _admission(request, engine.engine.model_name)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
@@ -206,18 +207,7 @@ async def answer(
 
     output_screen = None
     if policy.screens_output and engine is services.engine:  # not the moderation model's scores
-        output_screen = OutputScreen(
-            services.guard,
-            policy,
-            services.settings.safety_output_check_tokens,
-            [engine_input.params.n for engine_input in prepared.inputs],
-            priority=REALTIME_PRIORITY,
-            cache_salt=salt,
-            door="realtime",
-            request_id=current_request_id.get(),
-        )
-        # Pieces as they come, so that flagged output stops the request mid-way.
-        prepared.inputs = [_in_pieces(engine_input) for engine_input in prepared.inputs]
+        output_screen = _output_screen(services, prepared, policy, salt)
 
     def run() -> AsyncGenerator[list[RequestOutput | None], None]:
         running = _run(engine, prepared.inputs, salt, ticket.release)
@@ -237,6 +227,36 @@ async def answer(
         account(usage(outputs))
     body, media_type = await _off_loop(services, _rendered, prepared, outputs)
     return Response(body, media_type=media_type)
+
+
+async def _screen_input(
+    guard: AsyncLLM | None, prepared: Prepared, policy: SafetyPolicy, salt: str | None
+) -> None:
+    """A 400 `content_filter` if the content filter flags what the request's users wrote."""
+    texts = prepared.input_texts()
+    verdict = await screen(guard, texts, policy, priority=REALTIME_PRIORITY, cache_salt=salt)
+    record(verdict, door="realtime", direction="input", request_id=current_request_id.get())
+    if verdict.flagged:
+        raise prompt_refused(verdict)
+
+
+def _output_screen(
+    services: Services, prepared: Prepared, policy: SafetyPolicy, salt: str | None
+) -> OutputScreen:
+    """The screen of what the request generates; its engine requests then give their outputs
+    in pieces as they come (DELTA), so that flagged output stops the request mid-way."""
+    output_screen = OutputScreen(
+        services.guard,
+        policy,
+        services.settings.safety_output_check_tokens,
+        [engine_input.params.n for engine_input in prepared.inputs],
+        priority=REALTIME_PRIORITY,
+        cache_salt=salt,
+        door="realtime",
+        request_id=current_request_id.get(),
+    )
+    prepared.inputs = [_in_pieces(engine_input) for engine_input in prepared.inputs]
+    return output_screen
 
 
 def _accountant(services: Services, tenant: str) -> Callable[[Usage], None] | None:
