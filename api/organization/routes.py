@@ -20,13 +20,11 @@ from pagedbatch.api.deps import ServicesDep, SessionDep
 from pagedbatch.api.organization.schemas import (
     Amount,
     CompletionsUsageResult,
-    CostBucket,
     CostResult,
     CostsPage,
     SpendLimitDeleted,
     SpendLimitObject,
     SpendLimitUpdate,
-    UsageBucket,
     UsagePage,
 )
 from pagedbatch.api.routes.openapi import error_responses, json_body
@@ -38,7 +36,7 @@ from pagedbatch.store.models import SpendLimit
 from pagedbatch.store.usage import UsageQuery, UsageSums, usage_sums
 
 router = APIRouter(prefix="/organization", tags=["organization"])
-Page = TypeVar("Page", bound=BaseModel)
+Page = TypeVar("Page", UsagePage, CostsPage)
 
 # Bucket width: (seconds, buckets a page holds by default, at most), as OpenAI has them.
 WIDTHS = {"1m": (60, 60, 1440), "1h": (3600, 24, 168), "1d": (86400, 7, 31)}
@@ -59,16 +57,16 @@ class _Window:
     first: int
     stop: int
 
-    def page(self, page: type[Page], bucket: type[BaseModel], results: dict[int, list]) -> Page:
+    def page(self, page: type[Page], results: dict[int, list[BaseModel]]) -> Page:
         """The page of every bucket it covers, each with its `results` (none by default)."""
         more = self.stop < self.end
         return page(
             data=[
-                bucket(
-                    start_time=max(at, self.start),
-                    end_time=min(at + self.width, self.end),
-                    results=results.get(at, []),
-                )
+                {
+                    "start_time": max(at, self.start),
+                    "end_time": min(at + self.width, self.end),
+                    "results": results.get(at, []),
+                }
                 for at in range(self.first, self.stop, self.width)
             ],
             has_more=more,
@@ -133,7 +131,7 @@ def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDe
     by_bucket: dict[int, list[CompletionsUsageResult]] = {}
     for sums in usage_sums(session, query):
         by_bucket.setdefault(sums.bucket, []).append(_result(sums))
-    return window.page(UsagePage, UsageBucket, by_bucket)
+    return window.page(UsagePage, by_bucket)
 
 
 @router.get("/costs", response_model=CostsPage, responses=error_responses(400, 401))
@@ -178,7 +176,7 @@ def costs(
                 quantity_unit="tokens" if line_item is not None else None,
             )
         )
-    return window.page(CostsPage, CostBucket, by_bucket)
+    return window.page(CostsPage, by_bucket)
 
 
 def _result(sums: UsageSums) -> CompletionsUsageResult:

@@ -3,9 +3,11 @@ holding one result per group."""
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Generic, Literal, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field
+
+Result = TypeVar("Result", bound=BaseModel)
 
 
 class CompletionsUsageResult(BaseModel):
@@ -26,20 +28,6 @@ class CompletionsUsageResult(BaseModel):
     service_tier: str | None = None
 
 
-class UsageBucket(BaseModel):
-    object: Literal["bucket"] = "bucket"
-    start_time: int
-    end_time: int
-    results: list[CompletionsUsageResult]
-
-
-class UsagePage(BaseModel):
-    object: Literal["page"] = "page"
-    data: list[UsageBucket]
-    has_more: bool
-    next_page: str | None
-
-
 class Amount(BaseModel):
     value: float
     currency: Literal["usd"] = "usd"
@@ -55,18 +43,22 @@ class CostResult(BaseModel):
     project_id: str | None = None
 
 
-class CostBucket(BaseModel):
+class Bucket(BaseModel, Generic[Result]):
     object: Literal["bucket"] = "bucket"
     start_time: int
     end_time: int
-    results: list[CostResult]
+    results: list[Result]
 
 
-class CostsPage(BaseModel):
+class Page(BaseModel, Generic[Result]):
     object: Literal["page"] = "page"
-    data: list[CostBucket]
+    data: list[Bucket[Result]]
     has_more: bool
     next_page: str | None
+
+
+UsagePage = Page[CompletionsUsageResult]
+CostsPage = Page[CostResult]
 
 
 class NotificationChannel(BaseModel):
