@@ -210,9 +210,12 @@ class Settings(EngineSettings):
     # and the batch object stay (they expire on their own terms). Delivered or failed webhook
     # messages and every delivery attempt go after webhook_retention_days; idempotency keys
     # after idempotency_key_retention_hours (a retry comes within minutes; OpenAI keeps 24 h).
+    # The usage ledger's records go after usage_retention_days (a year and a month of usage
+    # and costs to read back by default).
     batch_data_retention_days: float = Field(30.0, ge=0, le=3650)
     webhook_retention_days: float = Field(7.0, ge=0, le=3650)
     idempotency_key_retention_hours: float = Field(24.0, ge=0, le=24 * 3650)
+    usage_retention_days: float = Field(400.0, ge=0, le=3650)
 
     # Safety: a sequence classifier checkpoint (its labels OpenAI's moderation categories, as
     # `make-model --task classify` writes) serves /v1/moderations, on an engine of its own beside

@@ -4,7 +4,8 @@ A finished batch's requests (their bodies and results) go `batch_data_retention_
 it ended: by then its output and error files hold everything a client reads. Webhook events
 whose messages are all settled go after `webhook_retention_days`, with their messages and
 delivery logs, as do older delivery attempts of messages still pending. Idempotency keys go after
-`idempotency_key_retention_hours`. A setting of 0 keeps that data for good.
+`idempotency_key_retention_hours`, the usage ledger's records after `usage_retention_days`. A
+setting of 0 keeps that data for good.
 
 Each run deletes at most MAX_CHUNKS chunks of CHUNK rows per kind, in a transaction each, so
 neither a long lock nor a long run holds up the other upkeep jobs; the next run goes on.
@@ -23,6 +24,7 @@ from pagedbatch.store.models import (
     Batch,
     BatchRequest,
     IdempotencyKey,
+    UsageRecord,
     WebhookDelivery,
     WebhookEvent,
     WebhookMessage,
@@ -64,6 +66,9 @@ def apply_retention(ctx: WorkerContext) -> None:
         cutoff = now() - settings.idempotency_key_retention_hours * HOUR
         key = [IdempotencyKey.owner, IdempotencyKey.route, IdempotencyKey.key]
         _purge(ctx, "idempotency keys", key, IdempotencyKey.created_at < cutoff)
+    if settings.usage_retention_days:
+        cutoff = now() - settings.usage_retention_days * DAY
+        _purge(ctx, "usage records", [UsageRecord.id], UsageRecord.finished_at < cutoff)
     prune_heartbeats(ctx)
 
 

@@ -25,6 +25,7 @@ from pagedbatch.store.models import (
     RequestStatus,
     Shard,
     ShardStatus,
+    UsageRecord,
     WebhookDelivery,
     WebhookEndpoint,
     WebhookEvent,
@@ -335,6 +336,8 @@ def test_retention_deletes_old_data_and_keeps_the_rest(make_ctx):
                     owner="default", route="batches", key=key, resource_id="x", created_at=created
                 )
             )
+        for model, finished in [("old", now() - 401 * DAY), ("recent", now() - 399 * DAY)]:
+            session.add(UsageRecord(owner="default", model=model, finished_at=finished))
 
     apply_retention(ctx)
 
@@ -349,3 +352,4 @@ def test_retention_deletes_old_data_and_keeps_the_rest(make_ctx):
         # A pending message's old attempts go; its message stays, for its next attempt.
         assert set(session.scalars(select(WebhookDelivery.id))) == {"whd_recent"}
         assert set(session.scalars(select(IdempotencyKey.key))) == {"recent"}
+        assert set(session.scalars(select(UsageRecord.model))) == {"recent"}
