@@ -135,11 +135,13 @@ async def screen(
 
 class OutputScreen:
     """Screens what one request generates, as it comes: each completion's text is held back until
-    the text so far has been screened, every `every` tokens and at its end, so no text goes out
-    that was not. Flagged, the request stops: every completion still running ends with
-    finish_reason "content_filter" and a refusal naming the categories, its unscreened text
-    dropped (its tokens still counted), and closing the outputs' source aborts the engine
-    requests.
+    the text so far has been screened, once `every` tokens have come since the last check and at
+    its end, so no text goes out that was not. (The engine's pieces are folded together while a
+    screen runs, so a check may fall a few tokens past the `every`-th: where a flagged output
+    stops can differ between two runs of one request; what goes out is always screened.)
+    Flagged, the request stops: every completion still running ends with finish_reason
+    "content_filter" and a refusal naming the categories, its unscreened text dropped (its
+    tokens still counted), and closing the outputs' source aborts the engine requests.
 
     It wraps a source that yields, whenever the request moves, one output per engine request
     (None if that one did not move): DELTA pieces of a stream, or one FINAL_ONLY output each.

@@ -185,20 +185,25 @@ def test_flagged_output_stops_the_request(serve_batches, guard):
     settings, category, unfiltered = output_case(serve_batches, guard)
     server = serve_batches(**settings)
     client = server.client()
+    threshold = settings["safety_category_thresholds"][category]
+
+    def screened_clean(text: str) -> bool:
+        """A beginning of the output, not all of it, below the threshold: what was screened."""
+        if not (unfiltered.startswith(text) and text != unfiltered):
+            return False
+        scores = client.moderations.create(input=text or " ").results[0].category_scores
+        return not text or scores.model_dump(by_alias=True)[category] < threshold
+
     answer = completion(client).choices[0]
     assert answer.finish_reason == "content_filter"
-    # What went out is what was screened clean: a beginning of the output, not all of it.
-    assert answer.text and unfiltered.startswith(answer.text) and answer.text != unfiltered
-    scores = client.moderations.create(input=answer.text).results[0].category_scores
-    assert (
-        scores.model_dump(by_alias=True)[category]
-        < settings["safety_category_thresholds"][category]
-    )
+    assert screened_clean(answer.text)
+    # Streamed, the same. (Checks fall at the first output read at or past every 8 tokens, so
+    # where the stream stops may differ from the whole answer's by a few tokens.)
     streamed, finish = "", None
     for chunk in completion(client, stream=True):
         streamed += chunk.choices[0].text
         finish = chunk.choices[0].finish_reason or finish
-    assert (streamed, finish) == (answer.text, "content_filter")
+    assert finish == "content_filter" and screened_clean(streamed)
     assert_engine_idle(server)
 
 
