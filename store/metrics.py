@@ -17,15 +17,10 @@ from prometheus_client.registry import Collector
 from sqlalchemy import func, select
 from sqlalchemy.orm import Session, sessionmaker
 
-from pagedbatch.costs import ModelPrice, line_items
-from pagedbatch.store.models import (
-    Batch,
-    BatchStatus,
-    File,
-    UsageRecord,
-    WebhookDelivery,
-    WebhookOutcome,
-)
+from pagedbatch.costs import ModelPrice
+from pagedbatch.ids import now
+from pagedbatch.store.models import Batch, BatchStatus, File, WebhookDelivery, WebhookOutcome
+from pagedbatch.store.usage import ALL_TIME, UsageQuery, UsageSums, usage_sums
 
 PREFIX = "pagedbatch:"
 
@@ -55,16 +50,10 @@ class StoreCollector(Collector):
                     select(WebhookDelivery.outcome, func.count()).group_by(WebhookDelivery.outcome)
                 ).all()
             )
-            batch = UsageRecord.batch_id.is_not(None)
-            used = session.execute(
-                select(
-                    UsageRecord.model,
-                    batch,
-                    func.sum(UsageRecord.input_tokens),
-                    func.sum(UsageRecord.cached_tokens),
-                    func.sum(UsageRecord.output_tokens),
-                ).group_by(UsageRecord.model, batch)
-            ).all()
+            everything = UsageQuery(
+                start=0, end=now() + 1, width=ALL_TIME, group_by=frozenset({"model", "batch"})
+            )
+            used = usage_sums(session, everything)
         family = GaugeMetricFamily(f"{PREFIX}batches", "Batches by status.", labels=["status"])
         for status in BatchStatus:  # every status, so a panel shows zeros, not gaps
             family.add_metric([status.value], batches.get(status.value, 0))
@@ -88,7 +77,7 @@ class StoreCollector(Collector):
         yield family
         yield from self._usage(used)
 
-    def _usage(self, used: list) -> Iterator[Metric]:
+    def _usage(self, used: list[UsageSums]) -> Iterator[Metric]:
         tokens = CounterMetricFamily(
             f"{PREFIX}tokens",
             "Tokens used, by model, mode (batch or realtime) and kind (input, of which cached, "
@@ -100,13 +89,13 @@ class StoreCollector(Collector):
             "What the tokens used cost at the configured prices, by model and mode.",
             labels=["model", "mode"],
         )
-        for model, batch, input_tokens, cached, output in sorted(used):
-            mode = "batch" if batch else "realtime"
-            counts = (int(input_tokens or 0), int(cached or 0), int(output or 0))
+        for sums in used:
+            labels = [sums.model, "batch" if sums.batch else "realtime"]
+            counts = (sums.input_tokens, sums.cached_tokens, sums.output_tokens)
             for kind, count in zip(("input", "cached", "output"), counts, strict=True):
-                tokens.add_metric([model, mode, kind], count)
-            items = line_items(model, bool(batch), counts, self.prices, self.batch_discount)
-            cost.add_metric([model, mode], sum(item.usd for item in items))
+                tokens.add_metric([*labels, kind], count)
+            items = sums.line_items(self.prices, self.batch_discount)
+            cost.add_metric(labels, sum(item.usd for item in items))
         yield tokens
         yield cost
 

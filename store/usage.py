@@ -172,22 +172,3 @@ def month_start(moment: int) -> int:
     """The Unix second the UTC month of `moment` began."""
     day = datetime.fromtimestamp(moment, UTC)
     return int(datetime(day.year, day.month, 1, tzinfo=UTC).timestamp())
-
-
-def spend_usd(
-    session: Session,
-    since: int,
-    prices: dict[str, ModelPrice],
-    discount: float,
-    owner: str | None = None,
-) -> float:
-    """What the usage since `since` cost at `prices`: every tenant's, or `owner`'s."""
-    query = UsageQuery(
-        start=since,
-        end=now() + 1,
-        width=ALL_TIME,
-        group_by=frozenset({"model", "batch"}),
-        owners=frozenset({owner}) if owner is not None else None,
-    )
-    sums = usage_sums(session, query)
-    return sum(item.usd for s in sums for item in s.line_items(prices, discount))
