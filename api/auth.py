@@ -67,16 +67,19 @@ def get_owner(request: Request) -> str:
 OwnerDep = Annotated[str, Depends(get_owner)]
 
 
+def _bears_admin_key(request: Request) -> bool:
+    admins: KeyRing = request.app.state.admin_keys
+    _, _, token = (request.headers.get("authorization") or "").partition(" ")
+    return bool(token.strip()) and admins.holds(token.strip())
+
+
 def get_usage_scope(request: Request) -> str | None:
     """Whose usage the caller may read: every tenant's (None) with an admin key, its own with a
     tenant's key; 401 for any other key."""
-    authorization = request.headers.get("authorization")
-    admins: KeyRing = request.app.state.admin_keys
-    _, _, token = (authorization or "").partition(" ")
-    if token.strip() and admins.holds(token.strip()):
+    if _bears_admin_key(request):
         return None
     owner = get_owner(request)
-    if owner == DEFAULT_OWNER and admins.configured:
+    if owner == DEFAULT_OWNER and request.app.state.admin_keys.configured:
         raise _unauthorized("This endpoint needs an admin key or a tenant's API key.")
     return owner
 
@@ -86,10 +89,8 @@ UsageScopeDep = Annotated[str | None, Depends(get_usage_scope)]
 
 def require_admin(request: Request) -> None:
     """401 unless the request bears an admin key (or the service has no keys at all)."""
-    admins: KeyRing = request.app.state.admin_keys
-    keys: KeyRing = request.app.state.keys
-    if not admins.configured and not keys.configured:
+    state = request.app.state
+    if not state.admin_keys.configured and not state.keys.configured:
         return
-    _, _, token = (request.headers.get("authorization") or "").partition(" ")
-    if not (token.strip() and admins.holds(token.strip())):
+    if not _bears_admin_key(request):
         raise _unauthorized("This endpoint needs an admin key.")

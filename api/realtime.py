@@ -39,14 +39,7 @@ from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.safety import (
-    OutputScreen,
-    SafetyPolicy,
-    policy_for,
-    prompt_refused,
-    record,
-    screen,
-)
+from pagedbatch.protocol.safety import OutputScreen, SafetyPolicy, check_prompt, policy_for
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.serving.common import (
     REALTIME_PRIORITY,
@@ -194,7 +187,15 @@ async def answer(
     salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
     policy = policy_for(services.settings, tenant)
     if policy.screens_input:
-        await _screen_input(services.guard, prepared, policy, salt)
+        await check_prompt(
+            services.guard,
+            prepared.input_texts(),
+            policy,
+            door="realtime",
+            priority=REALTIME_PRIORITY,
+            cache_salt=salt,
+            request_id=current_request_id.get(),
+        )
     admission = _admission(request, engine.engine.model_name)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
@@ -229,17 +230,6 @@ async def answer(
     return Response(body, media_type=media_type)
 
 
-async def _screen_input(
-    guard: AsyncLLM | None, prepared: Prepared, policy: SafetyPolicy, salt: str | None
-) -> None:
-    """A 400 `content_filter` if the content filter flags what the request's users wrote."""
-    texts = prepared.input_texts()
-    verdict = await screen(guard, texts, policy, priority=REALTIME_PRIORITY, cache_salt=salt)
-    record(verdict, door="realtime", direction="input", request_id=current_request_id.get())
-    if verdict.flagged:
-        raise prompt_refused(verdict)
-
-
 def _output_screen(
     services: Services, prepared: Prepared, policy: SafetyPolicy, salt: str | None
 ) -> OutputScreen:
@@ -266,7 +256,7 @@ def _accountant(services: Services, tenant: str) -> Callable[[Usage], None] | No
         return None
     model = services.engine.engine.model_name
 
-    def record(used: Usage) -> None:
+    def add(used: Usage) -> None:
         details = used.prompt_tokens_details
         ledger.add(
             LedgerUsage(
@@ -280,7 +270,7 @@ def _accountant(services: Services, tenant: str) -> Callable[[Usage], None] | No
             )
         )
 
-    return record
+    return add
 
 
 async def forward_to_any_host(request: Request, services: Services) -> Response:

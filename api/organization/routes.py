@@ -57,6 +57,12 @@ class _Window:
     first: int
     stop: int
 
+    def records(self, **selection: Any) -> UsageQuery:
+        """The query of the records this page's buckets hold, selected as `selection` says."""
+        return UsageQuery(
+            start=max(self.start, self.first), end=self.stop, width=self.width, **selection
+        )
+
     def page(self, page: type[Page], results: dict[int, list[BaseModel]]) -> Page:
         """The page of every bucket it covers, each with its `results` (none by default)."""
         more = self.stop < self.end
@@ -85,8 +91,9 @@ def _window(params: _Params, widths: dict[str, tuple[int, int, int]]) -> _Window
         raise OpenAIError(
             f"limit must be between 1 and {most} for this bucket width.", param="limit"
         )
-    first = params.integer("page") or start - start % width
-    if first % width or first < start - start % width:
+    aligned = start - start % width  # the first bucket's start
+    first = params.integer("page") or aligned
+    if first % width or first < aligned:
         raise OpenAIError("page is not a cursor this query gave.", param="page")
     return _Window(start, end, width, first, min(end, first + limit * width))
 
@@ -119,10 +126,7 @@ def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDe
     """Tokens and requests of chat and completions, realtime and batch, in time buckets."""
     params = _Params(request)
     window = _window(params, WIDTHS)
-    query = UsageQuery(
-        start=max(window.start, window.first),
-        end=window.stop,
-        width=window.width,
+    query = window.records(
         group_by=_group_by(params, GROUPS),
         owners=_owners(params, scope),
         models=frozenset(models) if (models := params.values("models")) else None,
@@ -145,10 +149,7 @@ def costs(
     group_by = _group_by(params, COST_GROUPS)
     wanted = set(params.values("line_items"))
     settings = services.settings
-    query = UsageQuery(
-        start=max(window.start, window.first),
-        end=window.stop,
-        width=window.width,
+    query = window.records(
         group_by=frozenset({"model", "batch"} | ({"api_key_id"} & group_by)),
         owners=_owners(params, scope),
     )

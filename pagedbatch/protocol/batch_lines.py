@@ -179,6 +179,14 @@ def openai_error_line(custom_id: str, exc: OpenAIError) -> BatchOutputLine:
     return response_line(custom_id, exc.status_code, body)
 
 
+def failed_line(custom_id: str, exc: Exception) -> BatchOutputLine:
+    """The error line of a line whose handling raised `exc`: the endpoint's answer for an
+    OpenAIError, a logged 500 for anything else. Call it where `exc` is being handled."""
+    return openai_error_line(
+        custom_id, exc if isinstance(exc, OpenAIError) else line_crashed(custom_id)
+    )
+
+
 def line_crashed(custom_id: str | None) -> OpenAIError:
     """The error response of a line whose handling raised something unexpected (a bug, or input
     nothing checks for yet), logged here with its traceback: the line fails, not its batch."""

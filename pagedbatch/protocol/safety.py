@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import logging
 import re
 from collections.abc import AsyncGenerator, Mapping, Sequence
@@ -77,8 +78,14 @@ def policy_for(settings: Settings, tenant: str) -> SafetyPolicy:
         checks=own.policy or settings.safety_policy,
         threshold=own.threshold if own.threshold is not None else settings.safety_threshold,
         categories={**settings.safety_category_thresholds, **own.categories},
-        blocklist=tuple(re.compile(pattern) for pattern in blocklist),
+        blocklist=_compiled(tuple(blocklist)),
     )
+
+
+@functools.lru_cache(maxsize=256)
+def _compiled(patterns: tuple[str, ...]) -> tuple[re.Pattern[str], ...]:
+    """A blocklist's patterns, compiled once: a policy is made for every request."""
+    return tuple(re.compile(pattern) for pattern in patterns)
 
 
 @dataclass(frozen=True)
@@ -276,7 +283,25 @@ def record(verdict: Verdict, *, door: str, direction: str, request_id: str | Non
         CONTENT_FILTERED.labels(door, direction, category).inc()
 
 
-def prompt_refused(verdict: Verdict) -> OpenAIError:
+async def check_prompt(
+    guard: AsyncLLM | None,
+    texts: Sequence[str],
+    policy: SafetyPolicy,
+    *,
+    door: str,
+    priority: int,
+    cache_salt: str | None,
+    request_id: str | None,
+) -> None:
+    """Screen what a request's users wrote; flagged, the refusal is recorded and the request is
+    a 400 `content_filter` naming the categories."""
+    verdict = await screen(guard, texts, policy, priority=priority, cache_salt=cache_salt)
+    record(verdict, door=door, direction="input", request_id=request_id)
+    if verdict.flagged:
+        raise _prompt_refused(verdict)
+
+
+def _prompt_refused(verdict: Verdict) -> OpenAIError:
     """The 400 of a prompt the content filter flagged, naming the categories."""
     return OpenAIError(
         "The prompt was refused by the content filter: it was flagged for "

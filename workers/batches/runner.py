@@ -23,8 +23,7 @@ from pagedbatch.protocol.batch_lines import (
     InputLineChecker,
     InvalidBatchLine,
     error_line,
-    line_crashed,
-    openai_error_line,
+    failed_line,
     response_line,
 )
 from pagedbatch.protocol.errors import OpenAIError
@@ -154,8 +153,7 @@ class BatchRunner:
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this line's failure
             for request_id in added:
                 self.engine.abort_request(request_id)
-            failure = exc if isinstance(exc, OpenAIError) else line_crashed(custom_id)
-            return openai_error_line(custom_id, failure)
+            return failed_line(custom_id, exc)
         line = _Line(custom_id, prepared)
         owners.update(dict.fromkeys(added, line))
         return None
@@ -164,8 +162,6 @@ class BatchRunner:
         outputs = [line.finished[i.request_id] for i in line.prepared.inputs]
         try:
             body = line.prepared.response(outputs).model_dump(mode="json")
-        except OpenAIError as exc:
-            return openai_error_line(line.custom_id, exc)
-        except Exception:  # noqa: BLE001 - this line's failure, not the batch's
-            return openai_error_line(line.custom_id, line_crashed(line.custom_id))
+        except Exception as exc:  # noqa: BLE001 - this line's failure, not the batch's
+            return failed_line(line.custom_id, exc)
         return response_line(line.custom_id, 200, body)

@@ -34,12 +34,11 @@ from sqlalchemy.orm import Session
 from pagedbatch.engine.async_llm import EngineDeadError
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.protocol.batch_lines import (
-    line_crashed,
-    openai_error_line,
+    failed_line,
     response_line,
 )
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.safety import OutputScreen, policy_for, prompt_refused, record, screen
+from pagedbatch.protocol.safety import OutputScreen, check_prompt, policy_for
 from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
 from pagedbatch.store.batches import (
     LineResult,
@@ -391,8 +390,7 @@ class _ShardRun:
             except EngineDeadError:
                 raise  # the worker's failure, not the line's: the shard runs again elsewhere
             except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
-                failure = e if isinstance(e, OpenAIError) else line_crashed(request.custom_id)
-                line = openai_error_line(request.custom_id, failure).model_dump(mode="json")
+                line = failed_line(request.custom_id, e).model_dump(mode="json")
                 self.results.add(LineResult(request.id, RequestStatus.FAILED, line))
                 return
             if body is None:
@@ -418,16 +416,15 @@ class _ShardRun:
         # On a thread: decoding a line's images or clips takes long enough to hold up the others.
         prepared = await asyncio.to_thread(self.prepare, request.body, self.engine.engine)
         if self.safety.screens_input:
-            verdict = await screen(
+            await check_prompt(
                 self.ctx.guard,
                 prepared.input_texts(),
                 self.safety,
+                door="batch",
                 priority=BATCH_PRIORITY,
                 cache_salt=self.cache_salt,
+                request_id=request.custom_id,
             )
-            record(verdict, door="batch", direction="input", request_id=request.custom_id)
-            if verdict.flagged:
-                raise prompt_refused(verdict)
         try:
             outputs = await self._generate(prepared)
         except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small

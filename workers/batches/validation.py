@@ -33,10 +33,8 @@ from pagedbatch.protocol.batch_lines import (
     BatchInputLine,
     InputLineChecker,
     InvalidBatchLine,
-    line_crashed,
-    openai_error_line,
+    failed_line,
 )
-from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, RequestStatus, Shard
@@ -344,8 +342,7 @@ def _staged_status(served: Endpoint | None, line: BatchInputLine) -> dict[str, A
         try:
             served.prepare(line.body, served.engine.engine)
         except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
-            failure = e if isinstance(e, OpenAIError) else line_crashed(line.custom_id)
-            error = openai_error_line(line.custom_id, failure).model_dump(mode="json")
+            error = failed_line(line.custom_id, e).model_dump(mode="json")
             return {"status": RequestStatus.REFUSED, "result": error}
     return {"status": RequestStatus.STAGED, "result": None}
 

@@ -19,7 +19,10 @@ text's score in a category is the highest of its windows'.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+import functools
+from dataclasses import dataclass
+from functools import cached_property
+from typing import ClassVar
 
 import torch
 
@@ -44,12 +47,26 @@ def category_scores(labels: list[str], logits: torch.Tensor) -> dict[str, float]
     return {category: scores.get(category, 0.0) for category in CATEGORIES}
 
 
+# What a classifier is asked: its scores at the prompt's last token, nothing generated after.
+CLASSIFY = SamplingParams(max_tokens=1, temperature=0.0, scores=True)
+
+
+@functools.cache
+def _guard_params() -> SamplingParams:
+    """What a generative guard is asked: its verdict's logits, then the codes under the grammar
+    (built, and the grammar checked, once)."""
+    return SamplingParams(
+        max_tokens=MAX_CODE_TOKENS,
+        temperature=0.0,
+        scores=True,
+        structured=StructuredOutput(CODES_GRAMMAR),
+    )
+
+
 @dataclass(frozen=True)
 class Classifier:
     served: ServedModel
-    params: SamplingParams = field(
-        default_factory=lambda: SamplingParams(max_tokens=1, temperature=0.0, scores=True)
-    )
+    params: ClassVar[SamplingParams] = CLASSIFY
 
     def prompts(self, text: str) -> list[list[int]]:
         tokens = self.served.tokenizer.encode(text)
@@ -63,18 +80,19 @@ class Classifier:
 @dataclass(frozen=True)
 class GenerativeGuard:
     served: ServedModel
-    params: SamplingParams = field(
-        default_factory=lambda: SamplingParams(
-            max_tokens=MAX_CODE_TOKENS,
-            temperature=0.0,
-            scores=True,
-            structured=StructuredOutput(CODES_GRAMMAR),
-        )
-    )
 
     @property
+    def params(self) -> SamplingParams:
+        return _guard_params()
+
+    @cached_property
     def unsafe_token(self) -> int:
         return self.served.tokenizer.encode(UNSAFE, add_special_tokens=False)[0]
+
+    @cached_property
+    def room(self) -> int:
+        """The text tokens a prompt holds beside the template and the codes."""
+        return self.served.max_model_len - len(self.render("")) - MAX_CODE_TOKENS
 
     def render(self, text: str) -> list[int]:
         """The guard's prompt for a user message of `text`."""
@@ -86,7 +104,7 @@ class GenerativeGuard:
 
     def prompts(self, text: str) -> list[list[int]]:
         tokenizer = self.served.tokenizer
-        room = self.served.max_model_len - len(self.render("")) - MAX_CODE_TOKENS
+        room = self.room
         if room < 1:
             raise OpenAIError(
                 "The moderation model's context holds no text beside its template.",
