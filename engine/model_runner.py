@@ -19,7 +19,7 @@ from pagedbatch.engine import distributed
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.encoder_cache import EncoderWork
-from pagedbatch.engine.host_memory import cpu_kv_budget_bytes
+from pagedbatch.engine.host_memory import cpu_kv_budget_bytes, keep_freed_memory
 from pagedbatch.engine.loader import iterate_weights
 from pagedbatch.engine.models.registry import resolve_model_class
 from pagedbatch.engine.parallel_layers import pack_weights
@@ -142,6 +142,8 @@ class ModelRunner:
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         self.block_size = args.block_size
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
+        if self.device.type == "cpu":
+            keep_freed_memory()
         started = time.perf_counter()
         self.model = self._load_model(args.max_num_seqs)
         self.load_seconds = time.perf_counter() - started

@@ -9,112 +9,183 @@
  * whose slots are found through block table row table_rows[i].
  *
  * Work is split by sequence (by sequence and KV head where there are few), and each sequence's
- * blocks are read front to back, once for the keys and once for the values. Scores are kept whole
- * (not an online softmax): a context's scores are small next to its keys, and the two passes then
- * vectorize plainly. GCC's vector extensions (eight floats) carry the head sizes that are
- * multiples of 8; others take a scalar loop.
+ * blocks are read front to back, once for the keys and once for the values, in chunks of up to
+ * one vector's width of slots:
+ * - keys: each query head's dot products with the chunk's W keys are W vectors of partial sums,
+ *   folded into one vector of W scores by `sum_lanes` (2(W - 1) shuffles rather than W
+ *   horizontal sums); the chunk's keys stay in the L1 cache while the KV head's query heads read
+ *   them. Each head's running maximum is kept as the scores are made.
+ * - softmax: one pass, e^(s - max) and its total; the division by the total is left to the end,
+ *   on the head's output.
+ * - values: each head's output stays in registers across a chunk.
+ * Scores are kept whole (not an online softmax): a context's scores are small next to its keys.
+ * Vectors are GCC vector extensions of W floats, one AVX-512 register where the CPU has it (the
+ * library is built with -march=native), else eight; head sizes that are no multiple of W take a
+ * scalar loop.
  */
 #include <math.h>
 #include <stdint.h>
 #include <stdlib.h>
 #include <string.h>
 
-typedef float vec8 __attribute__((vector_size(32)));
-typedef int32_t int32x8 __attribute__((vector_size(32)));
+#if defined(__AVX512F__)
+#define W 16
+#else
+#define W 8
+#endif
+#define MAX_DIM 256 /* the largest head size the vector path keeps in registers */
 
-static inline vec8 load8(const float *p) {
-    vec8 v;
+typedef float vec __attribute__((vector_size(W * sizeof(float))));
+typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
+
+static inline vec load(const float *p) {
+    vec v;
     memcpy(&v, p, sizeof v); /* an unaligned load */
     return v;
 }
 
-static inline float sum8(vec8 v) {
-    float sum = 0.0f;
-    for (int lane = 0; lane < 8; ++lane) sum += v[lane];
-    return sum;
+static inline void store(float *p, vec v) { memcpy(p, &v, sizeof v); }
+
+static inline vec splat(float x) { return (vec){0} + x; }
+
+static inline ivec lane_index(void) {
+    ivec idx;
+    for (int i = 0; i < W; ++i) idx[i] = i;
+    return idx;
 }
 
-typedef float vec4 __attribute__((vector_size(16)));
-
-/* The sums of four vectors' lanes, as one vector: a tree of shuffles and adds, a few instructions
- * where four lane-by-lane sums take dozens. */
-static inline vec4 sum4x8(vec8 a0, vec8 a1, vec8 a2, vec8 a3) {
-    const int32x8 even = {0, 8, 1, 9, 4, 12, 5, 13}, odd = {2, 10, 3, 11, 6, 14, 7, 15};
-    const vec8 a01 = __builtin_shuffle(a0, a1, even) + __builtin_shuffle(a0, a1, odd);
-    const vec8 a23 = __builtin_shuffle(a2, a3, even) + __builtin_shuffle(a2, a3, odd);
-    const int32x8 lo = {0, 1, 8, 9, 4, 5, 12, 13}, hi = {2, 3, 10, 11, 6, 7, 14, 15};
-    const vec8 halves = __builtin_shuffle(a01, a23, lo) + __builtin_shuffle(a01, a23, hi);
-    const vec4 low = {halves[0], halves[1], halves[2], halves[3]};
-    const vec4 high = {halves[4], halves[5], halves[6], halves[7]};
-    return low + high;
+static inline vec vmax(vec a, vec b) {
+    const ivec greater = a > b;
+    return (vec)(((ivec)a & greater) | ((ivec)b & ~greater));
 }
 
-/* The scores of `rows` consecutive slots of one block, whose keys start at k: for each head h in
- * h_lo .. h_hi - 1, scores[(h - h_lo) * stride + o] = scale * (q_h . key o of KV head h / group).
- * head_dim is a multiple of 8. A block's keys stay in the L1 cache while every head reads them,
- * and four slots at a time make four independent chains of multiply-adds, which overlap, whose
- * sums are then made together (`sum4x8`). */
-static inline __attribute__((always_inline)) void block_scores(
-    const float *restrict q, const float *restrict k, int64_t rows, int64_t row, int64_t h_lo,
-    int64_t h_hi, int64_t group, int64_t head_dim, float scale, float *restrict scores,
-    int64_t stride) {
-    for (int64_t h = h_lo; h < h_hi; ++h) {
-        const float *qh = q + h * head_dim, *kh = k + (h / group) * head_dim;
-        float *s = scores + (h - h_lo) * stride;
-        int64_t o = 0;
-        for (; o + 4 <= rows; o += 4) {
-            vec8 a0 = {0}, a1 = {0}, a2 = {0}, a3 = {0};
-            const float *k0 = kh + o * row;
-            for (int64_t d = 0; d < head_dim; d += 8) {
-                const vec8 qd = load8(qh + d);
-                a0 += qd * load8(k0 + d);
-                a1 += qd * load8(k0 + row + d);
-                a2 += qd * load8(k0 + 2 * row + d);
-                a3 += qd * load8(k0 + 3 * row + d);
-            }
-            const vec4 sums = sum4x8(a0, a1, a2, a3) * scale;
-            memcpy(s + o, &sums, sizeof sums);
-        }
-        for (; o < rows; ++o) {
-            vec8 acc = {0};
-            for (int64_t d = 0; d < head_dim; d += 8) acc += load8(qh + d) * load8(kh + o * row + d);
-            s[o] = sum8(acc) * scale;
-        }
+/* Lane i of the result is the sum of a[i]'s lanes: a transpose of W vectors folded into one. Each
+ * round pairs the vectors and halves what each lane stands for: after the round of step s, lane
+ * i holds a partial sum of vector (i mod 2s) of its group. a is overwritten. */
+static inline __attribute__((always_inline)) vec sum_lanes(vec a[W]) {
+    const ivec idx = lane_index();
+#pragma GCC unroll 8
+    for (int s = 1, n = W; s < W; s <<= 1, n >>= 1) {
+        const ivec upper = (idx & s) != 0; /* all ones in the lanes taken from the pair's second */
+        const ivec lo = idx + (upper & (W - s)), hi = lo + s;
+#pragma GCC unroll 16
+        for (int p = 0; p < n / 2; ++p)
+            a[p] = __builtin_shuffle(a[2 * p], a[2 * p + 1], lo) +
+                   __builtin_shuffle(a[2 * p], a[2 * p + 1], hi);
     }
+    return a[0];
 }
 
-/* Adds the weighted values of `rows` consecutive slots of one block, whose values start at v, to
- * each head's output: out_h += sum over o of weights[(h - h_lo) * stride + o] * value o of KV head
- * h / group. head_dim is a multiple of 8 and at most MAX_DIM. Each head's sum stays in registers
- * across the block, stored once per block rather than once per slot. */
-#define MAX_DIM 256
-static inline __attribute__((always_inline)) void block_values(
-    const float *restrict weights, const float *restrict v, int64_t rows, int64_t row,
-    int64_t h_lo, int64_t h_hi, int64_t group, int64_t head_dim, int64_t stride,
-    float *restrict out) {
-    for (int64_t h = h_lo; h < h_hi; ++h) {
-        const float *w = weights + (h - h_lo) * stride, *vh = v + (h / group) * head_dim;
-        float *o = out + h * head_dim;
-        vec8 acc[MAX_DIM / 8];
-        for (int64_t d = 0; d < head_dim; d += 8) acc[d / 8] = load8(o + d);
-        for (int64_t r = 0; r < rows; ++r)
-            for (int64_t d = 0; d < head_dim; d += 8) acc[d / 8] += w[r] * load8(vh + r * row + d);
-        for (int64_t d = 0; d < head_dim; d += 8) memcpy(o + d, &acc[d / 8], sizeof(vec8));
-    }
-}
-
-/* Blocks asked for ahead of their use. The hardware prefetchers follow a stream only within a
- * 4 KiB page, and a sequence's next block is anywhere in the cache: asked for two blocks ahead,
- * decode attention on SmolLM2's shapes (30 layers' caches, 64 sequences) read 12 to 14 GB/s from
- * memory, against 8.5 unasked; one, three or four ahead measured the same within the noise. */
+/* Blocks asked for ahead of their use, a chunk's rows at a time as the same chunk of the block
+ * AHEAD places on is read. The hardware prefetchers follow a stream only within a 4 KiB page,
+ * and a sequence's next block is anywhere in the cache. */
 #define AHEAD 2
 
-/* Asks for block j of a sequence's table (every row of it), if it has one. */
-static inline void prefetch_block(const float *cache, const int32_t *table, int64_t j,
-                                  int64_t last_block, int64_t block_floats) {
+static inline void prefetch_rows(const float *cache, const int32_t *table, int64_t j,
+                                 int64_t last_block, int64_t block_size, int64_t row, int64_t lo,
+                                 int64_t hi, int64_t span_lo, int64_t span) {
     if (j > last_block) return;
-    const float *start = cache + (int64_t)table[j] * block_floats;
-    for (int64_t i = 0; i < block_floats; i += 16) __builtin_prefetch(start + i, 0, 3);
+    const float *base = cache + (int64_t)table[j] * block_size * row + span_lo;
+    for (int64_t r = lo; r < hi && r < block_size; ++r)
+        for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(base + r * row + i, 0, 1);
+}
+
+/* The scores of `rows` (1 to W) consecutive slots whose keys start at k, for the query heads of
+ * KV heads kv_lo .. kv_hi - 1: s[(h - h_lo) * stride + o] = scale * (q_h . key o of KV head
+ * h / group), where h_lo = kv_lo * group; top[h - h_lo] takes their lane-wise maximum. */
+static inline __attribute__((always_inline)) void chunk_scores(
+    const float *restrict q, const float *restrict k, int64_t rows, int64_t row, int64_t kv_lo,
+    int64_t kv_hi, int64_t group, int64_t head_dim, float scale, float *restrict s,
+    int64_t stride, vec *restrict top) {
+    /* Lanes past `rows` are no slots: -inf, so that they count for nothing in the maximum. */
+    const ivec past = lane_index() >= (int32_t)rows;
+    const vec nothing = splat(-INFINITY);
+    for (int64_t g = kv_lo, i = 0; g < kv_hi; ++g) {
+        const float *kg = k + g * head_dim;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++i) {
+            vec qh[MAX_DIM / W];
+            for (int64_t d = 0; d < head_dim; d += W) qh[d / W] = load(q + h * head_dim + d);
+            vec acc[W];
+#pragma GCC unroll 16
+            for (int o = 0; o < W; ++o) {
+                vec a = {0};
+                if (o < rows)
+                    for (int64_t d = 0; d < head_dim; d += W) a += qh[d / W] * load(kg + o * row + d);
+                acc[o] = a;
+            }
+            vec sc = sum_lanes(acc) * scale;
+            float *sh = s + i * stride;
+            if (rows == W) {
+                store(sh, sc);
+            } else {
+                memcpy(sh, &sc, rows * sizeof(float));
+                sc = (vec)(((ivec)sc & ~past) | ((ivec)nothing & past));
+            }
+            top[i] = vmax(top[i], sc);
+        }
+    }
+}
+
+/* Adds the weighted values of `rows` consecutive slots whose values start at v to the outputs of
+ * the query heads of KV heads kv_lo .. kv_hi - 1 (out points at head 0): out_h += sum over o of
+ * w[(h - h_lo) * stride + o] * value o of KV head h / group. */
+static inline __attribute__((always_inline)) void chunk_values(
+    const float *restrict w, const float *restrict v, int64_t rows, int64_t row, int64_t kv_lo,
+    int64_t kv_hi, int64_t group, int64_t head_dim, int64_t stride, float *restrict out) {
+    for (int64_t g = kv_lo, i = 0; g < kv_hi; ++g) {
+        const float *vg = v + g * head_dim;
+        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++i) {
+            const float *wh = w + i * stride;
+            float *o = out + h * head_dim;
+            vec acc[MAX_DIM / W];
+            for (int64_t d = 0; d < head_dim; d += W) acc[d / W] = load(o + d);
+            for (int64_t r = 0; r < rows; ++r) {
+                const vec weight = splat(wh[r]);
+                for (int64_t d = 0; d < head_dim; d += W) acc[d / W] += weight * load(vg + r * row + d);
+            }
+            for (int64_t d = 0; d < head_dim; d += W) store(o + d, acc[d / W]);
+        }
+    }
+}
+
+/* e^x for x <= 0 (scores less their maximum), W at a time: x = n ln 2 + r, e^r by Cephes'
+ * polynomial (relative error about 1e-7), 2^n put into the exponent bits. Below -87, where 2^n
+ * would leave the normal range, the result is e^-87, which rounds to nothing next to the
+ * maximum's e^0. */
+static inline vec exp_nonpositive(vec x) {
+    x = vmax(x, splat(-87.0f));
+    /* Rounded to the nearest integer by the 1.5 * 2^23 trick, which vectorizes where rintf may
+     * not. */
+    const vec n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
+    const vec r = x - n * 0.693359375f + n * 2.12194440e-4f;
+    vec p = r * 1.9875691500e-4f + 1.3981999507e-3f;
+    p = p * r + 8.3334519073e-3f;
+    p = p * r + 4.1665795894e-2f;
+    p = p * r + 1.6666665459e-1f;
+    p = p * r + 5.0000001201e-1f;
+    p = p * r * r + r + 1.0f;
+    const ivec bits = (__builtin_convertvector(n, ivec) + 127) << 23;
+    return p * (vec)bits;
+}
+
+/* s[0 .. count - 1] = e^(s - top), in place; returns their sum. */
+static float exponentiate(float *restrict s, int64_t count, float top) {
+    vec totals = {0};
+    int64_t i = 0;
+    for (; i + W <= count; i += W) {
+        const vec e = exp_nonpositive(load(s + i) - top);
+        store(s + i, e);
+        totals += e;
+    }
+    float total = 0.0f;
+    for (int lane = 0; lane < W; ++lane) total += totals[lane];
+    if (i < count) { /* the last few, padded with the maximum's own score */
+        float tail[W];
+        for (int lane = 0; lane < W; ++lane) tail[lane] = i + lane < count ? s[i + lane] : top;
+        const vec e = exp_nonpositive(load(tail) - top);
+        for (int lane = 0; i + lane < count; ++lane) total += (s[i + lane] = e[lane]);
+    }
+    return total;
 }
 
 static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
@@ -122,50 +193,6 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
 #pragma omp simd reduction(+ : acc)
     for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
     return acc;
-}
-
-/* e^x for x <= 0 (scores less their maximum), eight at a time: x = n ln 2 + r, e^r by Cephes'
- * polynomial (relative error about 1e-7), 2^n put into the exponent bits. Below -87, where 2^n
- * would leave the normal range, the result is e^-87, which rounds to nothing next to the
- * maximum's e^0. */
-static inline vec8 exp8_nonpositive(vec8 x) {
-    const vec8 lowest = (vec8){0} - 87.0f;
-    const int32x8 below = x < lowest; /* all ones where below */
-    x = (vec8)(((int32x8)x & ~below) | ((int32x8)lowest & below));
-    /* Rounded to the nearest integer by the 1.5 * 2^23 trick, which vectorizes where rintf may
-     * not. */
-    const vec8 n = (x * 1.44269504088896341f + 12582912.0f) - 12582912.0f;
-    const vec8 r = x - n * 0.693359375f + n * 2.12194440e-4f;
-    vec8 p = r * 1.9875691500e-4f + 1.3981999507e-3f;
-    p = p * r + 8.3334519073e-3f;
-    p = p * r + 4.1665795894e-2f;
-    p = p * r + 1.6666665459e-1f;
-    p = p * r + 5.0000001201e-1f;
-    p = p * r * r + r + 1.0f;
-    const int32x8 bits = (__builtin_convertvector(n, int32x8) + 127) << 23;
-    return p * (vec8)bits;
-}
-
-/* Turns scores s[0 .. count - 1] into their softmax, in place. */
-static void softmax(float *restrict s, int64_t count) {
-    float top = -INFINITY;
-    for (int64_t i = 0; i < count; ++i) top = s[i] > top ? s[i] : top;
-    vec8 totals = {0};
-    int64_t i = 0;
-    for (; i + 8 <= count; i += 8) {
-        const vec8 e = exp8_nonpositive(load8(s + i) - top);
-        memcpy(s + i, &e, sizeof e);
-        totals += e;
-    }
-    float total = sum8(totals);
-    if (i < count) { /* the last few, padded with the maximum's own score */
-        float tail[8];
-        for (int lane = 0; lane < 8; ++lane) tail[lane] = i + lane < count ? s[i + lane] : top;
-        const vec8 e = exp8_nonpositive(load8(tail) - top);
-        for (int lane = 0; i + lane < count; ++lane) total += (s[i + lane] = e[lane]);
-    }
-    const float inv = 1.0f / total;
-    for (int64_t j = 0; j < count; ++j) s[j] *= inv;
 }
 
 /* Attention of one sequence's query heads of KV heads kv_lo .. kv_hi - 1. `q` and `out` point at
@@ -178,55 +205,78 @@ static inline __attribute__((always_inline)) void attend(
     const int64_t ctx = len - first;
     const int64_t row = num_kv_heads * head_dim; /* floats between one slot and the next */
     const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
-    const int64_t h_lo = kv_lo * group, h_hi = kv_hi * group;
+    const int64_t h_lo = kv_lo * group, heads = (kv_hi - kv_lo) * group;
+    const int64_t span_lo = kv_lo * head_dim, span = (kv_hi - kv_lo) * head_dim;
+    const int vector = head_dim % W == 0 && head_dim <= MAX_DIM;
+    const int64_t chunk = vector ? W : block_size;
+    vec top[heads];
+    for (int64_t i = 0; i < heads; ++i) top[i] = splat(-INFINITY);
 
-    /* Slot by slot through each block: a block's rows for all heads lie side by side. */
     for (int64_t j = first_block; j < first_block + AHEAD; ++j)
-        prefetch_block(key_cache, table, j, last_block, block_size * row);
-    int64_t n = 0;
-    for (int64_t j = first_block; j <= last_block; ++j) {
+        prefetch_rows(key_cache, table, j, last_block, block_size, row, 0, block_size, span_lo,
+                      span);
+    for (int64_t j = first_block, n = 0; j <= last_block; ++j) {
         const int64_t lo = j == first_block ? first % block_size : 0;
         const int64_t hi = j == last_block ? (len - 1) % block_size + 1 : block_size;
-        const float *k = key_cache + ((int64_t)table[j] * block_size + lo) * row;
-        prefetch_block(key_cache, table, j + AHEAD, last_block, block_size * row);
-        if (head_dim % 8 == 0) {
-            block_scores(q, k, hi - lo, row, h_lo, h_hi, group, head_dim, scale, scores + n, ctx);
-            n += hi - lo;
-            continue;
+        const float *block = key_cache + (int64_t)table[j] * block_size * row;
+        for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
+            rows = hi - o < chunk ? hi - o : chunk;
+            prefetch_rows(key_cache, table, j + AHEAD, last_block, block_size, row, o, o + chunk,
+                          span_lo, span);
+            if (vector) {
+                chunk_scores(q, block + o * row, rows, row, kv_lo, kv_hi, group, head_dim, scale,
+                             scores + n, ctx, top);
+                continue;
+            }
+            for (int64_t h = h_lo; h < h_lo + heads; ++h)
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float *k = block + (o + r) * row + (h / group) * head_dim;
+                    const float sc = scale * dot(q + h * head_dim, k, head_dim);
+                    scores[(h - h_lo) * ctx + n + r] = sc;
+                    /* one lane of the running maximum serves: the others stay -inf */
+                    top[h - h_lo][0] = sc > top[h - h_lo][0] ? sc : top[h - h_lo][0];
+                }
         }
-        for (int64_t o = lo; o < hi; ++o, ++n, k += row)
-            for (int64_t h = h_lo; h < h_hi; ++h)
-                scores[(h - h_lo) * ctx + n] =
-                    dot(q + h * head_dim, k + (h / group) * head_dim, head_dim) * scale;
     }
 
-    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
-        prefetch_block(value_cache, table, j, last_block, block_size * row);
-    for (int64_t h = h_lo; h < h_hi; ++h) {
-        softmax(scores + (h - h_lo) * ctx, ctx);
-        float *o = out + h * head_dim;
+    float inv[heads];
+    for (int64_t i = 0; i < heads; ++i) {
+        float most = -INFINITY;
+        for (int lane = 0; lane < W; ++lane) most = top[i][lane] > most ? top[i][lane] : most;
+        inv[i] = 1.0f / exponentiate(scores + i * ctx, ctx, most);
+        float *o = out + (h_lo + i) * head_dim;
         for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
     }
 
-    n = 0;
-    for (int64_t j = first_block; j <= last_block; ++j) {
+    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
+        prefetch_rows(value_cache, table, j, last_block, block_size, row, 0, block_size, span_lo,
+                      span);
+    for (int64_t j = first_block, n = 0; j <= last_block; ++j) {
         const int64_t lo = j == first_block ? first % block_size : 0;
         const int64_t hi = j == last_block ? (len - 1) % block_size + 1 : block_size;
-        const float *v = value_cache + ((int64_t)table[j] * block_size + lo) * row;
-        prefetch_block(value_cache, table, j + AHEAD, last_block, block_size * row);
-        if (head_dim % 8 == 0 && head_dim <= MAX_DIM) {
-            block_values(scores + n, v, hi - lo, row, h_lo, h_hi, group, head_dim, ctx, out);
-            n += hi - lo;
-            continue;
-        }
-        for (int64_t o = lo; o < hi; ++o, ++n, v += row)
-            for (int64_t h = h_lo; h < h_hi; ++h) {
-                const float w = scores[(h - h_lo) * ctx + n];
-                const float *restrict vh = v + (h / group) * head_dim;
-                float *restrict acc = out + h * head_dim;
-#pragma omp simd
-                for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * vh[d];
+        const float *block = value_cache + (int64_t)table[j] * block_size * row;
+        for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
+            rows = hi - o < chunk ? hi - o : chunk;
+            prefetch_rows(value_cache, table, j + AHEAD, last_block, block_size, row, o, o + chunk,
+                          span_lo, span);
+            if (vector) {
+                chunk_values(scores + n, block + o * row, rows, row, kv_lo, kv_hi, group, head_dim,
+                             ctx, out);
+                continue;
             }
+            for (int64_t h = h_lo; h < h_lo + heads; ++h)
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float w = scores[(h - h_lo) * ctx + n + r];
+                    const float *restrict v = block + (o + r) * row + (h / group) * head_dim;
+                    float *restrict acc = out + h * head_dim;
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * v[d];
+                }
+        }
+    }
+    for (int64_t i = 0; i < heads; ++i) {
+        float *o = out + (h_lo + i) * head_dim;
+        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv[i];
     }
 }
 

@@ -41,12 +41,13 @@ class Batch:
     query_start_loc: torch.Tensor
     seq_lens: torch.Tensor
     blocks: list[list[int]]  # each sequence's blocks, unpadded
+    block_size: int = BLOCK_SIZE
 
 
-def context_slots(blocks: list[int], seq_len: int) -> torch.Tensor:
+def context_slots(blocks: list[int], seq_len: int, block_size: int = BLOCK_SIZE) -> torch.Tensor:
     """Cache slots of positions 0..seq_len-1 of a sequence stored in `blocks`."""
     return torch.tensor(
-        [blocks[pos // BLOCK_SIZE] * BLOCK_SIZE + pos % BLOCK_SIZE for pos in range(seq_len)]
+        [blocks[pos // block_size] * block_size + pos % block_size for pos in range(seq_len)]
     )
 
 
@@ -57,11 +58,12 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     head_dim: int = HEAD_DIM,
+    block_size: int = BLOCK_SIZE,
 ) -> Batch:
     """A batch whose whole context is already cached, in shuffled blocks of a cache whose other
     slots hold NaN."""
     gen = torch.Generator().manual_seed(seed)
-    blocks_needed = [math.ceil(seq_len / BLOCK_SIZE) for seq_len, _ in seqs]
+    blocks_needed = [math.ceil(seq_len / block_size) for seq_len, _ in seqs]
     num_blocks = sum(blocks_needed) + 3
     ids = torch.randperm(num_blocks, generator=gen).tolist()
     blocks = []
@@ -72,11 +74,11 @@ def make_batch(
     for i, seq_blocks in enumerate(blocks):
         block_tables[i, : len(seq_blocks)] = torch.tensor(seq_blocks)
 
-    shape = (num_blocks, BLOCK_SIZE, num_kv_heads, head_dim)
+    shape = (num_blocks, block_size, num_kv_heads, head_dim)
     key_cache = torch.full(shape, float("nan"), dtype=dtype)
     value_cache = torch.full(shape, float("nan"), dtype=dtype)
     for seq_blocks, (seq_len, _) in zip(blocks, seqs, strict=True):
-        slots = context_slots(seq_blocks, seq_len)
+        slots = context_slots(seq_blocks, seq_len, block_size)
         kv = torch.randn(2, seq_len, num_kv_heads, head_dim, generator=gen)
         key_cache.view(-1, num_kv_heads, head_dim)[slots] = kv[0].to(dtype)
         value_cache.view(-1, num_kv_heads, head_dim)[slots] = kv[1].to(dtype)
@@ -94,6 +96,7 @@ def make_batch(
         query_start_loc=torch.cat([torch.zeros(1, dtype=torch.int64), q_lens.cumsum(0)]),
         seq_lens=torch.tensor([seq_len for seq_len, _ in seqs]),
         blocks=blocks,
+        block_size=block_size,
     )
 
 
@@ -108,7 +111,7 @@ def reference_attention(batch: Batch, scale: float, window: int | None) -> torch
     starts = batch.query_start_loc.tolist()
     for i, seq_len in enumerate(batch.seq_lens.tolist()):
         start, end = starts[i], starts[i + 1]
-        slots = context_slots(batch.blocks[i], seq_len)
+        slots = context_slots(batch.blocks[i], seq_len, batch.block_size)
         k = batch.key_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
         v = batch.value_cache.flatten(0, 1)[slots].double().repeat_interleave(group, dim=1)
         q = batch.query[start:end].double()
@@ -122,7 +125,9 @@ def reference_attention(batch: Batch, scale: float, window: int | None) -> torch
 
 
 def run(batch: Batch, scale: float, window: int | None) -> torch.Tensor:
-    meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
+    meta = prepare_attention(
+        batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.block_size
+    )
     return paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, scale, window)
 
 
@@ -147,6 +152,19 @@ def test_head_sizes_the_c_kernel_specializes_or_not(head_dim):
     out = run(batch, scale, None)
     torch.testing.assert_close(
         out.double(), reference_attention(batch, scale, None), atol=1e-5, rtol=0
+    )
+
+
+@pytest.mark.parametrize("window", [None, 5, 20], ids=["full", "window5", "window20"])
+@pytest.mark.parametrize("block_size", [1, 8, 32, 48])
+def test_block_sizes_other_than_the_vector_width(block_size, window):
+    # The C kernel reads a block in chunks of up to one vector's width of slots (8 or 16): blocks
+    # smaller than a vector, and larger ones split in whole and partial chunks.
+    seqs = SCENARIOS["decode_lengths_spread"] + [(97, 1), (64, 1)]
+    batch = make_batch(seqs, 6, 2, block_size=block_size)
+    out = run(batch, 0.2, window)
+    torch.testing.assert_close(
+        out.double(), reference_attention(batch, 0.2, window), atol=1e-5, rtol=0
     )
 
 
