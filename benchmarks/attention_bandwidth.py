@@ -1,25 +1,35 @@
-"""Achieved memory bandwidth of our Triton paged attention on a decode batch (CUDA only).
+"""Achieved memory bandwidth of our paged decode attention: the Triton kernel on CUDA, the C kernel
+(`kernels/cpu_attention.c`, float32) on the CPU.
 
     python benchmarks/attention_bandwidth.py                       # 64 sequences of 2048 tokens
     python benchmarks/attention_bandwidth.py --batch 256 --context 4096 --dtype float16
+    python benchmarks/attention_bandwidth.py --device cpu --batch 128 --context 400 \\
+        --num-heads 12 --num-kv-heads 4 --head-dim 64 --layers 12   # small's decode at 128
 
 A decode step reads every cached key and value of every sequence once, and little else, so its
 speed is bound by memory bandwidth. Prints one JSON line:
-- kv_bytes: bytes of K and V the batch attends (sequences x context x KV heads x head_dim x 2 x
-  element size); the kernel reads each once.
-- triton_ms, triton_gbps: mean time per call over --iters calls (CUDA events), and kv_bytes over it.
+- kv_bytes: bytes of K and V the batch attends per layer (sequences x context x KV heads x
+  head_dim x 2 x element size); the kernel reads each once.
+- kernel_ms, kernel_gbps: mean time per call over --iters calls (a layer's call; CUDA events on
+  the GPU, the wall clock on the CPU, where calls are synchronous), and kv_bytes over it.
 - torch_ms, torch_gbps: the same for the torch path (gather, then SDPA), for comparison.
-- copy_gbps: a device-to-device copy of 1 GiB (bytes read plus written over its time), the
-  bandwidth this device reaches in practice; fraction_of_copy is triton_gbps over it.
+- reference_gbps: what this device reaches in practice: on CUDA a device-to-device copy of 1 GiB
+  (bytes read plus written over its time), on the CPU a sum over 1 GiB (bytes read);
+  fraction_of_reference is kernel_gbps over it.
 - max_abs_diff: the largest difference between the two paths' outputs (a sanity check).
-The cache's blocks are shuffled, as a pool hands them out after some churn.
+The cache's blocks are shuffled, as a pool hands them out after some churn. With --layers N the
+calls go round N caches of the batch's size, as a model's layers do: on the CPU one cache alone
+would stay in the processor's caches and time those, not memory.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
+import os
 import sys
-from collections.abc import Callable
+import time
+from collections.abc import Callable, Iterator
 
 import torch
 from harness import print_report
@@ -29,6 +39,7 @@ DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch
 
 def parse_args() -> argparse.Namespace:
     p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--device", choices=["cuda", "cpu"], default=None, help="default: cuda if any")
     p.add_argument("--batch", type=int, default=64, help="sequences, one query token each")
     p.add_argument("--context", type=int, default=2048, help="cached tokens per sequence")
     # Defaults: the `medium` make-model size (hidden 1536, 12 heads, 4 KV heads).
@@ -36,57 +47,80 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--num-kv-heads", type=int, default=4)
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
-    p.add_argument("--dtype", choices=DTYPES, default="bfloat16")
+    p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, else float32")
+    p.add_argument("--layers", type=int, default=1, help="caches the calls go round")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--sliding-window", type=int, default=None)
     return p.parse_args()
 
 
-def time_ms(fn: Callable[[], object], iters: int) -> float:
-    """Mean milliseconds per call, after warm-up calls (which also compile the kernel)."""
-    for _ in range(3):
-        fn()
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    torch.cuda.synchronize()
-    start.record()
-    for _ in range(iters):
-        fn()
-    end.record()
-    torch.cuda.synchronize()
-    return start.elapsed_time(end) / iters
+class Timer:
+    """Mean milliseconds per call, after warm-up calls (which also compile or build the kernel)."""
+
+    def __init__(self, device: torch.device, iters: int):
+        self.cuda = device.type == "cuda"
+        self.iters = iters
+
+    def __call__(self, fn: Callable[[int], object]) -> float:
+        for i in range(3):
+            fn(i)
+        if not self.cuda:
+            started = time.perf_counter()
+            for i in range(self.iters):
+                fn(i)
+            return (time.perf_counter() - started) * 1e3 / self.iters
+        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        torch.cuda.synchronize()
+        start.record()
+        for i in range(self.iters):
+            fn(i)
+        end.record()
+        torch.cuda.synchronize()
+        return start.elapsed_time(end) / self.iters
 
 
-def copy_gbps(iters: int) -> float:
-    src = torch.empty(2**30, dtype=torch.uint8, device="cuda")
-    dst = torch.empty_like(src)
-    ms = time_ms(lambda: dst.copy_(src), iters)
-    return 2 * src.numel() / ms / 1e6
+def reference_gbps(device: torch.device, timer: Timer) -> float:
+    src = torch.empty(2**30, dtype=torch.uint8, device=device)
+    if device.type == "cuda":
+        dst = torch.empty_like(src)
+        return 2 * src.numel() / timer(lambda _: dst.copy_(src)) / 1e6
+    floats = src.view(torch.float32).fill_(1.0)
+    return src.numel() / timer(lambda _: floats.sum()) / 1e6
 
 
 def main() -> None:
     args = parse_args()
-    if not torch.cuda.is_available():
-        sys.exit(
-            "attention_bandwidth.py times the Triton kernel on a CUDA device, and this machine "
-            "has none (torch.cuda.is_available() is False)"
-        )
-    # Imported here: the Triton kernels need triton, which only the CUDA machines must have.
-    from pagedbatch.kernels import attention, triton_attention
+    device = torch.device(args.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    if device.type == "cuda" and not torch.cuda.is_available():
+        sys.exit("--device cuda, and this machine has none (torch.cuda.is_available() is False)")
+    dtype_name = args.dtype or ("bfloat16" if device.type == "cuda" else "float32")
+    if device.type == "cpu" and dtype_name != "float32":
+        sys.exit("on the CPU the C kernel takes float32 alone")
+    dtype = DTYPES[dtype_name]
+    from pagedbatch.kernels import attention, native
     from pagedbatch.kernels.attention import prepare_attention
 
-    dtype = DTYPES[args.dtype]
-    device = torch.device("cuda")
+    if device.type == "cuda":  # the Triton kernels need triton, which only CUDA machines must have
+        from pagedbatch.kernels import triton_attention
+
+        kernel_name, kernel = "triton", triton_attention.paged_attention
+    else:
+        if native.library() is None:
+            sys.exit("the C kernels could not be built (see the warning above)")
+        kernel_name, kernel = "c", attention.paged_attention
+
     blocks_per_seq = -(-args.context // args.block_size)
     num_blocks = args.batch * blocks_per_seq
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    key_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
-    value_cache = torch.randn(shape, generator=gen, device=device).to(dtype)
+    caches = [
+        tuple(torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(2))
+        for _ in range(args.layers)
+    ]
     block_ids = torch.randperm(num_blocks, generator=gen, device=device)
     block_tables = block_ids.view(args.batch, blocks_per_seq).to(torch.int32)
-    query = torch.randn(args.batch, args.num_heads, args.head_dim, generator=gen, device=device).to(
-        dtype
-    )
+    query = torch.randn(args.batch, args.num_heads, args.head_dim, generator=gen, device=device)
+    query = query.to(dtype)
     meta = prepare_attention(
         torch.arange(args.batch + 1, device=device),
         torch.full((args.batch,), args.context, device=device),
@@ -94,24 +128,40 @@ def main() -> None:
         args.block_size,
     )
     scale = args.head_dim**-0.5
-    call = (query, key_cache, value_cache, meta, scale, args.sliding_window)
 
-    def run_triton() -> torch.Tensor:
-        return triton_attention.paged_attention(*call)
+    def call(fn: Callable[..., torch.Tensor]) -> Callable[[int], torch.Tensor]:
+        def run(i: int) -> torch.Tensor:
+            key_cache, value_cache = caches[i % args.layers]
+            return fn(query, key_cache, value_cache, meta, scale, args.sliding_window)
 
-    def run_torch() -> torch.Tensor:
-        return attention.paged_attention(*call)
+        return run
 
-    diff = (run_triton().float() - run_torch().float()).abs().max().item()
+    @contextlib.contextmanager
+    def torch_path() -> Iterator[None]:
+        """The torch path: what runs where the C kernels are off (on CUDA, always)."""
+        os.environ[native.SETTING] = "0"
+        native.library.cache_clear()
+        try:
+            yield
+        finally:
+            del os.environ[native.SETTING]
+            native.library.cache_clear()
+
+    timer = Timer(device, args.iters)
+    with torch_path():
+        expected = call(attention.paged_attention)(0)
+        torch_ms = timer(call(attention.paged_attention))
+    diff = (call(kernel)(0).float() - expected.float()).abs().max().item()
+    kernel_ms = timer(call(kernel))
     attended = min(args.context, args.sliding_window or args.context)
     kv_bytes = 2 * args.batch * attended * args.num_kv_heads * args.head_dim * dtype.itemsize
-    triton_ms = time_ms(run_triton, args.iters)
-    torch_ms = time_ms(run_torch, args.iters)
-    copy = copy_gbps(args.iters)
-    triton_gbps = kv_bytes / triton_ms / 1e6
+    reference = reference_gbps(device, timer)
+    kernel_gbps = kv_bytes / kernel_ms / 1e6
     figures = {
-        "device": torch.cuda.get_device_name(device),
-        "dtype": args.dtype,
+        "device": torch.cuda.get_device_name(device) if device.type == "cuda" else "cpu",
+        "threads": torch.get_num_threads(),
+        "kernel": kernel_name,
+        "dtype": dtype_name,
         "batch": args.batch,
         "context": args.context,
         "sliding_window": args.sliding_window,
@@ -119,13 +169,14 @@ def main() -> None:
         "num_kv_heads": args.num_kv_heads,
         "head_dim": args.head_dim,
         "block_size": args.block_size,
+        "layers": args.layers,
         "kv_bytes": kv_bytes,
-        "triton_ms": round(triton_ms, 4),
-        "triton_gbps": round(triton_gbps, 1),
+        "kernel_ms": round(kernel_ms, 4),
+        "kernel_gbps": round(kernel_gbps, 1),
         "torch_ms": round(torch_ms, 4),
         "torch_gbps": round(kv_bytes / torch_ms / 1e6, 1),
-        "copy_gbps": round(copy, 1),
-        "fraction_of_copy": round(triton_gbps / copy, 3),
+        "reference_gbps": round(reference, 1),
+        "fraction_of_reference": round(kernel_gbps / reference, 3),
         "max_abs_diff": diff,
     }
     print_report(figures)
