@@ -90,21 +90,51 @@ static inline void prefetch_rows(const float *cache, const int32_t *table, int64
         for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(base + r * row + i, 0, 1);
 }
 
-/* The scores of `rows` (1 to W) consecutive slots whose keys start at k, for the query heads of
- * KV heads kv_lo .. kv_hi - 1: s[(h - h_lo) * stride + o] = scale * (q_h . key o of KV head
- * h / group), where h_lo = kv_lo * group; top[h - h_lo] takes their lane-wise maximum. */
-static inline __attribute__((always_inline)) void chunk_scores(
-    const float *restrict q, const float *restrict k, int64_t rows, int64_t row, int64_t kv_lo,
-    int64_t kv_hi, int64_t group, int64_t head_dim, float scale, float *restrict s,
-    int64_t stride, vec *restrict top) {
+/* One work item: a sequence's query heads of KV heads kv_lo .. kv_hi - 1 and where it reads and
+ * writes. Head h_lo + i's scores are scores[i * ctx ..], its output out + (h_lo + i) * head_dim. */
+struct item {
+    const float *q; /* the sequence's query, head 0 */
+    float *out, *scores;
+    const int32_t *table;
+    int64_t first, len, ctx, kv_lo, kv_hi, h_lo, heads, group, row, head_dim, block_size;
+    float scale;
+    vec *top; /* each head's running maximum of its scores, lane-wise */
+};
+
+static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+    float acc = 0.0f;
+#pragma omp simd reduction(+ : acc)
+    for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+    return acc;
+}
+
+/* The scores of `rows` (1 to W) consecutive slots whose keys start at k, the n-th of the context
+ * onwards, for each of the item's heads; each head's maximum takes them in. */
+static inline __attribute__((always_inline)) void chunk_scores(const struct item *it,
+                                                              const float *restrict k,
+                                                              int64_t rows, int64_t n) {
+    const int64_t head_dim = it->head_dim, row = it->row;
+    if (head_dim % W != 0 || head_dim > MAX_DIM) {
+        for (int64_t i = 0; i < it->heads; ++i) {
+            const int64_t h = it->h_lo + i;
+            for (int64_t r = 0; r < rows; ++r) {
+                const float *kr = k + r * row + (h / it->group) * head_dim;
+                const float sc = it->scale * dot(it->q + h * head_dim, kr, head_dim);
+                it->scores[i * it->ctx + n + r] = sc;
+                /* one lane of the running maximum serves: the others stay -inf */
+                it->top[i][0] = sc > it->top[i][0] ? sc : it->top[i][0];
+            }
+        }
+        return;
+    }
     /* Lanes past `rows` are no slots: -inf, so that they count for nothing in the maximum. */
     const ivec past = lane_index() >= (int32_t)rows;
     const vec nothing = splat(-INFINITY);
-    for (int64_t g = kv_lo, i = 0; g < kv_hi; ++g) {
+    for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
         const float *kg = k + g * head_dim;
-        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++i) {
+        for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             vec qh[MAX_DIM / W];
-            for (int64_t d = 0; d < head_dim; d += W) qh[d / W] = load(q + h * head_dim + d);
+            for (int64_t d = 0; d < head_dim; d += W) qh[d / W] = load(it->q + h * head_dim + d);
             vec acc[W];
 #pragma GCC unroll 16
             for (int o = 0; o < W; ++o) {
@@ -113,37 +143,73 @@ static inline __attribute__((always_inline)) void chunk_scores(
                     for (int64_t d = 0; d < head_dim; d += W) a += qh[d / W] * load(kg + o * row + d);
                 acc[o] = a;
             }
-            vec sc = sum_lanes(acc) * scale;
-            float *sh = s + i * stride;
+            vec sc = sum_lanes(acc) * it->scale;
+            float *sh = it->scores + i * it->ctx + n;
             if (rows == W) {
                 store(sh, sc);
             } else {
                 memcpy(sh, &sc, rows * sizeof(float));
                 sc = (vec)(((ivec)sc & ~past) | ((ivec)nothing & past));
             }
-            top[i] = vmax(top[i], sc);
+            it->top[i] = vmax(it->top[i], sc);
         }
     }
 }
 
-/* Adds the weighted values of `rows` consecutive slots whose values start at v to the outputs of
- * the query heads of KV heads kv_lo .. kv_hi - 1 (out points at head 0): out_h += sum over o of
- * w[(h - h_lo) * stride + o] * value o of KV head h / group. */
-static inline __attribute__((always_inline)) void chunk_values(
-    const float *restrict w, const float *restrict v, int64_t rows, int64_t row, int64_t kv_lo,
-    int64_t kv_hi, int64_t group, int64_t head_dim, int64_t stride, float *restrict out) {
-    for (int64_t g = kv_lo, i = 0; g < kv_hi; ++g) {
+/* Adds the values of `rows` consecutive slots whose values start at v, the n-th of the context
+ * onwards, to each of the item's heads' outputs, weighted by the head's scores (by then
+ * exponentiated): out_h += sum over o of w_h[n + o] * value o of KV head h / group. */
+static inline __attribute__((always_inline)) void chunk_values(const struct item *it,
+                                                              const float *restrict v,
+                                                              int64_t rows, int64_t n) {
+    const int64_t head_dim = it->head_dim, row = it->row;
+    for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
         const float *vg = v + g * head_dim;
-        for (int64_t h = g * group; h < (g + 1) * group; ++h, ++i) {
-            const float *wh = w + i * stride;
-            float *o = out + h * head_dim;
+        for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
+            const float *w = it->scores + i * it->ctx + n;
+            float *o = it->out + h * head_dim;
+            if (head_dim % W != 0 || head_dim > MAX_DIM) {
+                for (int64_t r = 0; r < rows; ++r)
+#pragma omp simd
+                    for (int64_t d = 0; d < head_dim; ++d) o[d] += w[r] * vg[r * row + d];
+                continue;
+            }
             vec acc[MAX_DIM / W];
             for (int64_t d = 0; d < head_dim; d += W) acc[d / W] = load(o + d);
             for (int64_t r = 0; r < rows; ++r) {
-                const vec weight = splat(wh[r]);
+                const vec weight = splat(w[r]);
                 for (int64_t d = 0; d < head_dim; d += W) acc[d / W] += weight * load(vg + r * row + d);
             }
             for (int64_t d = 0; d < head_dim; d += W) store(o + d, acc[d / W]);
+        }
+    }
+}
+
+/* One pass over the item's context in its blocks, a chunk of up to W slots at a time (a block of
+ * fewer slots is a chunk of its own): the keys' scores, or the weighted values. */
+enum pass { KEYS, VALUES };
+
+static inline __attribute__((always_inline)) void walk(const struct item *it, enum pass pass,
+                                                      const float *restrict cache) {
+    const int64_t first_block = it->first / it->block_size;
+    const int64_t last_block = (it->len - 1) / it->block_size;
+    const int64_t span_lo = it->kv_lo * it->head_dim, span = (it->kv_hi - it->kv_lo) * it->head_dim;
+    const int64_t block_size = it->block_size, row = it->row;
+    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
+        prefetch_rows(cache, it->table, j, last_block, block_size, row, 0, block_size, span_lo,
+                      span);
+    for (int64_t j = first_block, n = 0; j <= last_block; ++j) {
+        const int64_t lo = j == first_block ? it->first % block_size : 0;
+        const int64_t hi = j == last_block ? (it->len - 1) % block_size + 1 : block_size;
+        const float *block = cache + (int64_t)it->table[j] * block_size * row;
+        for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
+            rows = hi - o < W ? hi - o : W;
+            prefetch_rows(cache, it->table, j + AHEAD, last_block, block_size, row, o, o + W,
+                          span_lo, span);
+            if (pass == KEYS)
+                chunk_scores(it, block + o * row, rows, n);
+            else
+                chunk_values(it, block + o * row, rows, n);
         }
     }
 }
@@ -188,95 +254,27 @@ static float exponentiate(float *restrict s, int64_t count, float top) {
     return total;
 }
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
-    float acc = 0.0f;
-#pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
-    return acc;
-}
+/* Attention of one work item (see `struct item`). */
+static inline __attribute__((always_inline)) void attend(struct item *it,
+                                                        const float *restrict key_cache,
+                                                        const float *restrict value_cache) {
+    vec top[it->heads];
+    for (int64_t i = 0; i < it->heads; ++i) top[i] = splat(-INFINITY);
+    it->top = top;
+    walk(it, KEYS, key_cache);
 
-/* Attention of one sequence's query heads of KV heads kv_lo .. kv_hi - 1. `q` and `out` point at
- * the sequence's first head; scores hold (kv_hi - kv_lo) * group rows of the context's length. */
-static inline __attribute__((always_inline)) void attend(
-    const float *restrict q, const float *restrict key_cache, const float *restrict value_cache,
-    const int32_t *restrict table, int64_t first, int64_t len, int64_t kv_lo, int64_t kv_hi,
-    int64_t group, int64_t num_kv_heads, int64_t head_dim, int64_t block_size, float scale,
-    float *restrict scores, float *restrict out) {
-    const int64_t ctx = len - first;
-    const int64_t row = num_kv_heads * head_dim; /* floats between one slot and the next */
-    const int64_t first_block = first / block_size, last_block = (len - 1) / block_size;
-    const int64_t h_lo = kv_lo * group, heads = (kv_hi - kv_lo) * group;
-    const int64_t span_lo = kv_lo * head_dim, span = (kv_hi - kv_lo) * head_dim;
-    const int vector = head_dim % W == 0 && head_dim <= MAX_DIM;
-    const int64_t chunk = vector ? W : block_size;
-    vec top[heads];
-    for (int64_t i = 0; i < heads; ++i) top[i] = splat(-INFINITY);
-
-    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
-        prefetch_rows(key_cache, table, j, last_block, block_size, row, 0, block_size, span_lo,
-                      span);
-    for (int64_t j = first_block, n = 0; j <= last_block; ++j) {
-        const int64_t lo = j == first_block ? first % block_size : 0;
-        const int64_t hi = j == last_block ? (len - 1) % block_size + 1 : block_size;
-        const float *block = key_cache + (int64_t)table[j] * block_size * row;
-        for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
-            rows = hi - o < chunk ? hi - o : chunk;
-            prefetch_rows(key_cache, table, j + AHEAD, last_block, block_size, row, o, o + chunk,
-                          span_lo, span);
-            if (vector) {
-                chunk_scores(q, block + o * row, rows, row, kv_lo, kv_hi, group, head_dim, scale,
-                             scores + n, ctx, top);
-                continue;
-            }
-            for (int64_t h = h_lo; h < h_lo + heads; ++h)
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float *k = block + (o + r) * row + (h / group) * head_dim;
-                    const float sc = scale * dot(q + h * head_dim, k, head_dim);
-                    scores[(h - h_lo) * ctx + n + r] = sc;
-                    /* one lane of the running maximum serves: the others stay -inf */
-                    top[h - h_lo][0] = sc > top[h - h_lo][0] ? sc : top[h - h_lo][0];
-                }
-        }
-    }
-
-    float inv[heads];
-    for (int64_t i = 0; i < heads; ++i) {
+    float inv[it->heads];
+    for (int64_t i = 0; i < it->heads; ++i) {
         float most = -INFINITY;
         for (int lane = 0; lane < W; ++lane) most = top[i][lane] > most ? top[i][lane] : most;
-        inv[i] = 1.0f / exponentiate(scores + i * ctx, ctx, most);
-        float *o = out + (h_lo + i) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] = 0.0f;
+        inv[i] = 1.0f / exponentiate(it->scores + i * it->ctx, it->ctx, most);
+        float *o = it->out + (it->h_lo + i) * it->head_dim;
+        for (int64_t d = 0; d < it->head_dim; ++d) o[d] = 0.0f;
     }
-
-    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
-        prefetch_rows(value_cache, table, j, last_block, block_size, row, 0, block_size, span_lo,
-                      span);
-    for (int64_t j = first_block, n = 0; j <= last_block; ++j) {
-        const int64_t lo = j == first_block ? first % block_size : 0;
-        const int64_t hi = j == last_block ? (len - 1) % block_size + 1 : block_size;
-        const float *block = value_cache + (int64_t)table[j] * block_size * row;
-        for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
-            rows = hi - o < chunk ? hi - o : chunk;
-            prefetch_rows(value_cache, table, j + AHEAD, last_block, block_size, row, o, o + chunk,
-                          span_lo, span);
-            if (vector) {
-                chunk_values(scores + n, block + o * row, rows, row, kv_lo, kv_hi, group, head_dim,
-                             ctx, out);
-                continue;
-            }
-            for (int64_t h = h_lo; h < h_lo + heads; ++h)
-                for (int64_t r = 0; r < rows; ++r) {
-                    const float w = scores[(h - h_lo) * ctx + n + r];
-                    const float *restrict v = block + (o + r) * row + (h / group) * head_dim;
-                    float *restrict acc = out + h * head_dim;
-#pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) acc[d] += w * v[d];
-                }
-        }
-    }
-    for (int64_t i = 0; i < heads; ++i) {
-        float *o = out + (h_lo + i) * head_dim;
-        for (int64_t d = 0; d < head_dim; ++d) o[d] *= inv[i];
+    walk(it, VALUES, value_cache);
+    for (int64_t i = 0; i < it->heads; ++i) {
+        float *o = it->out + (it->h_lo + i) * it->head_dim;
+        for (int64_t d = 0; d < it->head_dim; ++d) o[d] *= inv[i];
     }
 }
 
@@ -307,19 +305,34 @@ int paged_decode_attention(const float *query, const float *key_cache, const flo
             if (scores == NULL) continue;
             const int64_t i = item / split, kv_lo = (item % split) * heads_per_item;
             const int64_t offset = token_rows[i] * num_heads * head_dim;
-            const int32_t *table = block_tables + table_rows[i] * table_width;
+            struct item it = {
+                .q = query + offset,
+                .out = out + offset,
+                .scores = scores,
+                .table = block_tables + table_rows[i] * table_width,
+                .first = first_keys[i],
+                .len = seq_lens[i],
+                .ctx = seq_lens[i] - first_keys[i],
+                .kv_lo = kv_lo,
+                .kv_hi = kv_lo + heads_per_item,
+                .h_lo = kv_lo * group,
+                .heads = heads_per_item * group,
+                .group = group,
+                .row = num_kv_heads * head_dim,
+                .head_dim = head_dim,
+                .block_size = block_size,
+                .scale = scale,
+            };
             /* The common head sizes as constants: their loops unroll and keep to registers. */
-#define ATTEND(dim)                                                                          \
-    attend(query + offset, key_cache, value_cache, table, first_keys[i], seq_lens[i], kv_lo, \
-           kv_lo + heads_per_item, group, num_kv_heads, dim, block_size, scale, scores,     \
-           out + offset)
-            if (head_dim == 64)
-                ATTEND(64);
-            else if (head_dim == 128)
-                ATTEND(128);
-            else
-                ATTEND(head_dim);
-#undef ATTEND
+            if (head_dim == 64) {
+                it.head_dim = 64;
+                attend(&it, key_cache, value_cache);
+            } else if (head_dim == 128) {
+                it.head_dim = 128;
+                attend(&it, key_cache, value_cache);
+            } else {
+                attend(&it, key_cache, value_cache);
+            }
         }
         free(scores);
     }
