@@ -33,6 +33,8 @@ Figures per engine:
   over the same engine's without it (`ours_no_prefix_caching`), same workload, same run.
 - peak_rss_mib: the child's own peak RSS; peak_rss_tree_mib adds its reaped subprocesses (vllm
   runs its engine core in one).
+- kv_written_mib (ours): the KV-cache blocks ever written, in MiB: on the CPU the only pages of
+  the cache that are resident; peak_rss_beyond_kv_mib is peak_rss_mib less that.
 
 The module imports only the standard library (and harness.py, which does the same) at top level:
 the vllm child runs this file under another virtualenv's python, where pagedbatch may not be
@@ -293,35 +295,48 @@ def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict
     start = time.perf_counter()
     results = llm.generate([r.prompt for r in requests], params)
     seconds = time.perf_counter() - start
-    stats = _stats_delta(before, llm.get_stats())
+    after = llm.get_stats()
+    stats = _stats_delta(before, after)
 
     outputs = [list(r.token_ids) for r in results]
     steps = stats.get("steps")
+    figures = child_figures(
+        spec,
+        "ours" if prefix_caching else "ours_no_prefix_caching",
+        requests,
+        outputs,
+        cold_start_s,
+        load_s,
+        t_load - t_import,
+    )
+    kv_written_mib = after["kv_blocks_ever_used"] * after["kv_bytes_per_block"] / 2**20
     return {
         **throughput_figures(requests, outputs, shape, seconds, steps, spec),
-        **child_figures(
-            spec,
-            "ours" if prefix_caching else "ours_no_prefix_caching",
-            requests,
-            outputs,
-            cold_start_s,
-            load_s,
-            t_load - t_import,
-        ),
+        **figures,
+        "kv_written_mib": round(kv_written_mib, 1),
+        "peak_rss_beyond_kv_mib": round(figures["peak_rss_mib"] - kv_written_mib, 1),
         "engine_args": engine_args,
         "stats": stats,
     }
 
 
 # Gauges describe the engine now, not the timed run; everything else numeric is a running total.
-_GAUGES = {"running", "waiting", "free_kv_blocks", "total_kv_blocks", "kv_usage"}
+_GAUGES = {
+    "running",
+    "waiting",
+    "free_kv_blocks",
+    "total_kv_blocks",
+    "kv_usage",
+    "kv_blocks_ever_used",
+    "kv_bytes_per_block",
+}
 
 
 def _stats_delta(before: dict[str, Any], after: dict[str, Any]) -> dict[str, Any]:
     delta: dict[str, Any] = {}
     for key, value in after.items():
         if key in _GAUGES:
-            if key == "total_kv_blocks":
+            if key in {"total_kv_blocks", "kv_blocks_ever_used"}:
                 delta[key] = value
         elif isinstance(value, int | float) and isinstance(before.get(key), int | float):
             delta[key] = (

@@ -65,6 +65,10 @@ class BlockPool:
         self._cached: dict[BlockHash, Block] = {}
         self.prefix_queries = 0  # tokens looked up in the prefix cache
         self.prefix_hits = 0  # of which found
+        # Blocks handed out at least once. Never-used blocks lead the free queue in id order and
+        # freed ones join behind them, so these are blocks 0 .. blocks_ever_used - 1: the part of
+        # the cache ever written (on the CPU, the rest of its pages were never touched).
+        self.blocks_ever_used = 0
 
     @property
     def num_free_blocks(self) -> int:
@@ -80,6 +84,7 @@ class BlockPool:
         out = []
         for _ in range(n):
             block_id, _ = self._free.popitem(last=False)
+            self.blocks_ever_used = max(self.blocks_ever_used, block_id + 1)
             block = self.blocks[block_id]
             if block.block_hash is not None:
                 # Evicting: its old contents are about to be overwritten.

@@ -196,6 +196,8 @@ class LLMEngine:
             "free_kv_blocks": pool.num_free_blocks,
             "total_kv_blocks": pool.num_blocks,
             "kv_usage": pool.usage,
+            "kv_blocks_ever_used": pool.blocks_ever_used,
+            "kv_bytes_per_block": self.core.runner.kv_bytes_per_block,
             "prefix_cache_queries": pool.prefix_queries,
             "prefix_cache_hits": pool.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,

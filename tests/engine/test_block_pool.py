@@ -71,3 +71,15 @@ def test_caching_disabled_finds_nothing():
     h = hash_block(None, [1])
     pool.cache(block, h)
     assert pool.lookup(h) is None
+
+
+def test_freed_blocks_are_reused_only_after_every_never_used_one():
+    # blocks_ever_used is then the written part of the cache: blocks 0 .. n - 1.
+    pool = BlockPool(6)
+    first = pool.allocate(2)
+    pool.free(first)
+    assert pool.blocks_ever_used == 2
+    assert [b.block_id for b in pool.allocate(4)] == [2, 3, 4, 5]
+    assert pool.blocks_ever_used == 6
+    assert {b.block_id for b in pool.allocate(2)} == {0, 1}
+    assert pool.blocks_ever_used == 6
