@@ -10,8 +10,8 @@ A decode step reads every cached key and value of every sequence once, and littl
 speed is bound by memory bandwidth. Prints one JSON line:
 - kv_bytes: bytes of K and V the batch attends per layer (sequences x context x KV heads x
   head_dim x 2 x element size); the kernel reads each once.
-- kernel_ms, kernel_gbps: mean time per call over --iters calls (a layer's call; CUDA events on
-  the GPU, the wall clock on the CPU, where calls are synchronous), and kv_bytes over it.
+- kernel_ms, kernel_gbps: mean wall-clock time per call over --iters calls (a layer's call; on
+  CUDA the device synchronized before and after them), and kv_bytes over it.
 - torch_ms, torch_gbps: the same for the torch path (gather, then SDPA), for comparison.
 - reference_gbps: what this device reaches in practice: on CUDA a device-to-device copy of 1 GiB
   (bytes read plus written over its time), on the CPU a sum over 1 GiB (bytes read);
@@ -55,7 +55,8 @@ def parse_args() -> argparse.Namespace:
 
 
 class Timer:
-    """Mean milliseconds per call, after warm-up calls (which also compile or build the kernel)."""
+    """Mean milliseconds per call, after warm-up calls (which also compile or build the kernel);
+    on CUDA the device is synchronized around the timed calls."""
 
     def __init__(self, device: torch.device, iters: int):
         self.cuda = device.type == "cuda"
@@ -64,19 +65,14 @@ class Timer:
     def __call__(self, fn: Callable[[int], object]) -> float:
         for i in range(3):
             fn(i)
-        if not self.cuda:
-            started = time.perf_counter()
-            for i in range(self.iters):
-                fn(i)
-            return (time.perf_counter() - started) * 1e3 / self.iters
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        torch.cuda.synchronize()
-        start.record()
+        if self.cuda:
+            torch.cuda.synchronize()
+        started = time.perf_counter()
         for i in range(self.iters):
             fn(i)
-        end.record()
-        torch.cuda.synchronize()
-        return start.elapsed_time(end) / self.iters
+        if self.cuda:
+            torch.cuda.synchronize()
+        return (time.perf_counter() - started) * 1e3 / self.iters
 
 
 def reference_gbps(device: torch.device, timer: Timer) -> float:

@@ -108,31 +108,30 @@ static inline float dot(const float *restrict a, const float *restrict b, int64_
     return acc;
 }
 
+/* Whether head_dim suits the vector paths: a multiple of W that the registers hold. */
+static inline int vectorized(int64_t head_dim) { return head_dim % W == 0 && head_dim <= MAX_DIM; }
+
 /* The scores of `rows` (1 to W) consecutive slots whose keys start at k, the n-th of the context
  * onwards, for each of the item's heads; each head's maximum takes them in. */
 static inline __attribute__((always_inline)) void chunk_scores(const struct item *it,
                                                               const float *restrict k,
                                                               int64_t rows, int64_t n) {
     const int64_t head_dim = it->head_dim, row = it->row;
-    if (head_dim % W != 0 || head_dim > MAX_DIM) {
-        for (int64_t i = 0; i < it->heads; ++i) {
-            const int64_t h = it->h_lo + i;
-            for (int64_t r = 0; r < rows; ++r) {
-                const float *kr = k + r * row + (h / it->group) * head_dim;
-                const float sc = it->scale * dot(it->q + h * head_dim, kr, head_dim);
-                it->scores[i * it->ctx + n + r] = sc;
-                /* one lane of the running maximum serves: the others stay -inf */
-                it->top[i][0] = sc > it->top[i][0] ? sc : it->top[i][0];
-            }
-        }
-        return;
-    }
     /* Lanes past `rows` are no slots: -inf, so that they count for nothing in the maximum. */
     const ivec past = lane_index() >= (int32_t)rows;
     const vec nothing = splat(-INFINITY);
     for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
         const float *kg = k + g * head_dim;
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
+            float *sh = it->scores + i * it->ctx + n;
+            if (!vectorized(head_dim)) {
+                for (int64_t r = 0; r < rows; ++r) {
+                    sh[r] = it->scale * dot(it->q + h * head_dim, kg + r * row, head_dim);
+                    /* one lane of the running maximum serves: the others stay -inf */
+                    it->top[i][0] = sh[r] > it->top[i][0] ? sh[r] : it->top[i][0];
+                }
+                continue;
+            }
             vec qh[MAX_DIM / W];
             for (int64_t d = 0; d < head_dim; d += W) qh[d / W] = load(it->q + h * head_dim + d);
             vec acc[W];
@@ -144,7 +143,6 @@ static inline __attribute__((always_inline)) void chunk_scores(const struct item
                 acc[o] = a;
             }
             vec sc = sum_lanes(acc) * it->scale;
-            float *sh = it->scores + i * it->ctx + n;
             if (rows == W) {
                 store(sh, sc);
             } else {
@@ -168,7 +166,7 @@ static inline __attribute__((always_inline)) void chunk_values(const struct item
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             const float *w = it->scores + i * it->ctx + n;
             float *o = it->out + h * head_dim;
-            if (head_dim % W != 0 || head_dim > MAX_DIM) {
+            if (!vectorized(head_dim)) {
                 for (int64_t r = 0; r < rows; ++r)
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; ++d) o[d] += w[r] * vg[r * row + d];
