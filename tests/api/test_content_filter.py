@@ -191,8 +191,10 @@ def test_flagged_output_stops_the_request(serve_batches, guard):
         """A beginning of the output, not all of it, below the threshold: what was screened."""
         if not (unfiltered.startswith(text) and text != unfiltered):
             return False
-        scores = client.moderations.create(input=text or " ").results[0].category_scores
-        return not text or scores.model_dump(by_alias=True)[category] < threshold
+        if not text.strip():  # nothing to score (the endpoint refuses blank input): clean
+            return True
+        scores = client.moderations.create(input=text).results[0].category_scores
+        return scores.model_dump(by_alias=True)[category] < threshold
 
     answer = completion(client).choices[0]
     assert answer.finish_reason == "content_filter"
