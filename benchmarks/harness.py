@@ -185,6 +185,38 @@ def apply_defaults(args: argparse.Namespace, defaults: dict[str, Any]) -> None:
             setattr(args, name, value)
 
 
+def measure_gemm_peak(reps: int) -> float:
+    """Best GFLOP/s of a 2048x2048 float32 matmul: the machine's practical compute ceiling."""
+    import torch
+
+    n = 2048
+    a = torch.randn(n, n)
+    b = torch.randn(n, n)
+    for _ in range(2):
+        torch.mm(a, b)
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        torch.mm(a, b)
+        best = min(best, time.perf_counter() - start)
+    return 2 * n**3 / best / 1e9
+
+
+def measure_read_gbps(reps: int) -> float:
+    """Best GB/s of a sum over 1 GiB of float32 in memory: the machine's practical ceiling for
+    reading (a decode step's attention reads the KV cache and little else)."""
+    import torch
+
+    floats = torch.ones(2**28)
+    floats.sum()
+    best = float("inf")
+    for _ in range(reps):
+        start = time.perf_counter()
+        floats.sum()
+        best = min(best, time.perf_counter() - start)
+    return floats.numel() * floats.itemsize / best / 1e9
+
+
 def print_report(report: dict[str, Any]) -> None:
     """The one JSON line on stdout that a parent or a person reads (the last line that is one)."""
     sys.stdout.flush()  # libraries may have printed; the JSON line comes after what they did

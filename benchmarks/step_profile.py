@@ -21,22 +21,33 @@ Scenarios (each a fresh engine, as many sequences as it says, all in the batch a
 - decode-N: N running sequences of `--prompt-len` prompt tokens, steps of one token each;
 - prefill: 64 prompts of 512 tokens arriving together, steps of `max_num_batched_tokens` tokens
   (timed until every prompt has its first token).
-Prints one JSON line: per scenario, the median step in ms and each part's share of the steps' sum.
+Prints one JSON line: per scenario, the median step in ms and each part's share of the steps' sum,
+and how far the two big parts are from the machine's limits, measured in the same run (the GEMM
+peak of harness.measure_gemm_peak, the read bandwidth of harness.measure_read_gbps):
+- work_per_step: the matmuls' and the LM head's GFLOP (2 x rows x inputs x outputs), attention's
+  GB of K/V read (each sequence's attended context once per layer) and its GFLOP (QK and PV);
+- achieved: the matmuls' and LM head's GFLOP/s, attention's GB/s;
+- floor_ms: the step's mean if matmuls and the LM head ran at the GEMM peak and attention at the
+  read bandwidth (or the peak, where its FLOPs take longer), every other part as measured; and
+  speedup_at_limits, the mean step over it: what perfect kernels for those parts could give.
 """
 
 from __future__ import annotations
 
 import argparse
 import contextlib
+import inspect
+import itertools
 import random
 import statistics
 import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
+from dataclasses import dataclass
 from typing import Any
 
 import torch
-from harness import ensure_model, log, print_report
+from harness import ensure_model, log, measure_gemm_peak, measure_read_gbps, print_report
 
 from pagedbatch.engine import LLMEngine, SamplingParams, parallel_layers
 from pagedbatch.engine.config import EngineArgs
@@ -55,17 +66,32 @@ PARTS = (
 )
 
 
+@dataclass
+class Work:
+    """What a part computed over the timed steps."""
+
+    flops: float = 0.0
+    bytes_read: float = 0.0  # counted for attention alone, whose speed bytes bound
+
+
+# A part's work in one call, from the call's arguments and its result: (flops, bytes read).
+Counter = Callable[[tuple[Any, ...], dict[str, Any], Any], tuple[float, float]]
+
+
 class Timers:
-    """Seconds per part, over the timed steps. A part called inside another (the LM head's
-    matmul) counts for the outer one; `run`, the model runner's whole step, contains the others
-    and is timed beside them."""
+    """Seconds and work per part, over the timed steps. A part called inside another (the LM
+    head's matmul) counts for the outer one; `run`, the model runner's whole step, contains the
+    others and is timed beside them."""
 
     def __init__(self) -> None:
         self.seconds: dict[str, float] = defaultdict(float)
+        self.work: dict[str, Work] = defaultdict(Work)
         self.active = False
         self.inside: str | None = None
 
-    def wrap(self, part: str, fn: Callable[..., Any]) -> Callable[..., Any]:
+    def wrap(
+        self, part: str, fn: Callable[..., Any], count: Counter | None = None
+    ) -> Callable[..., Any]:
         container = part == "run"
 
         def timed(*args: Any, **kwargs: Any) -> Any:
@@ -75,51 +101,101 @@ class Timers:
                 self.inside = part
             start = time.perf_counter()
             try:
-                return fn(*args, **kwargs)
+                result = fn(*args, **kwargs)
             finally:
                 self.seconds[part] += time.perf_counter() - start
                 if not container:
                     self.inside = None
+            if count:
+                flops, bytes_read = count(args, kwargs, result)
+                self.work[part].flops += flops
+                self.work[part].bytes_read += bytes_read
+            return result
 
         return timed
+
+
+def linear_work(args: tuple[Any, ...], _: dict[str, Any], out: torch.Tensor) -> tuple[float, float]:
+    """A product of [rows, inputs] by [inputs, outputs]: 2 x rows x inputs x outputs."""
+    x = next(a for a in args if isinstance(a, torch.Tensor))  # the input comes first
+    return 2.0 * x.numel() * out.shape[-1], 0.0
+
+
+ATTENTION = inspect.signature(ops.paged_attention)
+
+
+def attention_work(
+    args: tuple[Any, ...], kwargs: dict[str, Any], _: torch.Tensor
+) -> tuple[float, float]:
+    """Causal attention over the cache: each sequence's attended keys and values are read once;
+    each query token attends the keys before it (within the window), at 4 x head_dim FLOPs a
+    head and key (QK and PV)."""
+    call = ATTENTION.bind(*args, **kwargs)
+    call.apply_defaults()
+    query, key_cache, meta = (call.arguments[k] for k in ("query", "key_cache", "meta"))
+    window = call.arguments["sliding_window"]
+    num_heads, head_dim = query.shape[1:]
+    row_bytes = 2 * key_cache.shape[2] * head_dim * key_cache.element_size()
+    query_lens = [b - a for a, b in itertools.pairwise(meta.query_start_loc.tolist())]
+    keys_read = keys_attended = 0
+    for q, seq_len in zip(query_lens, meta.seq_lens.tolist(), strict=True):
+        keys_read += min(seq_len, window + q - 1) if window else seq_len
+        first = seq_len - q + 1  # keys the step's first query token attends, before the window
+        if window is None:
+            keys_attended += q * first + q * (q - 1) // 2
+        else:  # the first `unclipped` queries see fewer keys than the window holds
+            unclipped = max(0, min(q, window - first + 1))
+            keys_attended += unclipped * first + unclipped * (unclipped - 1) // 2
+            keys_attended += (q - unclipped) * window
+    return 4.0 * num_heads * head_dim * keys_attended, float(keys_read * row_bytes)
 
 
 @contextlib.contextmanager
 def instrumented(engine: LLMEngine, timers: Timers) -> Iterator[None]:
     """Wraps the parts' functions for the engine's lifetime (module attributes, restored after)."""
-    patches = [
-        (ops, "paged_attention", "attention"),
-        (ops, "reshape_and_cache", "attention"),
-        (ops, "rms_norm", "norms"),
-        (ops, "fused_add_rms_norm", "norms"),
-        (ops, "apply_rotary_embedding", "rotary"),
-        (ops, "silu_and_mul", "activation"),
-        (parallel_layers.Packed, "__call__", "matmul"),
-        (parallel_layers.F, "linear", "matmul"),
+    patches: list[tuple[Any, str, str, Counter | None]] = [
+        (ops, "paged_attention", "attention", attention_work),
+        (ops, "reshape_and_cache", "attention", None),
+        (ops, "rms_norm", "norms", None),
+        (ops, "fused_add_rms_norm", "norms", None),
+        (ops, "apply_rotary_embedding", "rotary", None),
+        (ops, "silu_and_mul", "activation", None),
+        (parallel_layers.Packed, "__call__", "matmul", linear_work),
+        (parallel_layers.F, "linear", "matmul", linear_work),
     ]
-    saved = [(owner, name, getattr(owner, name)) for owner, name, _ in patches]
+    saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     model = engine.runner.model
     runner, core = engine.runner, engine.core
-    instance_patches = [
-        (model, "compute_logits", "lm_head"),
-        (runner, "run", "run"),
-        (core, "_sample", "sampling"),
+    instance_patches: list[tuple[Any, str, str, Counter | None]] = [
+        (model, "compute_logits", "lm_head", linear_work),
+        (runner, "run", "run", None),
+        (core, "_sample", "sampling", None),
     ]
     try:
-        for owner, name, part in patches:
-            setattr(owner, name, timers.wrap(part, getattr(owner, name)))
-        for owner, name, part in instance_patches:
-            setattr(owner, name, timers.wrap(part, getattr(owner, name)))
+        for owner, name, part, count in patches + instance_patches:
+            setattr(owner, name, timers.wrap(part, getattr(owner, name), count))
         yield
     finally:
         for owner, name, fn in saved:
             setattr(owner, name, fn)
-        for owner, name, _ in instance_patches:  # the class's method shows through again
+        for owner, name, _, _ in instance_patches:  # the class's method shows through again
             delattr(owner, name)
 
 
+@dataclass(frozen=True)
+class Limits:
+    gemm_gflops: float
+    read_gbps: float
+
+
 def scenario(
-    model: str, name: str, num_seqs: int, prompt_len: int, steps: int, args: argparse.Namespace
+    model: str,
+    name: str,
+    num_seqs: int,
+    prompt_len: int,
+    steps: int,
+    args: argparse.Namespace,
+    limits: Limits,
 ) -> dict[str, Any]:
     engine = LLMEngine(
         EngineArgs(
@@ -163,13 +239,46 @@ def scenario(
     seconds["model_other"] = run - inside_run
     seconds["engine_other"] = total - run - seconds.get("sampling", 0.0)
     engine.shutdown()
+    n = len(step_times)
     return {
         "sequences": num_seqs,
         "prompt_len": prompt_len,
-        "steps": len(step_times),
+        "steps": n,
         "step_ms_median": round(statistics.median(step_times) * 1000, 2),
         "share": {p: round(seconds.get(p, 0.0) / total, 4) for p in PARTS},
-        "ms_per_step": {p: round(seconds.get(p, 0.0) / len(step_times) * 1000, 2) for p in PARTS},
+        "ms_per_step": {p: round(seconds.get(p, 0.0) / n * 1000, 2) for p in PARTS},
+        **against_limits(timers.work, seconds, total, n, limits),
+    }
+
+
+def against_limits(
+    work: dict[str, Work], seconds: dict[str, float], total: float, steps: int, limits: Limits
+) -> dict[str, Any]:
+    """The matmuls', LM head's and attention's work per step, their speed, and the step's mean
+    had they run at the machine's limits (the others as measured)."""
+    matmul, lm_head, attention = work["matmul"], work["lm_head"], work["attention"]
+    peak, bandwidth = limits.gemm_gflops * 1e9, limits.read_gbps * 1e9
+    floor = {
+        "matmul": matmul.flops / peak,
+        "lm_head": lm_head.flops / peak,
+        "attention": max(attention.bytes_read / bandwidth, attention.flops / peak),
+    }
+    floor_s = total - sum(seconds.get(p, 0.0) for p in floor) + sum(floor.values())
+    return {
+        "work_per_step": {
+            "matmul_gflop": round(matmul.flops / steps / 1e9, 3),
+            "lm_head_gflop": round(lm_head.flops / steps / 1e9, 3),
+            "attention_gb": round(attention.bytes_read / steps / 1e9, 4),
+            "attention_gflop": round(attention.flops / steps / 1e9, 3),
+        },
+        "achieved": {
+            "matmul_gflops": round(matmul.flops / seconds["matmul"] / 1e9, 1),
+            "lm_head_gflops": round(lm_head.flops / seconds["lm_head"] / 1e9, 1),
+            "attention_gbps": round(attention.bytes_read / seconds["attention"] / 1e9, 2),
+        },
+        "step_ms_mean": round(total / steps * 1000, 2),
+        "floor_ms": round(floor_s / steps * 1000, 2),
+        "speedup_at_limits": round(total / floor_s, 3),
     }
 
 
@@ -187,12 +296,20 @@ def main() -> None:
     args = p.parse_args()
     model = str(ensure_model(args.model, args.size))
     torch.manual_seed(0)
-    report: dict[str, Any] = {"model": model, "threads": torch.get_num_threads()}
+    limits = Limits(gemm_gflops=measure_gemm_peak(reps=10), read_gbps=measure_read_gbps(reps=5))
+    report: dict[str, Any] = {
+        "model": model,
+        "threads": torch.get_num_threads(),
+        "gemm_peak_gflops": round(limits.gemm_gflops, 1),
+        "read_gbps": round(limits.read_gbps, 1),
+    }
     for n in (int(s) for s in args.decode.split(",")):
         log(f"decode-{n}")
-        report[f"decode-{n}"] = scenario(model, f"decode-{n}", n, args.prompt_len, args.steps, args)
+        report[f"decode-{n}"] = scenario(
+            model, f"decode-{n}", n, args.prompt_len, args.steps, args, limits
+        )
     log("prefill")
-    report["prefill"] = scenario(model, "prefill", 64, 512, args.steps, args)
+    report["prefill"] = scenario(model, "prefill", 64, 512, args.steps, args, limits)
     print_report(report)
 
 

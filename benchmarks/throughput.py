@@ -65,6 +65,7 @@ from harness import (
     last_json_line,
     load_avg,
     log,
+    measure_gemm_peak,
     print_report,
     random_prompt,
     run_and_report,
@@ -493,23 +494,6 @@ def run_worker(args: argparse.Namespace) -> None:
 
 # ---------------------------------------------------------------------------------------------
 # Parent
-
-
-def measure_gemm_peak(reps: int) -> float:
-    """Best GFLOP/s of a 2048x2048 float32 matmul: the machine's practical compute ceiling."""
-    import torch
-
-    n = 2048
-    a = torch.randn(n, n)
-    b = torch.randn(n, n)
-    for _ in range(2):
-        torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
 
 
 def vllm_cpu_env() -> dict[str, str]:
