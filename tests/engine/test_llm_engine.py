@@ -86,10 +86,13 @@ def test_later_high_priority_request_finishes_first_under_a_full_engine(tiny_lla
 def test_the_engine_learns_what_its_steps_cost_and_bounds_batch_steps_by_it(tiny_llama):
     engine = make_engine(tiny_llama, blocks=256, max_num_seqs=16, low_priority_step_ms=1000.0)
     assert engine.scheduler.step_cost.cost is None
-    # Steps of many sizes: prefills of different lengths beside decodes.
+    # Steps of many sizes: prefills of 1 to 400 tokens beside decodes. The prompts share no
+    # prefix, else the prefix cache would leave each prefill a few new tokens, too few for the
+    # fit to tell the tokens' cost from the steps' noise.
     short = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     for i in range(40):
-        engine.add_request(f"batch-{i}", " ".join(["word"] * (1 + 7 * i % 60)), short, priority=10)
+        prompt = [1000 + (401 * i + j) % 15_000 for j in range(1 + 37 * i % 400)]
+        engine.add_request(f"batch-{i}", prompt, short, priority=10)
         engine.step()
     run_to_completion(engine)
     cost = engine.scheduler.step_cost.cost
