@@ -5,14 +5,13 @@ from __future__ import annotations
 
 import json
 import os
-import socket
 import subprocess
 import sys
 import time
 from pathlib import Path
 
-import httpx
 import openai
+from servers import free_port, wait_for_batch, wait_for_health
 
 MiB = 1 << 20
 LINES = 50_000
@@ -42,12 +41,6 @@ def write_batch_file(path: Path, lines: int = LINES) -> int:
     return path.stat().st_size
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return sock.getsockname()[1]
-
-
 def test_a_50000_line_200_mb_batch_is_taken_with_flat_memory(tmp_path, tiny_llama):
     port = free_port()
     size = write_batch_file(tmp_path / "big.jsonl")
@@ -63,7 +56,8 @@ def test_a_50000_line_200_mb_batch_is_taken_with_flat_memory(tmp_path, tiny_llam
     env = {
         k: v for k, v in env.items() if not k.startswith(("PAGEDBATCH_S3", "PAGEDBATCH_DATABASE"))
     }
-    log = (tmp_path / "server.log").open("wb")
+    log_path = tmp_path / "server.log"
+    log = log_path.open("wb")
     server = subprocess.Popen(
         [sys.executable, "-m", "pagedbatch.cli", "serve"],
         env=env,
@@ -72,14 +66,7 @@ def test_a_50000_line_200_mb_batch_is_taken_with_flat_memory(tmp_path, tiny_llam
     )
     url = f"http://127.0.0.1:{port}"
     try:
-        deadline = time.monotonic() + 60
-        while True:
-            try:
-                if httpx.get(f"{url}/health", timeout=1).status_code == 200:
-                    break
-            except httpx.TransportError:
-                assert time.monotonic() < deadline and server.poll() is None
-                time.sleep(0.1)
+        wait_for_health(url, server, log_path)
         client = openai.OpenAI(base_url=f"{url}/v1", api_key="x", max_retries=0, timeout=600)
         # The baseline is a server that has run two shards of such lines at once, as the big
         # batch starts to before it is cancelled: the running (threads with allocator arenas of
@@ -91,11 +78,9 @@ def test_a_50000_line_200_mb_batch_is_taken_with_flat_memory(tmp_path, tiny_llam
         batch = client.batches.create(
             input_file_id=warm.id, endpoint="/v1/completions", completion_window="24h"
         )
-        deadline = time.monotonic() + 120
-        while batch.status != "completed":
-            assert time.monotonic() < deadline and batch.status not in ("failed", "expired")
-            time.sleep(0.5)
-            batch = client.batches.retrieve(batch.id)
+        ended = ("completed", "failed", "expired", "cancelled")
+        batch = wait_for_batch(client, batch.id, lambda b: b.status in ended, timeout=120)
+        assert batch.status == "completed", batch.errors
         baseline = peak_rss(server.pid)
 
         with (tmp_path / "big.jsonl").open("rb") as f:
