@@ -192,14 +192,8 @@ def measure_gemm_peak(reps: int) -> float:
     n = 2048
     a = torch.randn(n, n)
     b = torch.randn(n, n)
-    for _ in range(2):
-        torch.mm(a, b)
-    best = float("inf")
-    for _ in range(reps):
-        start = time.perf_counter()
-        torch.mm(a, b)
-        best = min(best, time.perf_counter() - start)
-    return 2 * n**3 / best / 1e9
+    torch.mm(a, b)  # two warm-up calls in all: the first also sets up the library's kernels
+    return 2 * n**3 / _best_seconds(lambda: torch.mm(a, b), reps) / 1e9
 
 
 def measure_read_gbps(reps: int) -> float:
@@ -208,13 +202,18 @@ def measure_read_gbps(reps: int) -> float:
     import torch
 
     floats = torch.ones(2**28)
-    floats.sum()
+    return floats.numel() * floats.itemsize / _best_seconds(floats.sum, reps) / 1e9
+
+
+def _best_seconds(fn: Callable[[], object], reps: int) -> float:
+    """The shortest of `reps` timed calls of `fn`, after one untimed call that warms it."""
+    fn()
     best = float("inf")
     for _ in range(reps):
         start = time.perf_counter()
-        floats.sum()
+        fn()
         best = min(best, time.perf_counter() - start)
-    return floats.numel() * floats.itemsize / best / 1e9
+    return best
 
 
 def print_report(report: dict[str, Any]) -> None:
