@@ -125,18 +125,33 @@ def linear_work(args: tuple[Any, ...], _: dict[str, Any], out: torch.Tensor) -> 
 ATTENTION = inspect.signature(ops.paged_attention)
 
 
-def attention_work(
-    args: tuple[Any, ...], kwargs: dict[str, Any], _: torch.Tensor
-) -> tuple[float, float]:
-    """Causal attention over the cache: each sequence's attended keys and values are read once;
-    each query token attends the keys before it (within the window), at 4 x head_dim FLOPs a
-    head and key (QK and PV)."""
-    call = ATTENTION.bind(*args, **kwargs)
-    call.apply_defaults()
-    query, key_cache, meta = (call.arguments[k] for k in ("query", "key_cache", "meta"))
-    window = call.arguments["sliding_window"]
-    num_heads, head_dim = query.shape[1:]
-    row_bytes = 2 * key_cache.shape[2] * head_dim * key_cache.element_size()
+class AttentionWork:
+    """Counts `ops.paged_attention`'s work: each sequence's attended keys and values are read
+    once; each query token attends the keys before it (within the window), at 4 x head_dim FLOPs
+    a head and key (QK and PV). Every layer of a step passes the same metadata, and the counting
+    runs inside the timed step, so a step's keys are counted once, not once a layer."""
+
+    def __init__(self) -> None:
+        self._step: tuple[object, int | None] | None = None  # (metadata, window) counted last
+        self._keys = (0, 0)  # its keys read, keys attended
+
+    def __call__(
+        self, args: tuple[Any, ...], kwargs: dict[str, Any], _: torch.Tensor
+    ) -> tuple[float, float]:
+        call = ATTENTION.bind(*args, **kwargs)
+        call.apply_defaults()
+        query, key_cache, meta = (call.arguments[k] for k in ("query", "key_cache", "meta"))
+        window = call.arguments["sliding_window"]
+        if self._step is None or self._step[0] is not meta or self._step[1] != window:
+            self._step, self._keys = (meta, window), _count_keys(meta, window)
+        keys_read, keys_attended = self._keys
+        num_heads, head_dim = query.shape[1:]
+        row_bytes = 2 * key_cache.shape[2] * head_dim * key_cache.element_size()
+        return 4.0 * num_heads * head_dim * keys_attended, float(keys_read * row_bytes)
+
+
+def _count_keys(meta: Any, window: int | None) -> tuple[int, int]:
+    """Keys read (each sequence's attended span once) and keys attended (summed over queries)."""
     query_lens = [b - a for a, b in itertools.pairwise(meta.query_start_loc.tolist())]
     keys_read = keys_attended = 0
     for q, seq_len in zip(query_lens, meta.seq_lens.tolist(), strict=True):
@@ -148,14 +163,14 @@ def attention_work(
             unclipped = max(0, min(q, window - first + 1))
             keys_attended += unclipped * first + unclipped * (unclipped - 1) // 2
             keys_attended += (q - unclipped) * window
-    return 4.0 * num_heads * head_dim * keys_attended, float(keys_read * row_bytes)
+    return keys_read, keys_attended
 
 
 @contextlib.contextmanager
 def instrumented(engine: LLMEngine, timers: Timers) -> Iterator[None]:
     """Wraps the parts' functions for the engine's lifetime (module attributes, restored after)."""
     patches: list[tuple[Any, str, str, Counter | None]] = [
-        (ops, "paged_attention", "attention", attention_work),
+        (ops, "paged_attention", "attention", AttentionWork()),
         (ops, "reshape_and_cache", "attention", None),
         (ops, "rms_norm", "norms", None),
         (ops, "fused_add_rms_norm", "norms", None),
