@@ -101,10 +101,13 @@ def create_batch(
         key=idempotency_key,
         create=create,
     )
+    # Read before enqueueing: the answer is the batch as created ("validating"), as OpenAI's is,
+    # not whatever an embedded validator that finishes first has made of it.
+    with services.session_factory() as session:
+        answer = BatchObject.from_row(get_batch(session, owner, batch_id))
     if created:
         services.queue.enqueue("validate_batch", batch_id)
-    with services.session_factory() as session:
-        return BatchObject.from_row(get_batch(session, owner, batch_id))
+    return answer
 
 
 @router.get("/{batch_id}", responses=error_responses(404))
