@@ -127,10 +127,11 @@ def cancel_batch(batch_id: str, services: ServicesDep, owner: OwnerDep) -> Batch
                 code="batch_not_cancellable",
             )
         moved = transition(session, batch_id, BatchStatus.CANCELLING)
+    with services.session_factory() as session:  # "cancelling", read before finalizing can end it
+        answer = BatchObject.from_row(get_batch(session, owner, batch_id))
     if moved:
         services.queue.enqueue("finalize_batch", batch_id)
-    with services.session_factory() as session:
-        return BatchObject.from_row(get_batch(session, owner, batch_id))
+    return answer
 
 
 @router.get("", responses=error_responses(404))
