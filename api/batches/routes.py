@@ -13,7 +13,7 @@ from sqlalchemy.orm import Session
 
 from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.batches.schemas import SUPPORTED_ENDPOINTS, BatchCreate, BatchObject
-from pagedbatch.api.deps import ServicesDep, SessionDep
+from pagedbatch.api.deps import Services, ServicesDep, SessionDep
 from pagedbatch.api.files.lookup import get_file
 from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
 from pagedbatch.api.lists import ListPage
@@ -41,6 +41,19 @@ def get_batch(session: Session, owner: str, batch_id: str) -> Batch:
             code="not_found",
         )
     return row
+
+
+def answer_then_enqueue(
+    services: Services, owner: str, batch_id: str, task: str | None
+) -> BatchObject:
+    """The batch as this request left it ("validating" after create, "cancelling" after
+    cancel, as OpenAI answers), read before `task` is enqueued: the embedded server's queue runs
+    it at once and could otherwise move the batch on before the answer is read."""
+    with services.session_factory() as session:
+        answer = BatchObject.from_row(get_batch(session, owner, batch_id))
+    if task is not None:
+        services.queue.enqueue(task, batch_id)
+    return answer
 
 
 @router.post("", responses=error_responses(404), openapi_extra=json_body(BatchCreate))
@@ -101,13 +114,7 @@ def create_batch(
         key=idempotency_key,
         create=create,
     )
-    # Read before enqueueing: the answer is the batch as created ("validating"), as OpenAI's is,
-    # not whatever an embedded validator that finishes first has made of it.
-    with services.session_factory() as session:
-        answer = BatchObject.from_row(get_batch(session, owner, batch_id))
-    if created:
-        services.queue.enqueue("validate_batch", batch_id)
-    return answer
+    return answer_then_enqueue(services, owner, batch_id, "validate_batch" if created else None)
 
 
 @router.get("/{batch_id}", responses=error_responses(404))
@@ -127,11 +134,7 @@ def cancel_batch(batch_id: str, services: ServicesDep, owner: OwnerDep) -> Batch
                 code="batch_not_cancellable",
             )
         moved = transition(session, batch_id, BatchStatus.CANCELLING)
-    with services.session_factory() as session:  # "cancelling", read before finalizing can end it
-        answer = BatchObject.from_row(get_batch(session, owner, batch_id))
-    if moved:
-        services.queue.enqueue("finalize_batch", batch_id)
-    return answer
+    return answer_then_enqueue(services, owner, batch_id, "finalize_batch" if moved else None)
 
 
 @router.get("", responses=error_responses(404))
