@@ -15,7 +15,7 @@ import pytest
 
 ROOT = Path(__file__).resolve().parent.parent
 
-# Source folder of each unit's modules, as pyproject.toml's package-dir maps them.
+# Source folder of each unit's modules, as setup.py maps them.
 FOLDERS = {
     "pagedbatch.api": "api",
     "pagedbatch.workers": "workers",
