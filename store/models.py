@@ -189,6 +189,8 @@ class IdempotencyKey(Base):
     route: Mapped[str] = mapped_column(String(64), primary_key=True)
     key: Mapped[str] = mapped_column(String(256), primary_key=True)
     resource_id: Mapped[str] = mapped_column(String(64))
+    # sha256 hex of what the request said (api/idempotency.py); None for keys stored before.
+    fingerprint: Mapped[str | None] = mapped_column(String(64))
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 

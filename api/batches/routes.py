@@ -15,7 +15,7 @@ from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.batches.schemas import SUPPORTED_ENDPOINTS, BatchCreate, BatchObject
 from pagedbatch.api.deps import Services, ServicesDep, SessionDep
 from pagedbatch.api.files.lookup import get_file
-from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once
+from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once, fingerprint
 from pagedbatch.api.lists import ListPage
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.ids import new_id, now
@@ -112,6 +112,7 @@ def create_batch(
         owner=owner,
         route=CREATE_ROUTE,
         key=idempotency_key,
+        fingerprint=fingerprint(CREATE_ROUTE, body),
         create=create,
     )
     return answer_then_enqueue(services, owner, batch_id, "validate_batch" if created else None)

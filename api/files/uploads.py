@@ -10,6 +10,7 @@ enforced while the bytes arrive, and a refused or broken upload leaves no blob.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass
 
@@ -33,7 +34,7 @@ from pagedbatch.api.files.multipart import (
     part_data,
 )
 from pagedbatch.api.files.schemas import FileCreateParams, FileObject
-from pagedbatch.api.idempotency import create_once, find_resource
+from pagedbatch.api.idempotency import create_once, find_resource, fingerprint, key_used
 from pagedbatch.ids import new_id, now
 from pagedbatch.protocol.errors import OpenAIError, from_validation_error
 from pagedbatch.settings import DAY
@@ -102,6 +103,12 @@ def _in_chunks(data: Iterator[bytes], limit: int) -> Iterator[bytes]:
         yield bytes(buffer)
 
 
+def _hashed(data: Iterator[bytes], digest: hashlib._Hash) -> Iterator[bytes]:
+    for piece in data:
+        digest.update(piece)
+        yield piece
+
+
 def _too_large(limit: int) -> OpenAIError:
     return OpenAIError(
         f"The file is too large: the limit for this purpose is {limit} bytes.",
@@ -115,6 +122,12 @@ class _Received:
     fields: dict[str, str]
     filename: str
     size: int
+    digest: str  # sha256 hex of the file's bytes
+
+    def fingerprint(self) -> str:
+        """What this upload said, for its idempotency key: fields, file name and content."""
+        content = {"fields": self.fields, "filename": self.filename, "sha256": self.digest}
+        return fingerprint(CREATE_ROUTE, content)
 
 
 class _Upload:
@@ -129,20 +142,18 @@ class _Upload:
 
     def run(self, chunks: Iterator[bytes], boundary: bytes) -> FileObject:
         factory = self.services.session_factory
-        if self.idempotency_key is not None:
-            earlier = find_resource(
-                factory, owner=self.owner, route=CREATE_ROUTE, key=self.idempotency_key
-            )
-            if earlier is not None:
-                return self._file(earlier)
+        key = self.idempotency_key
+        if key is not None and key_used(factory, owner=self.owner, route=CREATE_ROUTE, key=key):
+            return self._replay(key, events(chunks, boundary))
         try:
-            received = self._receive(events(chunks, boundary))
+            received = self._receive(events(chunks, boundary), store=True)
             row = self._row(received)
             file_id, created = create_once(
                 factory,
                 owner=self.owner,
                 route=CREATE_ROUTE,
-                key=self.idempotency_key,
+                key=key,
+                fingerprint=received.fingerprint(),
                 create=lambda session: _add(session, row),
             )
         except BaseException:
@@ -152,20 +163,45 @@ class _Upload:
             self.services.blobs.delete(self.storage_key)
         return self._file(file_id)
 
-    def _receive(self, stream: Iterator[Event]) -> _Received:
+    def _replay(self, key: str, stream: Iterator[Event]) -> FileObject:
+        """The File made under `key` before, if this is the same upload again (a 422 if it is
+        another). The body is read to compare it, not stored again."""
+        received = self._receive(stream, store=False)
+        earlier = find_resource(
+            self.services.session_factory,
+            owner=self.owner,
+            route=CREATE_ROUTE,
+            key=key,
+            fingerprint=received.fingerprint(),
+        )
+        if earlier is None:  # the key expired while the body came in; the SDK retries a 409
+            raise OpenAIError(
+                "The Idempotency-Key expired during the upload. Please retry.",
+                status_code=409,
+                param="idempotency-key",
+                code="idempotency_key_expired",
+            )
+        return self._file(earlier)
+
+    def _receive(self, stream: Iterator[Event], *, store: bool) -> _Received:
+        """The form, with the file stored under `storage_key` if `store` (else only read)."""
         fields: dict[str, str] = {}
         stored: tuple[str, int] | None = None
+        digest = hashlib.sha256()
         for event in stream:
             if not isinstance(event, PartStart):
                 continue
             if event.name in fields or (event.name == "file" and stored is not None):
-                raise OpenAIError(f"'{event.name}' was sent twice.", param=event.name)
+                raise OpenAIError(
+                    f"'{event.name}' was sent twice.", param=event.name, code="invalid_value"
+                )
             if event.name != "file":
                 if len(fields) == MAX_FORM_FIELDS:
                     raise OpenAIError(
                         f"Too many form fields: an upload takes at most {MAX_FORM_FIELDS} besides "
                         "the file.",
                         param=event.name,
+                        code="too_many_fields",
                     )
                 fields[event.name] = field_value(event.name, stream)
                 continue
@@ -173,7 +209,11 @@ class _Upload:
             # A purpose sent before the file (the SDK's order) lets its limits apply as the file
             # streams in; one sent after is checked once the file is stored.
             limit = self._check_file(fields.get("purpose"), filename, size=0)
-            size = self.services.blobs.put(self.storage_key, _in_chunks(part_data(stream), limit))
+            data = _in_chunks(_hashed(part_data(stream), digest), limit)
+            if store:
+                size = self.services.blobs.put(self.storage_key, data)
+            else:
+                size = sum(len(chunk) for chunk in data)
             stored = filename, size
         if stored is None:
             raise OpenAIError(
@@ -182,7 +222,7 @@ class _Upload:
                 code="missing_required_parameter",
             )
         filename, size = stored
-        return _Received(fields, filename, size)
+        return _Received(fields, filename, size, digest.hexdigest())
 
     def _check_file(self, purpose: str | None, filename: str, *, size: int) -> int:
         """Raises if the file breaks a limit of `purpose`; returns its byte limit."""
