@@ -4,10 +4,11 @@ A request is read (at most `max_request_body_bytes`, api/request_body.py), parse
 (templated, tokenized) on worker threads, so a large body never stalls the event loop. It is
 then admitted or refused at once: the engine holds at most `max_realtime_queue` realtime
 sequences (each request's prompts × n), shared fairly among tenants (`Admission`), and beyond
-that a client gets a 429 with Retry-After, so a burst costs neither memory nor an ever longer
-queue. Admitted requests run at REALTIME_PRIORITY, ahead of batch lines, with the tenant's
-prefix-cache salt. A request's sequences leave the count when the engine is done with them,
-however slowly its client reads; a client that goes away, or that leaves a stream unread for
+that a client gets a 429 with Retry-After (when the room it needs is expected, which is kept for
+it meanwhile), so a burst costs neither memory nor an ever longer queue. Admitted requests
+run at REALTIME_PRIORITY, ahead of batch lines, with the tenant's prefix-cache salt. A
+request's sequences leave the count when the engine is done with them, however slowly its
+client reads; a client that goes away, or that leaves a stream unread for
 `stream_send_timeout_seconds`, aborts its engine requests at once, which frees their KV blocks.
 
 The distributed API runs no engine: it checks the request and forwards it, with its tenant, to
@@ -20,9 +21,10 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Sequence
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
 from dataclasses import dataclass, replace
 from itertools import zip_longest
 from typing import Any, Protocol, TypeVar, cast
@@ -69,23 +71,27 @@ T = TypeVar("T")
 Body = TypeVar("Body", bound=RealtimeBody)
 P = TypeVar("P", bound=Prepared)
 
-RETRY_AFTER_SECONDS = 1  # admitted requests finish in seconds, so their slots free up quickly
+# Retry-After before the engine has finished a request, and so has no run time to go by.
+RETRY_AFTER_SECONDS = 1
 CLIENT_CLOSED_REQUEST = 499  # nginx's status for it: the client never sees it, logs do
 # The tenant of a request the API forwards to an engine host, which has no API keys of its own
 # and trusts the API (it answers only bearers of the engine secret).
 OWNER_HEADER = "x-pagedbatch-owner"
-# A tenant refused a slot counts as wanting one this long (its SDK retries after Retry-After):
-# meanwhile the others' shares shrink to make room for it.
-DEMAND_SECONDS = 5.0
+# A refused tenant's place in line is kept this long past its Retry-After: time for its client
+# to send the request again (and for the door to parse and prepare it) before the room kept
+# for it goes back to the others.
+DEMAND_GRACE_SECONDS = 2.0
+RUN_SECONDS_WEIGHT = 0.2  # of each finished request in the run time that Retry-After goes by
 
 
-@dataclass
+@dataclass(eq=False)
 class Ticket:
     """One admitted request's sequences; `release` gives them back, once however often called."""
 
     admission: Admission
     tenant: str
     sequences: int
+    started: float
     released: bool = False
 
     def release(self) -> None:
@@ -94,18 +100,39 @@ class Ticket:
             self.admission.leave(self)
 
 
+@dataclass(frozen=True)
+class Refusal:
+    """Why a request was not admitted, and in how many seconds room is expected for it."""
+
+    reason: str
+    retry_after: int
+
+
+@dataclass
+class _Demand:
+    """A refused tenant's claim on the room that frees next, until it comes back for it."""
+
+    sequences: int
+    since: float  # when it was first refused since it last got in
+    until: float  # when the claim lapses, unless a retry renews it
+
+
 class Admission:
     """Counts the realtime sequences in the engine against `limit`, shared fairly by tenants.
 
-    A request of s sequences from tenant T is admitted if the engine then holds at most `limit`
-    and T holds nothing yet or at most its share: `limit × tenant_share`, and at most `limit`
-    split evenly among the active tenants (T, those holding sequences, and those refused in the
-    last DEMAND_SECONDS). Nothing admitted is taken back; but a tenant over its share gets no
-    more until it falls under, so the sequences others free go to the tenants below theirs: a
-    refused tenant gets in as soon as enough is free, however hard another one pushes (max-min
-    fairness as requests come and go, as in a fair scheduler). A tenant holding nothing may
-    always fill the free room, so any request of at most `max_request` sequences gets in
-    eventually; a larger one never can, and is a 400.
+    Tenants are served in turn, best placed first: the one holding the fewest sequences, then
+    the one admitted least lately (a tenant never admitted before any other), then the one
+    refused first. A request is admitted if the engine then holds at most `limit`, its tenant
+    at most `max_request` (`limit × tenant_share`), and the room left still holds what every
+    refused tenant placed before it asked for. A refused tenant keeps that claim until its
+    Retry-After has passed and DEMAND_GRACE_SECONDS more: so the room that frees next is kept
+    for it, however often others ask, and a tenant holding nothing gets in as soon as the
+    requests running when it asked have ended (within one request's run time), its Retry-After
+    being when they are expected to end. A tenant over `max_request` claims nothing: it waits
+    for its own sequences. Any request of at most `max_request` sequences gets in eventually; a
+    larger one never can, and is a 400. Nothing admitted is taken back, and the cost of keeping
+    room is an engine that idles on it until the claimant's retry comes, at most its
+    Retry-After and the grace.
 
     Routes run on one event loop, so plain counters are exact.
     """
@@ -116,33 +143,97 @@ class Admission:
         self.limit = limit
         self.max_request = max(1, int(limit * tenant_share))  # a tenant's most
         self.held: Counter[str] = Counter()  # tenant -> sequences admitted
-        self._refused: dict[str, float] = {}  # tenant -> when it was last refused
         self._clock = clock
+        self._running: set[Ticket] = set()
+        self._demands: dict[str, _Demand] = {}  # refused tenants' claims on the room
+        self._last_in: dict[str, int] = {}  # tenant -> the number of its latest admission
+        self._admissions = 0
+        self.run_seconds: float | None = None  # recent requests' run time, weighted
 
     @property
     def admitted(self) -> int:
         return sum(self.held.values())
 
-    def share(self, tenant: str) -> int:
-        """The most sequences `tenant` may hold now."""
+    def enter(self, tenant: str, sequences: int) -> Ticket | Refusal:
+        """The request's ticket, or why not and when to try again (which keeps its place)."""
         now = self._clock()
-        self._refused = {t: at for t, at in self._refused.items() if now - at < DEMAND_SECONDS}
-        active = len(self.held.keys() | self._refused.keys() | {tenant})
-        return max(1, min(self.max_request, self.limit // active))
-
-    def try_enter(self, tenant: str, sequences: int) -> Ticket | None:
+        self._demands = {t: d for t, d in self._demands.items() if d.until > now}
         held = self.held[tenant]
-        fits = self.admitted + sequences <= self.limit
-        if not fits or (held and held + sequences > self.share(tenant)):
-            self._refused[tenant] = self._clock()
-            return None
-        self.held[tenant] = held + sequences
-        return Ticket(self, tenant, sequences)
+        if held + sequences > self.max_request:
+            retry = self._seconds_until_freed(
+                held + sequences - self.max_request, self._tickets_of(tenant), now
+            )
+            return Refusal(
+                f"You hold {held} of the {self.max_request} realtime sequences one client may "
+                "hold at once.",
+                retry,
+            )
+        needed = sequences + self._kept_for_others(tenant, now)
+        if self.admitted + needed <= self.limit:
+            self._demands.pop(tenant, None)
+            self.held[tenant] = held + sequences
+            self._admissions += 1
+            self._last_in[tenant] = self._admissions
+            ticket = Ticket(self, tenant, sequences, now)
+            self._running.add(ticket)
+            return ticket
+        retry = self._seconds_until_freed(self.admitted + needed - self.limit, self._running, now)
+        demand = self._demands.get(tenant)
+        since = now if demand is None else demand.since
+        self._demands[tenant] = _Demand(sequences, since, now + retry + DEMAND_GRACE_SECONDS)
+        return Refusal(
+            f"The server is at its limit of {self.limit} realtime sequences at once, or what "
+            "is left of it is kept for clients that asked before you.",
+            retry,
+        )
 
     def leave(self, ticket: Ticket) -> None:
         self.held[ticket.tenant] -= ticket.sequences
         if self.held[ticket.tenant] <= 0:
             del self.held[ticket.tenant]
+        self._running.discard(ticket)
+        ran = self._clock() - ticket.started
+        last = self.run_seconds
+        self.run_seconds = ran if last is None else last + RUN_SECONDS_WEIGHT * (ran - last)
+
+    def _place(self, tenant: str, now: float) -> tuple[int, int, float]:
+        demand = self._demands.get(tenant)
+        return (
+            self.held[tenant],
+            self._last_in.get(tenant, -1),
+            now if demand is None else demand.since,
+        )
+
+    def _kept_for_others(self, tenant: str, now: float) -> int:
+        """The sequences claimed by refused tenants placed before `tenant` (those their own
+        limit lets in)."""
+        place = self._place(tenant, now)
+        return sum(
+            demand.sequences
+            for other, demand in self._demands.items()
+            if other != tenant
+            and self.held[other] + demand.sequences <= self.max_request
+            and self._place(other, now) < place
+        )
+
+    def _tickets_of(self, tenant: str) -> list[Ticket]:
+        return [ticket for ticket in self._running if ticket.tenant == tenant]
+
+    def _seconds_until_freed(self, count: int, tickets: Iterable[Ticket], now: float) -> int:
+        """When `count` of `tickets`' sequences are expected back, in whole seconds (at least
+        one), if each runs as long as recent requests ran; beyond what they hold (room kept for
+        others, who then run), one run time after they have all ended."""
+        if self.run_seconds is None:
+            return RETRY_AFTER_SECONDS
+        freed, end = 0, now
+        for ticket in sorted(tickets, key=lambda ticket: ticket.started):
+            freed += ticket.sequences
+            end = max(end, ticket.started + self.run_seconds)
+            if freed >= count:
+                break
+        else:
+            end += self.run_seconds
+        return max(RETRY_AFTER_SECONDS, math.ceil(end - now))
 
 
 def _engine_for(services: Services, model: str) -> AsyncLLM:
@@ -199,12 +290,9 @@ async def answer(
     admission = _admission(request, engine.engine.model_name)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
-    ticket = admission.try_enter(tenant, sequences)
-    if ticket is None:
-        return too_busy(
-            f"The server is at its limit of {admission.limit} realtime sequences at once, or "
-            "you hold your share of them."
-        )
+    ticket = admission.enter(tenant, sequences)
+    if isinstance(ticket, Refusal):
+        return too_busy(ticket.reason, ticket.retry_after)
 
     output_screen = None
     if policy.screens_output and engine is services.engine:  # not the moderation model's scores
@@ -404,17 +492,15 @@ def engine_unavailable(message: str, param: str | None = "model") -> OpenAIError
     )
 
 
-def too_busy(reason: str) -> JSONResponse:
+def too_busy(reason: str, retry_after: int = RETRY_AFTER_SECONDS) -> JSONResponse:
     """The 429 of a realtime request refused for want of room, embedded or distributed."""
     error = OpenAIError(
-        f"{reason} Please retry after {RETRY_AFTER_SECONDS} s.",
+        f"{reason} Please retry after {retry_after} s.",
         status_code=429,
         type="requests",
         code="rate_limit_exceeded",
     )
-    return JSONResponse(
-        error.body(), status_code=429, headers={"Retry-After": str(RETRY_AFTER_SECONDS)}
-    )
+    return JSONResponse(error.body(), status_code=429, headers={"Retry-After": str(retry_after)})
 
 
 async def _run(

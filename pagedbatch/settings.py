@@ -122,9 +122,9 @@ class Settings(EngineSettings):
     # waiting or running, per engine; beyond it clients get a 429 with Retry-After rather than an
     # ever longer wait, and a request needing more than a tenant's share can hold is a 400.
     max_realtime_queue: int = Field(256, ge=1, le=2**20)
-    # Fair share: a tenant may hold at most this fraction of max_realtime_queue, and at most an
-    # equal split among the tenants that hold or lately asked for sequences. Below 1 it keeps
-    # room free for another tenant's first request at once; 1 lends a lone tenant everything.
+    # A tenant may hold at most this fraction of max_realtime_queue. Tenants take turns for the
+    # room whatever it is (the fewest held first; a refused tenant's room is kept for its retry);
+    # below 1 another tenant's first request also finds room at once; 1 lends a lone tenant all.
     realtime_tenant_share: float = Field(1.0, gt=0, le=1)
     # A streaming client that takes longer than this to accept the next piece of its stream has
     # its stream closed and its engine requests aborted: a reader that stalls holds no slot.

@@ -23,7 +23,7 @@ from test_realtime import (
     stats,
 )
 
-from pagedbatch.api.realtime import DEMAND_SECONDS, Admission
+from pagedbatch.api.realtime import DEMAND_GRACE_SECONDS, Admission, Refusal, Ticket
 
 # The rules, on a clock of our own.
 
@@ -36,40 +36,119 @@ class Clock:
         return self.now
 
 
+def admitted(outcome: Ticket | Refusal) -> Ticket:
+    assert isinstance(outcome, Ticket), outcome
+    return outcome
+
+
+def refused(outcome: Ticket | Refusal) -> Refusal:
+    assert isinstance(outcome, Refusal), outcome
+    return outcome
+
+
 def test_sequences_count_against_the_limit():
     admission = Admission(8)
-    first = admission.try_enter("a", 6)
-    assert first is not None and admission.admitted == 6
-    assert admission.try_enter("a", 3) is None  # 9 > 8
-    assert admission.try_enter("a", 2) is not None
+    first = admitted(admission.enter("a", 6))
+    assert admission.admitted == 6
+    refused(admission.enter("a", 3))  # 9 > 8
+    admitted(admission.enter("a", 2))
     first.release()
     first.release()  # once only
     assert admission.admitted == 2
 
 
-def test_a_tenant_over_its_share_waits_while_another_gets_the_room_freed():
+def test_the_room_freed_goes_to_a_tenant_holding_nothing_however_often_another_asks():
+    """The issue's flood: a tenant loops the largest request the door takes (all of the
+    default limit); the other, refused once, finds the room kept for it when it retries."""
+    clock = Clock()
+    admission = Admission(256, clock=clock)
+    running = admitted(admission.enter("a", 256))
+    refused(admission.enter("b", 1))
+    for _ in range(3):
+        refused(admission.enter("a", 256))  # a's other clients, asking all the while
+    running.release()
+    for _ in range(3):  # b's retry has not come yet: a, holding nothing too, is placed after b
+        refused(admission.enter("a", 256))
+    clock.now += 1.0
+    turn = admitted(admission.enter("b", 1))
+    refused(admission.enter("a", 256))  # 256 + b's 1 > 256
+    turn.release()
+    admitted(admission.enter("a", 256))
+
+
+def test_a_tenant_holding_nothing_goes_before_one_holding_some():
     clock = Clock()
     admission = Admission(4, clock=clock)
-    held = [admission.try_enter("a", 1) for _ in range(4)]  # alone: a may take everything
-    assert all(held)
-    assert admission.try_enter("b", 1) is None  # full; b now counts as wanting a share
+    held = [admitted(admission.enter("a", 1)) for _ in range(4)]  # alone: a may take everything
+    refused(admission.enter("b", 2))
+    clock.now += 0.1
     held[0].release()
-    assert admission.try_enter("a", 1) is None  # a holds 3, over its share of 4 // 2
-    assert admission.try_enter("b", 1) is not None  # the freed room goes to b
-    # Once b has neither sequences nor a recent refusal, a may have everything again.
-    clock.now += DEMAND_SECONDS
-    for ticket in held[1:]:
-        ticket.release()
-    assert admission.share("a") == 2  # b still holds one
-    assert admission.try_enter("a", 2) is not None
+    refused(admission.enter("a", 1))  # the freed one is kept for b, who needs two
+    refused(admission.enter("c", 1))  # c asked after b
+    held[1].release()
+    admitted(admission.enter("b", 2))
 
 
-def test_a_share_below_one_keeps_room_for_another_tenant():
+def test_refused_tenants_get_in_in_the_order_they_asked():
+    clock = Clock()
+    admission = Admission(4, clock=clock)
+    running = admitted(admission.enter("a", 4))
+    refused(admission.enter("b", 3))
+    clock.now += 0.1
+    refused(admission.enter("c", 3))
+    running.release()
+    refused(admission.enter("c", 3))  # 3 + b's 3 > 4
+    b = admitted(admission.enter("b", 3))
+    refused(admission.enter("c", 3))
+    b.release()
+    admitted(admission.enter("c", 3))
+
+
+def test_the_room_kept_lapses_if_its_tenant_does_not_come_back():
+    clock = Clock()
+    admission = Admission(4, clock=clock)
+    running = admitted(admission.enter("a", 4))
+    refusal = refused(admission.enter("b", 1))
+    running.release()
+    refused(admission.enter("a", 4))
+    clock.now += refusal.retry_after + DEMAND_GRACE_SECONDS
+    admitted(admission.enter("a", 4))  # b gave up: the engine does not idle for it for ever
+
+
+def test_retry_after_is_when_the_room_asked_for_is_expected():
+    clock = Clock()
+    fresh = Admission(8, clock=clock)
+    admitted(fresh.enter("a", 8))
+    assert refused(fresh.enter("b", 1)).retry_after == 1  # nothing finished: nothing to go by
+    admission = Admission(8, clock=clock)
+    first = admitted(admission.enter("a", 8))
+    clock.now += 10.0
+    first.release()
+    assert admission.run_seconds == 10.0  # requests run 10 s
+    admitted(admission.enter("a", 4))
+    clock.now += 3.0
+    admitted(admission.enter("a", 4))
+    assert refused(admission.enter("b", 2)).retry_after == 7  # when a's first ends
+    # At its own limit, a tenant waits for its own requests.
+    capped = Admission(8, tenant_share=0.5, clock=clock)
+    capped.run_seconds = 10.0
+    admitted(capped.enter("a", 4))
+    assert refused(capped.enter("a", 1)).retry_after == 10
+    # Placed after a claim larger than what runs: once that claimant has had its turn.
+    behind = Admission(4, clock=clock)
+    behind.run_seconds = 10.0
+    admitted(behind.enter("a", 2))
+    assert refused(behind.enter("b", 4)).retry_after == 10
+    clock.now += 0.5
+    assert refused(behind.enter("c", 2)).retry_after == 20
+
+
+def test_a_tenant_at_its_own_limit_keeps_no_room_from_others():
     admission = Admission(4, tenant_share=0.5)
     assert admission.max_request == 2
-    assert admission.try_enter("a", 2) is not None
-    assert admission.try_enter("a", 1) is None  # a's share is 2 of the 4
-    assert admission.try_enter("b", 2) is not None  # b gets in at once
+    admitted(admission.enter("a", 2))
+    refused(admission.enter("a", 1))  # a's share is 2 of the 4
+    admitted(admission.enter("b", 2))  # b gets in at once: a's refusal claimed nothing
 
 
 # The realtime door.
