@@ -26,6 +26,7 @@ from pagedbatch.api.metrics import install_metrics
 from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
 from pagedbatch.api.routes import admin_router, api_router, ui
 from pagedbatch.api.spend import SpendGuard
+from pagedbatch.api.web_guard import WebGuardMiddleware
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
@@ -53,6 +54,13 @@ def create_app(settings: Settings, services: Services) -> FastAPI:
     app.add_api_route("/health", health, methods=["GET"], tags=["health"])
     # Innermost of the middleware, so that its 413s carry request ids and are counted.
     app.add_middleware(BodyLimitMiddleware, limit=body_limit(services.settings))
+    # Around the routes and the body limit, inside the request ids and metrics (api/web_guard.py).
+    app.add_middleware(
+        WebGuardMiddleware,
+        bound_host=settings.host,
+        allowed_hosts=settings.allowed_hosts,
+        cors_origins=settings.cors_origins,
+    )
     install_error_handling(app)
     install_metrics(app, services, settings)  # `/metrics`, and HTTP metrics around the rest
     return app

@@ -81,6 +81,13 @@ class Settings(EngineSettings):
     # HTTP.
     host: str = "127.0.0.1"
     port: int = 8000
+    # Host names the API answers to besides `host` and localhost (any loopback address), any
+    # port; comma-separated in the environment. A request naming another host is refused (400):
+    # a DNS-rebinding page names its own. Bound to 0.0.0.0, list the names clients use.
+    allowed_hosts: Annotated[list[str], NoDecode] = Field(default_factory=list)
+    # Web origins (`https://app.example.com`, or `*` for any) whose pages may call the API; a
+    # request from any other page's origin is refused (403). Comma-separated in the environment.
+    cors_origins: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Comma-separated in the environment. Empty: no auth, one shared tenant.
     api_keys: Annotated[list[str], NoDecode] = Field(default_factory=list)
     # Keys that read every tenant's usage (`/v1/organization/...`, the SDK's `admin_api_key`).
@@ -239,7 +246,14 @@ class Settings(EngineSettings):
     # text until it has been.
     safety_output_check_tokens: int = Field(32, ge=1, le=4096)
 
-    @field_validator("api_keys", "admin_keys", "webhook_allowed_hosts", mode="before")
+    @field_validator(
+        "api_keys",
+        "admin_keys",
+        "webhook_allowed_hosts",
+        "allowed_hosts",
+        "cors_origins",
+        mode="before",
+    )
     @classmethod
     def _split_keys(cls, value: object) -> object:
         if isinstance(value, str):

@@ -135,7 +135,7 @@ def test_a_worker_runs_with_its_engine_flags_and_the_api_reports_them(
         host = engine_host_of(WorkerContext(settings, session_factory, blobs, None, engine))
         host.start()
         try:
-            api = TestClient(api_only(settings))
+            api = TestClient(api_only(settings), base_url="http://127.0.0.1")
             deadline = time.monotonic() + 10
             while not (stats := api.get("/v1/engine/stats").json())["engines"]:
                 assert time.monotonic() < deadline, "the worker's engine host never registered"

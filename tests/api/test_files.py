@@ -282,7 +282,7 @@ def test_an_unknown_field_is_refused(server):
 def test_a_body_that_is_not_multipart_is_refused(server):
     with server.http() as http:
         response = http.post("/v1/files", json={"purpose": "batch"})
-    assert response.status_code == 400
+    assert response.status_code == 415  # api/web_guard.py
     assert set(response.json()["error"]) == {"message", "type", "param", "code"}
 
 
