@@ -87,10 +87,27 @@ def get_usage_scope(request: Request) -> str | None:
 UsageScopeDep = Annotated[str | None, Depends(get_usage_scope)]
 
 
-def require_admin(request: Request) -> None:
-    """401 unless the request bears an admin key (or the service has no keys at all)."""
+def is_admin(request: Request) -> bool:
+    """Whether the request bears an admin key, or the service has no keys at all: then its one
+    user runs it, and sees what an operator sees."""
     state = request.app.state
     if not state.admin_keys.configured and not state.keys.configured:
-        return
-    if not _bears_admin_key(request):
+        return True
+    return _bears_admin_key(request)
+
+
+def admin_or_tenant(request: Request) -> bool:
+    """True for an admin (`is_admin`), False for a tenant's key; 401 for any other key."""
+    if is_admin(request):
+        return True
+    get_owner(request)
+    return False
+
+
+AdminOrTenantDep = Annotated[bool, Depends(admin_or_tenant)]
+
+
+def require_admin(request: Request) -> None:
+    """401 unless `is_admin`."""
+    if not is_admin(request):
         raise _unauthorized("This endpoint needs an admin key.")

@@ -35,16 +35,17 @@ api_router.include_router(audio.router)
 api_router.include_router(batches.router)
 api_router.include_router(chat.router)
 api_router.include_router(completions.router)
-api_router.include_router(engine.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)
 api_router.include_router(moderations.router)
 api_router.include_router(webhooks.router)
 
-# The admin API reads usage with admin keys as well as tenants' keys: it checks them itself.
+# Routes that take admin keys as well as tenants' keys (the admin API's usage, the engines'
+# stats): they check them themselves.
 admin_router = APIRouter(
     prefix="/v1",
     dependencies=[Depends(reject_nul)],
     responses=error_responses(400, 401, "4XX"),
 )
+admin_router.include_router(engine.router)
 admin_router.include_router(organization.router)

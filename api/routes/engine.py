@@ -1,5 +1,10 @@
-"""`/v1/engine/stats`: how busy the engines are and the settings they run with, for the status
-page and for operators.
+"""`/v1/engine/stats`: how busy the engines are, for the status page, and the settings they run
+with, for operators.
+
+Every caller sees the load figures. The settings (among them the model's path on disk and every
+limit in force) are an operator's business: only a request bearing an admin key gets them, or
+any request while the service has no keys at all (its one user is its operator); for everyone
+else `settings` is null.
 
 Embedded, the figures come from the engine in this process; in the distributed API, from the
 live engine hosts' latest heartbeats, which carry their engines' settings too.
@@ -15,6 +20,7 @@ from typing import Any, Literal
 from fastapi import APIRouter
 from pydantic import BaseModel, Field
 
+from pagedbatch.api.auth import AdminOrTenantDep
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.engine import LLMEngine
 
@@ -35,10 +41,11 @@ class EngineLoad(BaseModel):
         description="Tokens generated per second over about the last 10 s; null on the first "
         "reading."
     )
-    settings: dict[str, Any] = Field(
+    settings: dict[str, Any] | None = Field(
         description="The engine's settings in force (EngineArgs, as PAGEDBATCH_* variables and "
         "flags name them), with what it resolved at start for auto and unset ones: "
-        "served_model_name, dtype, device, max_model_len, num_kv_blocks.",
+        "served_model_name, dtype, device, max_model_len, num_kv_blocks. Null unless the "
+        "request bears an admin key or the service has no keys.",
     )
 
 
@@ -51,7 +58,7 @@ class EngineStats(BaseModel):
 
 
 @router.get("/stats")
-async def engine_stats(services: ServicesDep) -> EngineStats:
+async def engine_stats(services: ServicesDep, admin: AdminOrTenantDep) -> EngineStats:
     engine = services.engine
     if engine is None and services.engines is not None:
         hosts = await services.engines.live()
@@ -63,7 +70,7 @@ async def engine_stats(services: ServicesDep) -> EngineStats:
                 waiting=h.waiting,
                 kv_usage=h.kv_usage,
                 tokens_per_second=h.tokens_per_second,
-                settings=h.settings,
+                settings=h.settings if admin else None,
             )
             for h in hosts
         ]
@@ -84,7 +91,7 @@ async def engine_stats(services: ServicesDep) -> EngineStats:
         tokens_per_second=services.generation_rate.update(
             stats["generation_tokens"], time.monotonic()
         ),
-        settings=settings_in_force(engine.engine),
+        settings=settings_in_force(engine.engine) if admin else None,
     )
     return EngineStats(available=True, engines=[load])
 
