@@ -36,7 +36,7 @@ logger = logging.getLogger(__name__)
 
 REQUEST_ID_HEADER = "x-request-id"
 _HTTP_METHODS = ("GET", "HEAD", "POST", "PUT", "PATCH", "DELETE", "OPTIONS")
-# A client's own id is echoed only if it is short and printable: it ends up in logs and headers.
+# A client's own id is logged only if it is short and printable.
 _CLIENT_REQUEST_ID = re.compile(r"[\x21-\x7e]{1,128}")
 
 
@@ -66,14 +66,15 @@ def create_app(settings: Settings, services: Services) -> FastAPI:
     return app
 
 
-def install_error_handling(app: FastAPI) -> None:
+def install_error_handling(app: FastAPI, *, adopt_request_ids: bool = False) -> None:
     """OpenAI-shaped errors and request ids: for this app and for the workers' engine hosts,
-    which serve the realtime routes too."""
+    which serve the realtime routes too. `adopt_request_ids` is for an app that only the API
+    calls (an engine host): it takes the API's id as its own, so both log under one id."""
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
     app.add_exception_handler(Exception, _unexpected_error)
-    app.add_middleware(RequestIdMiddleware)
+    app.add_middleware(RequestIdMiddleware, adopt=adopt_request_ids)
 
 
 def health(request: Request) -> JSONResponse:
@@ -92,17 +93,24 @@ def health(request: Request) -> JSONResponse:
 
 
 class RequestIdMiddleware:
-    """Gives each request an id (the client's `x-request-id`, or a new `req_...`), which the SDK
-    reports as `request_id`, and sends it back on the response."""
+    """Gives each request an id of ours (`req_...`), which the SDK reports as `request_id`, and
+    sends it back on the response. A client's own `x-request-id` is not taken: ids of ours are
+    unique, and one that a client picks could pass for another request's in the logs. It is
+    logged beside ours instead, so a client's report that quotes it leads to our lines. With
+    `adopt`, the sender's id (the API's) is this request's id."""
 
-    def __init__(self, app: ASGIApp) -> None:
+    def __init__(self, app: ASGIApp, *, adopt: bool = False) -> None:
         self.app = app
+        self.adopt = adopt
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
-        request_id = _request_id(Request(scope).headers.get(REQUEST_ID_HEADER))
+        sent = Request(scope).headers.get(REQUEST_ID_HEADER)
+        if sent is not None and not _CLIENT_REQUEST_ID.fullmatch(sent):
+            sent = None
+        request_id = sent if self.adopt and sent is not None else _request_id()
         # The state dict is shared with the server-error handler, which runs outside this
         # middleware and so must set the header on its 500 itself.
         scope.setdefault("state", {})["request_id"] = request_id
@@ -123,12 +131,12 @@ class RequestIdMiddleware:
         # are logged after this returns, and the server runs each request in a task of its own,
         # whose context ends with it.
         current_request_id.set(request_id)
+        if sent is not None and sent != request_id:
+            logger.info("request %s: the client's x-request-id is %s", request_id, sent)
         await self.app(scope, receive, send_with_id)
 
 
-def _request_id(sent: str | None) -> str:
-    if sent is not None and _CLIENT_REQUEST_ID.fullmatch(sent):
-        return sent
+def _request_id() -> str:
     return f"req_{secrets.token_hex(16)}"
 
 
@@ -218,7 +226,7 @@ def _allowed_methods(request: Request) -> list[str]:
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:
-    request_id = getattr(request.state, "request_id", None) or _request_id(None)
+    request_id = getattr(request.state, "request_id", None) or _request_id()
     # Starlette re-raises after this handler, so the server logs the traceback; this line ties
     # it to the id the client saw.
     logger.error("request %s failed: %s: %s", request_id, type(exc).__name__, exc)

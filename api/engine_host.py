@@ -182,7 +182,7 @@ def engine_host_app(
     async def load() -> EngineRecord:
         return await record()
 
-    install_error_handling(app)
+    install_error_handling(app, adopt_request_ids=True)  # the API's ids, whose lines match
     return app
 
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import openai
 import pytest
@@ -54,10 +55,16 @@ def test_each_response_carries_a_new_request_id(server):
     assert all(request_id.startswith("req_") for request_id in ids)
 
 
-def test_a_client_request_id_is_echoed(server):
+def test_a_client_request_id_is_logged_beside_ours_not_taken(server, caplog):
+    caplog.set_level(logging.INFO, logger="pagedbatch.api.app")
     with server.http() as http:
-        response = http.get("/v1/files", headers={"x-request-id": "trace-42"})
-    assert response.headers["x-request-id"] == "trace-42"
+        # Another request's id, which a client must not be able to make ours.
+        taken = http.get("/health").headers["x-request-id"]
+        response = http.get("/v1/files", headers={"x-request-id": taken})
+    ours = response.headers["x-request-id"]
+    assert ours.startswith("req_") and ours != taken
+    [line] = [r.getMessage() for r in caplog.records if taken in r.getMessage()]
+    assert ours in line
 
 
 def test_errors_report_the_request_id_to_the_sdk(server):

@@ -86,6 +86,9 @@ def test_serve_writes_json_lines_with_request_ids(tmp_path: Path, tiny_llama: Pa
                 time.sleep(0.1)
         response = httpx.get(f"{url}/v1/models", headers={"x-request-id": "trace-42"})
         assert response.status_code == 200
+        # Ours, not the client's: a client's id could pass for another request's.
+        ours = response.headers["x-request-id"]
+        assert ours.startswith("req_")
     finally:
         server.terminate()
         server.wait(30)
@@ -94,6 +97,9 @@ def test_serve_writes_json_lines_with_request_ids(tmp_path: Path, tiny_llama: Pa
     assert lines and all({"time", "level", "logger", "message"} <= set(line) for line in lines)
     [access] = [line for line in lines if "/v1/models" in line["message"]]
     assert access["logger"] == "uvicorn.access"
-    assert access["request_id"] == "trace-42"
+    assert access["request_id"] == ours
+    # The client's id is logged beside ours, so a report quoting it leads to our lines.
+    [client] = [line for line in lines if "trace-42" in line["message"]]
+    assert client["request_id"] == ours and client["level"] == "INFO"
     started = [line for line in lines if line["logger"] == "uvicorn.error"]
     assert started and all("request_id" not in line for line in started)
