@@ -76,7 +76,8 @@ def check_url(url: str, allowed_hosts: Sequence[str], trust_names: bool = True) 
     host = parsed.raw_host.decode("ascii").lower()
     if not host:
         raise ForbiddenDestination("the URL has no host")
-    port = parsed.port or (443 if parsed.scheme == "https" else 80)
+    # Not `parsed.port or ...`: port 0, which no server listens on, would pass as the default.
+    port = parsed.port if parsed.port is not None else (443 if parsed.scheme == "https" else 80)
     if not 0 < port < 65536:
         raise ForbiddenDestination("the URL's port is not a valid port number")
     addresses = _resolve(host, port)

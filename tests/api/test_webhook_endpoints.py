@@ -92,6 +92,7 @@ REFUSED = [
     ("http://[2002:a00:1::1]/hook", "2002:a00:1::1 is a private address"),
     ("http://[::a9fe:a9fe]/hook", "::a9fe:a9fe is a cloud metadata address"),
     ("ftp://example.com/hook", "the URL must start with https:// or http://"),
+    ("https://8.8.8.8:0/hook", "the URL's port is not a valid port number"),
 ]
 
 

@@ -97,6 +97,7 @@ def test_without_trusted_names_only_listed_addresses_may_be_private():
         ("file:///etc/passwd", "must start with https:// or http://"),
         ("http:///path", "has no host"),
         ("http://8.8.8.8:70000/", "not a valid port number"),
+        ("https://8.8.8.8:0/", "not a valid port number"),  # not taken for the default
         ("http://no-such-host.invalid/", "could not be resolved"),
         ("http://[64:ff9b::a9fe:a9fe]/", r"64:ff9b::a9fe:a9fe is a cloud metadata address"),
         ("http://[2002:a9fe:a9fe::1]:8080/", "2002:a9fe:a9fe::1 is a cloud metadata address"),
