@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import json
 import logging
+import re
 from collections.abc import Callable, Collection
+from dataclasses import dataclass
 from typing import Any
 
 from pydantic import BaseModel, StrictStr, ValidationError
@@ -67,12 +69,82 @@ class InvalidBatchLine(Exception):
         self.error = BatchError(code=code, message=message, param=param, line=line)
 
 
+@dataclass(frozen=True)
+class LongLine:
+    """An input line longer than a line may be: its first `len(head)` bytes (as many as a line
+    may have), and how many it has. Nothing past the head is kept, parsed or tokenized."""
+
+    head: bytes
+    size: int
+
+
+# A JSON string, or a quote that opens one the text cuts short, or a structural character.
+_JSON_TOKEN = re.compile(rb'"[^"\\]*(?:\\.[^"\\]*)*"|["{}\[\]:,]')
+
+
+def top_level_string(text: bytes, key: str) -> str | None:
+    """The string value of `key` in the JSON object that `text` begins, found without parsing
+    the object (its values are skipped, not built); None if `text` does not hold it."""
+    depth, want, current = 0, "object", None
+    for match in _JSON_TOKEN.finditer(text):
+        token = match.group()
+        if token == b'"':  # a string that `text` cuts short
+            return None
+        if depth > 1:
+            depth += (token in (b"{", b"[")) - (token in (b"}", b"]"))
+            continue
+        if want == "object":
+            if token != b"{":
+                return None
+            depth, want = 1, "key"
+        elif token in (b"{", b"["):  # a value that is an object or array
+            depth, want = 2, "comma"
+        elif token == b"}":
+            return None
+        elif token == b":" and want == "colon":
+            want = "value"
+        elif token == b",":
+            want = "key"
+        elif token.startswith(b'"') and want in ("key", "value"):
+            try:
+                text_value = json.loads(token)
+            except ValueError:  # a bad escape
+                return None
+            if want == "value" and current == key:
+                return text_value
+            current, want = text_value, "colon" if want == "key" else "comma"
+        else:
+            return None
+    return None
+
+
 class InputLineChecker:
     """Checks input lines one at a time, remembering custom_ids to catch repeats."""
 
     def __init__(self, urls: Collection[str]) -> None:
         self.urls = urls
         self._seen: set[str] = set()
+
+    def check_long(self, long: LongLine, line: int, limit: int) -> tuple[str, OpenAIError]:
+        """The custom_id of a line past `limit` bytes, and the error the endpoint answers a body
+        past its limit with, which is the line's result; `InvalidBatchLine` if no custom_id can
+        be read from the line's head (the line then cannot fail alone)."""
+        custom_id = top_level_string(long.head, "custom_id")
+        if custom_id is None:
+            raise InvalidBatchLine(
+                "line_too_large",
+                f"The line has {long.size} bytes, more than the {limit} a line may have, and no "
+                f"custom_id was found in its first {len(long.head)} bytes.",
+                line=line,
+            )
+        self._claim(custom_id, line)
+        error = OpenAIError(
+            f"The request is too large: its line has {long.size} bytes, and a batch line may have "
+            f"at most {limit}, as a request body may.",
+            status_code=413,
+            code="request_too_large",
+        )
+        return custom_id, error
 
     def check(self, raw: str | bytes, line: int) -> BatchInputLine:
         """The parsed line, or `InvalidBatchLine` saying what is wrong with it."""
@@ -112,14 +184,19 @@ class InputLineChecker:
             raise invalid(
                 "stream_not_supported", "Streaming is not supported in a batch.", "body.stream"
             )
-        if parsed.custom_id in self._seen:
-            raise invalid(
-                "duplicate_custom_id",
-                f"custom_id {parsed.custom_id!r} is used by an earlier line.",
-                "custom_id",
-            )
-        self._seen.add(parsed.custom_id)
+        self._claim(parsed.custom_id, line)
         return parsed
+
+    def _claim(self, custom_id: str, line: int) -> None:
+        if custom_id in self._seen:
+            raise InvalidBatchLine(
+                "duplicate_custom_id",
+                f"custom_id {custom_id!r} is used by an earlier line.",
+                line=line,
+                param="custom_id",
+                custom_id=custom_id,
+            )
+        self._seen.add(custom_id)
 
 
 # Error messages quote what the client sent (a bad value, an unknown parameter's name): a

@@ -1,7 +1,10 @@
 """Validating a batch's input file: its format is all or nothing, every problem reported with
 its line. A well-formed line that the endpoint would refuse (its prompt past the context, a bad
 parameter) fails alone, when this process has the engine to ask: it is *refused* here, before
-any engine work, and ends in the error file with the 400 the endpoint answers.
+any engine work, and ends in the error file with the 400 the endpoint answers. A line longer
+than a realtime request body may be (`max_request_body_bytes`) fails alone the same way, with the
+413 the endpoint answers such a body, whether or not there is an engine: it is neither parsed nor
+kept (only its head is read, for its custom_id).
 
 The file is streamed once and its requests are inserted as they are read, committed every
 `INSERT_CHUNK` lines so the API's writes never wait on a whole file (SQLite has one writer at a
@@ -31,9 +34,12 @@ from pagedbatch.ids import now
 from pagedbatch.protocol.batch_lines import (
     BatchError,
     BatchInputLine,
+    BatchOutputLine,
     InputLineChecker,
     InvalidBatchLine,
+    LongLine,
     failed_line,
+    openai_error_line,
 )
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
@@ -66,15 +72,33 @@ class _Staged:
     abandoned: bool = False  # the batch stopped validating meanwhile (cancelled, or done)
 
 
-def iter_lines(chunks: Iterable[bytes]) -> Iterator[bytes]:
-    """Split a byte stream into lines (without their newline), whatever the chunk boundaries."""
-    tail = b""
+def iter_lines(chunks: Iterable[bytes], max_bytes: int) -> Iterator[bytes | LongLine]:
+    """Split a byte stream into lines (without their newline), whatever the chunk boundaries.
+    A line of more than `max_bytes` comes as a `LongLine`: memory holds at most `max_bytes` of a
+    line, and each byte is copied once, however many chunks a line spans."""
+    kept: list[bytes] = []  # the current line's first bytes, up to max_bytes
+    held = size = 0  # their count; the line's length so far
     for chunk in chunks:
-        lines = (tail + chunk).split(b"\n")
-        tail = lines.pop()
-        yield from lines
-    if tail:
-        yield tail
+        start = 0
+        while True:
+            end = chunk.find(b"\n", start)
+            piece = chunk[start:] if end < 0 else chunk[start:end]
+            if held < max_bytes and piece:
+                kept.append(piece[: max_bytes - held])
+                held += len(kept[-1])
+            size += len(piece)
+            if end < 0:
+                break
+            yield _line(kept, size, max_bytes)
+            kept, held, size = [], 0, 0
+            start = end + 1
+    if size:
+        yield _line(kept, size, max_bytes)
+
+
+def _line(kept: list[bytes], size: int, max_bytes: int) -> bytes | LongLine:
+    head = b"".join(kept)
+    return head if size <= max_bytes else LongLine(head, size)
 
 
 def validate_batch(ctx: WorkerContext, batch_id: str) -> None:
@@ -246,10 +270,13 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
     checker = InputLineChecker([batch.endpoint])
     served = endpoint(ctx, batch.endpoint)  # None: no engine here to check models and bodies
     limit = ctx.settings.max_batch_lines
+    # A line is held to a realtime request body's bound: past it, it is refused unread.
+    max_line = ctx.settings.max_request_body_bytes
     staged = _Staged()
     rows: list[dict] = []
-    for number, raw in enumerate(iter_lines(ctx.blobs.open(input_file.storage_key)), start=1):
-        if not raw.strip():
+    lines = iter_lines(ctx.blobs.open(input_file.storage_key), max_line)
+    for number, raw in enumerate(lines, start=1):
+        if isinstance(raw, bytes) and not raw.strip():
             continue
         staged.total += 1
         if staged.total > limit:
@@ -262,23 +289,32 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
             )
             break
         try:
-            line = _check_line(checker, raw, number, staged.model, served)
+            if isinstance(raw, LongLine):
+                custom_id, refusal = checker.check_long(raw, number, max_line)
+                _check_custom_id(custom_id, number)
+                # Its body is not kept: its result is the refusal.
+                body: dict[str, Any] = {}
+                status = _refused(openai_error_line(custom_id, refusal))
+            else:
+                line = _check_line(checker, raw, number, staged.model, served)
+                custom_id, body = line.custom_id, line.body
+                staged.model = line.body["model"]
+                status = _staged_status(served, line)
         except InvalidBatchLine as e:
             staged.errors.append(e.error)
             if len(staged.errors) >= MAX_REPORTED_ERRORS:
                 break
             continue
-        staged.model = line.body["model"]
         if staged.errors:
             continue  # the batch will fail; keep checking, stop storing
         rows.append(
             {
                 "batch_id": batch.id,
                 "line": number,
-                "custom_id": line.custom_id,
+                "custom_id": custom_id,
                 "shard_index": (staged.total - 1) // ctx.settings.shard_size,
-                "body": line.body,
-                **_staged_status(served, line),
+                "body": body,
+                **status,
             }
         )
         if len(rows) >= INSERT_CHUNK:
@@ -305,21 +341,7 @@ def _check_line(
     """The line's request, or `InvalidBatchLine`; whatever goes wrong is this line's error."""
     try:
         line = checker.check(raw, number)
-        if "\x00" in line.custom_id:  # no database stores NUL in text
-            raise InvalidBatchLine(
-                "invalid_value",
-                "custom_id must not contain NUL.",
-                line=number,
-                param="custom_id",
-            )
-        if len(line.custom_id) > MAX_CUSTOM_ID_CHARS:
-            raise InvalidBatchLine(
-                "invalid_value",
-                f"custom_id has {len(line.custom_id)} characters; "
-                f"at most {MAX_CUSTOM_ID_CHARS} are allowed.",
-                line=number,
-                param="custom_id",
-            )
+        _check_custom_id(line.custom_id, number)
         _check_model(line.body, model, served, number)
         return line
     except InvalidBatchLine:
@@ -333,6 +355,29 @@ def _check_line(
         ) from None
 
 
+def _check_custom_id(custom_id: str, number: int) -> None:
+    """What the database can store of a custom_id: no NUL, and no more than its column holds."""
+    if "\x00" in custom_id:
+        raise InvalidBatchLine(
+            "invalid_value",
+            "custom_id must not contain NUL.",
+            line=number,
+            param="custom_id",
+        )
+    if len(custom_id) > MAX_CUSTOM_ID_CHARS:
+        raise InvalidBatchLine(
+            "invalid_value",
+            f"custom_id has {len(custom_id)} characters; "
+            f"at most {MAX_CUSTOM_ID_CHARS} are allowed.",
+            line=number,
+            param="custom_id",
+        )
+
+
+def _refused(error: BatchOutputLine) -> dict[str, Any]:
+    return {"status": RequestStatus.REFUSED, "result": error.model_dump(mode="json")}
+
+
 def _staged_status(served: Endpoint | None, line: BatchInputLine) -> dict[str, Any]:
     """STAGED, or REFUSED with the error line the endpoint answers this line with (a prompt past
     the context, a bad parameter, an image it cannot read), found by preparing the line as its
@@ -342,8 +387,7 @@ def _staged_status(served: Endpoint | None, line: BatchInputLine) -> dict[str, A
         try:
             served.prepare(line.body, served.engine.engine)
         except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
-            error = failed_line(line.custom_id, e).model_dump(mode="json")
-            return {"status": RequestStatus.REFUSED, "result": error}
+            return _refused(failed_line(line.custom_id, e))
     return {"status": RequestStatus.STAGED, "result": None}
 
 

@@ -41,6 +41,7 @@ from pagedbatch.protocol.serving.common import (
     TokenPieces,
     check_context_length,
     check_model,
+    encode_prompt,
     finish_reason,
     new_id,
     not_supported,
@@ -153,9 +154,9 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or []]
     media = decode_media(request.messages, served)
     text = render_chat(request.messages, tokenizer, tools, takes(served))
-    prompt = tokenizer.encode(text, add_special_tokens=False)
-    prompt, items = place_media(prompt, media, served)
     max_tokens = request.max_completion_tokens or request.max_tokens  # None: up to the context
+    prompt = encode_prompt(text, max_tokens, served, param="messages", add_special_tokens=False)
+    prompt, items = place_media(prompt, media, served)
     check_context_length(len(prompt), max_tokens, served, param="messages")
     params = sampling_params(
         request,

@@ -30,6 +30,7 @@ from pagedbatch.protocol.serving.common import (
     check_context_length,
     check_model,
     check_vocabulary,
+    encode_prompt,
     finish_reason,
     new_id,
     not_supported,
@@ -129,7 +130,10 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
     tokenizer = served.tokenizer
     prompts = _split_prompts(request.prompt)
     token_ids = [
-        tokenizer.encode(p, add_special_tokens=True) if isinstance(p, str) else p for p in prompts
+        encode_prompt(p, request.max_tokens, served, param="prompt", add_special_tokens=True)
+        if isinstance(p, str)
+        else p
+        for p in prompts
     ]
     for ids in token_ids:
         check_vocabulary(ids, len(tokenizer), param="prompt")

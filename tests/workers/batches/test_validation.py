@@ -20,13 +20,14 @@ from sqlalchemy import func, make_url, select, text
 from tcp_proxy import TcpProxy
 
 from pagedbatch.ids import new_id, now
+from pagedbatch.protocol.batch_lines import LongLine
 from pagedbatch.service import open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, RequestStatus, Shard
 from pagedbatch.store.queue import InProcessQueue
-from pagedbatch.workers.batches.validation import validate_batch
+from pagedbatch.workers.batches.validation import iter_lines, validate_batch
 from pagedbatch.workers.context import WorkerContext
 
 
@@ -283,3 +284,50 @@ def test_a_database_outage_never_fails_the_batch(postgres_url, tmp_path):
         finally:
             validator.queue.shutdown()
             validator.ctx.session_factory.kw["bind"].dispose()
+
+
+def test_lines_are_split_holding_at_most_a_lines_bound_of_any_line():
+    data = b"a" * 10 + b"\n" + b"b" * 5000 + b"\n\nc"
+    chunks = [data[i : i + 64] for i in range(0, len(data), 64)]
+    assert list(iter_lines(chunks, 100)) == [b"a" * 10, LongLine(b"b" * 100, 5000), b"", b"c"]
+
+
+@pytest.mark.parametrize("storage", ["sqlite", "postgresql"])
+def test_a_line_past_the_body_bound_fails_alone_without_an_engine(make_validator, storage):
+    """No engine in this process: a long line is refused all the same (it needs none), its body
+    not kept; the other lines are staged for the shards."""
+    validator = make_validator(storage, max_request_body_bytes=4096)
+    big = line("big")
+    big["body"]["messages"][0]["content"] = "x" * 10_000
+    batch_id = validator.batch([line("a"), big, line("c")])
+    validate_batch(validator.ctx, batch_id)
+
+    batch = validator.get(batch_id)
+    assert (batch.status, batch.request_total, batch.request_failed) == ("in_progress", 3, 1)
+    assert validator.requests(batch_id) == {"pending": 2, "failed": 1}
+    with validator.ctx.session_factory() as session:
+        row = session.scalars(
+            select(BatchRequest).where(
+                BatchRequest.batch_id == batch_id, BatchRequest.custom_id == "big"
+            )
+        ).one()
+    assert row.body == {}
+    response = row.result["response"]
+    assert response["status_code"] == 413
+    assert response["body"]["error"]["code"] == "request_too_large"
+
+
+def test_a_long_line_whose_custom_id_is_past_its_head_fails_the_batch(make_validator):
+    validator = make_validator(max_request_body_bytes=4096)
+    big = line("big")
+    big["body"]["messages"][0]["content"] = "x" * 10_000
+    body_first = json.dumps({"body": big.pop("body"), **big})
+    batch_id = validator.batch([line("a"), body_first])
+    validate_batch(validator.ctx, batch_id)
+
+    batch = validator.get(batch_id)
+    assert batch.status == "failed"
+    [error] = batch.errors
+    assert (error["code"], error["line"]) == ("line_too_large", 2)
+    assert "more than the 4096 a line may have" in error["message"]
+    assert validator.requests(batch_id) == {}
