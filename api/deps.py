@@ -10,6 +10,7 @@ import anyio
 from fastapi import Depends, Request
 from sqlalchemy.orm import Session, sessionmaker
 
+from pagedbatch.api.preparation import Preparation
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.ids import now
@@ -40,9 +41,10 @@ class Services:
     # of their own: slow ones cannot take the pool that sync endpoints and downloads run on.
     # Uploads beyond this many wait their turn.
     upload_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(32))
-    # Realtime requests are parsed, templated and tokenized on threads, this many at once: a
-    # large one takes seconds of CPU, which must not stall the event loop (and /health).
-    prepare_threads: anyio.CapacityLimiter = field(default_factory=lambda: anyio.CapacityLimiter(4))
+    # Realtime requests are parsed, templated and tokenized on threads, shared fairly among
+    # tenants: a large one takes seconds of CPU, which must not stall the event loop (and
+    # /health); one that fetches images waits on threads of its own (api/preparation.py).
+    preparation: Preparation = field(default_factory=Preparation)
     # The engine's generated tokens per second, as `/v1/engine/stats` reports it.
     generation_rate: TokenRate = field(default_factory=TokenRate)
 

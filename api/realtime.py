@@ -29,12 +29,12 @@ from dataclasses import dataclass, replace
 from itertools import zip_longest
 from typing import Any, Protocol, TypeVar, cast
 
-import anyio.to_thread
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from starlette.types import Message, Receive, Scope, Send
 
 from pagedbatch.api.deps import Services, get_services
+from pagedbatch.api.preparation import preparing_for
 from pagedbatch.api.request_body import decode_json
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
@@ -53,6 +53,7 @@ from pagedbatch.protocol.serving.common import (
     prefix_cache_salt,
     usage,
 )
+from pagedbatch.protocol.serving.media import fetches_media
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
 from pagedbatch.store.models import DEFAULT_OWNER
 from pagedbatch.store.usage import Usage as LedgerUsage
@@ -263,8 +264,9 @@ async def answer(
     The request is checked in full before it comes near the engine, then runs if admitted.
     """
     raw = await request.body()
-    params = await _off_loop(services, parse, raw)
     tenant = _tenant(request)
+    preparing_for.set(tenant)  # each step on a thread counts against its share of them
+    params = await _off_loop(services, parse, raw)
     spend = getattr(request.app.state, "spend", None)  # none on an engine host: the API checked
     if spend is not None and engine_of is None:  # moderation costs nothing
         await _off_loop(services, spend.check, tenant)
@@ -274,7 +276,9 @@ async def answer(
             request, params.model, raw, services.served_models, tenant, send_timeout
         )
     engine = (engine_of or _engine_for)(services, params.model)
-    prepared = await _off_loop(services, prepare, params, engine.engine)
+    prepared = await _off_loop(
+        services, prepare, params, engine.engine, fetching=fetches_media(params)
+    )
     salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
     policy = policy_for(services.settings, tenant)
     if policy.screens_input:
@@ -390,10 +394,15 @@ def _rendered(prepared: Prepared, outputs: list[RequestOutput]) -> tuple[str, st
     return body.model_dump_json(), "application/json"
 
 
-async def _off_loop(services: Services, work: Callable[..., T], *args: Any) -> T:
-    """`work(*args)` on a worker thread: parsing, templating and tokenizing a large request
-    takes seconds of CPU, which on the event loop would stall every other client."""
-    return await anyio.to_thread.run_sync(work, *args, limiter=services.prepare_threads)
+async def _off_loop(
+    services: Services, work: Callable[..., T], *args: Any, fetching: bool = False
+) -> T:
+    """`work(*args)` on a preparation thread, within the tenant's share of them: parsing,
+    templating and tokenizing a large request takes seconds of CPU, which on the event loop
+    would stall every other client. `fetching`: it fetches media, and so waits on other hosts
+    on a lane of threads of its own (api/preparation.py)."""
+    preparation = services.preparation
+    return await (preparation.fetching if fetching else preparation.work).run(work, *args)
 
 
 def _tenant(request: Request) -> str:

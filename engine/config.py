@@ -119,8 +119,15 @@ class EngineArgs:
     media_allowed_hosts: str | None = arg(
         None,
         doc="comma-separated hosts whose http(s) image URLs are fetched (redirects only among "
-        "them, within max_image_bytes and 10 s); a name must resolve to public addresses, an "
-        "address listed itself may be private; unset: images come only as data: URLs",
+        "them, within max_image_bytes and media_fetch_deadline_seconds); a name must resolve to "
+        "public addresses, an address listed itself may be private; unset: images come only as "
+        "data: URLs",
+    )
+    media_fetch_deadline_seconds: float = arg(
+        10.0,
+        doc="the time all of one request's http(s) image fetches may take together (name "
+        "lookups, redirects and trickling bodies included); past it the request is a 400",
+        gt=0,
     )
     max_num_encoder_tokens: int = arg(
         2048,

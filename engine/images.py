@@ -23,6 +23,7 @@ class ImageLimits:
     bytes: int
     pixels: int
     allowed_hosts: tuple[str, ...] = ()  # whose http(s) URLs are fetched; lower case
+    fetch_seconds: float = 10.0  # all of a request's fetches together
 
 
 @dataclass(frozen=True)

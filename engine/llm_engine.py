@@ -64,6 +64,7 @@ class LLMEngine:
                 args.max_image_bytes,
                 args.max_image_pixels,
                 tuple(host.strip() for host in hosts if host.strip()),
+                args.media_fetch_deadline_seconds,
             )
             self.image_processor = ImageProcessor(self.model_config, limits)
         if audio_spec(self.model_config) is not None:

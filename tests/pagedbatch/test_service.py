@@ -45,6 +45,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "max_audio_bytes": 5000,
         "max_audio_seconds": 5.0,
         "media_allowed_hosts": "images.example.com",
+        "media_fetch_deadline_seconds": 4.0,
         "max_num_encoder_tokens": 64,
         "encoder_cache_size": 128,
         "tensor_parallel_size": 1,

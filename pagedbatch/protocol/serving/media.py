@@ -1,8 +1,9 @@
 """A chat request's images and audio clips, decoded and made ready for the engine.
 
 Counts are checked before anything is decoded, and a part the model cannot take is refused
-before the others are; each failure is a 400 naming the part. Decoding runs on the caller's
-thread (the doors call `prepare_chat` off the event loop and off the engine's thread).
+before the others are; each failure is a 400 naming the part. Fetching (of http(s) image URLs,
+all within one deadline) and decoding run on the caller's thread (the doors call
+`prepare_chat` off the event loop and off the engine's thread).
 """
 
 from __future__ import annotations
@@ -13,7 +14,8 @@ from typing import Any
 from pagedbatch.engine.multimodal import MediaItem, Modality, ProcessedMedia, place
 from pagedbatch.protocol.audio import decode_base64_audio
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.images import decode_image_url
+from pagedbatch.protocol.images import decode_image_url, open_image
+from pagedbatch.protocol.media_fetch import fetch_all, is_remote
 from pagedbatch.protocol.schemas.chat import AudioPart, ChatMessage, ImagePart
 from pagedbatch.protocol.serving.common import ServedModel
 
@@ -42,6 +44,18 @@ def place_media(
     return ids, tuple(items)
 
 
+def fetches_media(request: object) -> bool:
+    """Whether preparing the request fetches anything: a chat request with an http(s) image URL
+    (which the doors prepare on threads of their own, as it waits on other hosts)."""
+    messages: Sequence[ChatMessage] = getattr(request, "messages", None) or ()
+    return any(
+        isinstance(part, ImagePart) and is_remote(part.image_url.url)
+        for message in messages
+        if isinstance(message.content, list)
+        for part in message.content
+    )
+
+
 def decode_media(messages: Sequence[ChatMessage], served: ServedModel) -> list[ProcessedMedia]:
     """The messages' images and clips, decoded and processed, images first, each modality in
     message order (the order `multimodal.place` fills each modality's placeholders in)."""
@@ -56,12 +70,20 @@ def decode_media(messages: Sequence[ChatMessage], served: ServedModel) -> list[P
     image_processor, audio_processor = served.image_processor, served.audio_processor
     _check_count(images, image_processor, "images", "too_many_images")
     _check_count(clips, audio_processor, "audio clips", "too_many_audio_clips")
-    processed = [
-        image_processor(
-            decode_image_url(part.image_url.url, f"{where}.image_url", image_processor.limits)
-        )
-        for where, part in images
-    ]
+    processed: list[ProcessedMedia] = []
+    if images:
+        limits = image_processor.limits
+        urls = [(f"{where}.image_url", part.image_url.url) for where, part in images]
+        # One deadline for all of them, however many parts name a slow host.
+        fetched = fetch_all([(param, url) for param, url in urls if is_remote(url)], limits)
+        processed = [
+            image_processor(
+                open_image(fetched[param], param, limits)
+                if param in fetched
+                else decode_image_url(url, param, limits)
+            )
+            for param, url in urls
+        ]
     for where, part in clips:
         param = f"{where}.input_audio"
         waveform, rate = decode_base64_audio(part.input_audio.data, param, audio_processor.limits)
