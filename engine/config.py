@@ -116,6 +116,14 @@ class EngineArgs:
         "short whatever the model and the machine; unset: only low_priority_token_budget",
         gt=0,
     )
+    grammar_compile_seconds: float = arg(
+        10.0,
+        doc="the longest one structured-output grammar (a response_format schema, tools) may "
+        "take to compile; past it the request is a 400 naming response_format, and the same "
+        "schema is refused at once thereafter. Each tenant's compiles run one at a time on a "
+        "lane of their own, so one tenant's never wait behind another's",
+        gt=0,
+    )
     media_allowed_hosts: str | None = arg(
         None,
         doc="comma-separated hosts whose http(s) image URLs are fetched (redirects only among "

@@ -96,7 +96,9 @@ class EngineCore:
             self.encoder_cache,
             args.max_num_encoder_tokens,
         )
-        self.grammars = GrammarRuntime(tokenizer, model_config.vocab_size, eos_token_ids)
+        self.grammars = GrammarRuntime(
+            tokenizer, model_config.vocab_size, eos_token_ids, args.grammar_compile_seconds
+        )
         self.sampler = Sampler(self.grammars.apply_masks)
         self._compiling: list[_Compiling] = []
         self._failed: list[Request] = []
@@ -105,7 +107,9 @@ class EngineCore:
 
     def add(self, requests: list[Request], structured: StructuredOutput | None) -> None:
         """Admit one request's completions; with structured output, once its grammar compiled."""
-        grammar = self.grammars.compile(structured) if structured is not None else None
+        # Laned and cached by cache salt: the tenant's, unless tenants share the prefix cache.
+        salt = requests[0].cache_salt
+        grammar = self.grammars.compile(structured, salt) if structured is not None else None
         if grammar is None or grammar.done():
             self._schedule(requests, grammar)
         else:

@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedbatch.engine.structured_output import OutputLimits, StructuredOutput
+from pagedbatch.engine.structured_output import OutputLimits, StructuredOutput, too_costly
+from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.tool_calls import TOOL_CALL_OPENING, call_tag, calls_in_a_row
 
 _FUNCTION_NAME = re.compile(r"^[a-zA-Z0-9_-]{1,64}$")
@@ -162,3 +163,16 @@ def _arguments(function: Mapping[str, Any], limits: OutputLimits) -> StructuredO
         return StructuredOutput.json_schema(schema, bool(function.get("strict")), limits)
     except ValueError as e:
         raise ValueError(f"function {function['name']!r}: {e}") from None
+
+
+def costly_output_format(engine_error: str | None) -> OpenAIError | None:
+    """The 400 of a request whose grammar took longer to compile than the engine allows (a
+    request's `RequestOutput.error`), naming response_format; None for any other error."""
+    if not too_costly(engine_error):
+        return None
+    reason = engine_error.partition(": ")[2] or engine_error
+    return OpenAIError(
+        f"Invalid 'response_format': {reason}.",
+        param="response_format",
+        code="response_format_too_costly",
+    )

@@ -3,8 +3,10 @@ JSON valid for its schema (or of its structural tag's shape), and it ends by its
 max_tokens. What OpenAI's fields ask for, tool calls included, is tests/protocol's."""
 
 import json
+import random
 import re
 import threading
+import time
 from collections.abc import Callable
 
 import jsonschema
@@ -18,9 +20,12 @@ from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.structured_output import (
     MAX_GRAMMAR_CHARS,
     GrammarRuntime,
+    GrammarTooCostly,
     OutputLimits,
     StructuredOutput,
+    too_costly,
 )
+from pagedbatch.protocol.structured_output import costly_output_format
 
 Matcher = Callable[[StructuredOutput], xgr.GrammarMatcher]
 
@@ -357,3 +362,88 @@ def test_the_compiled_grammar_cache_drops_the_least_recently_used(llm):
     assert runtime.compile(a) is first
     assert runtime.compile(b).result() is not None
     assert len(runtime._compiled) == 2
+
+
+def enum_schema(seed: int, values: int = 1200, chars: int = 300) -> StructuredOutput:
+    """An enum of long strings: a grammar well inside MAX_GRAMMAR_CHARS that takes seconds to
+    compile (3,000 values of 300 characters took 20 s; these about 3 s on a 2-core machine)."""
+    rng = random.Random(seed)
+    letters = "abcdefghij klmnop"
+    strings = ["".join(rng.choice(letters) for _ in range(chars)) for _ in range(values)]
+    structured = StructuredOutput.json_schema({"enum": strings})
+    assert len(structured.grammar) < MAX_GRAMMAR_CHARS
+    return structured
+
+
+def lanes_idle(runtime: GrammarRuntime, timeout: float = 120) -> bool:
+    """Whether every lane's thread ended (xgrammar finishes what the budget abandoned)."""
+    deadline = time.monotonic() + timeout
+    while runtime._lanes and time.monotonic() < deadline:
+        time.sleep(0.05)
+    return not runtime._lanes
+
+
+def test_a_compile_past_its_budget_fails_and_holds_up_no_other_tenants_compile(llm):
+    """Tenant A's two costly schemas each fail once past the budget; tenant B's JSON mode,
+    asked for while A's first compiles, waits on neither (one compile thread took B 39 s)."""
+    budget = 0.5
+    vocab = llm.engine.model_config.vocab_size
+    runtime = GrammarRuntime(llm.tokenizer, vocab, [0], compile_seconds=budget)
+    runtime.compile(StructuredOutput.json_object(), "warm").result()  # the compiler, built once
+    costly = [enum_schema(1), enum_schema(2)]
+    started = time.monotonic()
+    first, second = (runtime.compile(structured, "tenant-a") for structured in costly)
+    asked = time.monotonic()
+    json_mode = runtime.compile(StructuredOutput.json_object(), "tenant-b")
+    assert json_mode.result(timeout=60) is not None
+    waited = time.monotonic() - asked
+    with pytest.raises(GrammarTooCostly, match="took more than 0.5 s to compile"):
+        first.result(timeout=60)
+    failed_after = time.monotonic() - started
+    # Generous margins on a shared machine: B's compile takes about 0.1 s alone, and A's
+    # compiles take seconds each.
+    assert waited < 5
+    assert budget <= failed_after < budget + 5
+    with pytest.raises(GrammarTooCostly):
+        second.result(timeout=120)  # after the first's compile ended, on A's lane
+    # Refused again at once, from the cache, without compiling again.
+    compiles = runtime.compiles
+    again = runtime.compile(costly[0], "tenant-a")
+    assert again.done() and isinstance(again.exception(), GrammarTooCostly)
+    assert runtime.compiles == compiles
+    assert lanes_idle(runtime)
+
+
+def test_a_repeated_schema_compiles_once_per_cache_salt(llm):
+    """Cached per salt (the tenant): a repeat is a cache hit; another tenant's same schema is
+    compiled for it, so no tenant learns from a quick answer what another sent."""
+    runtime = GrammarRuntime(llm.tokenizer, llm.engine.model_config.vocab_size, [0])
+    structured = StructuredOutput.json_schema(PERSON)
+    mine = runtime.compile(structured, "tenant-a")
+    assert runtime.compile(structured, "tenant-a") is mine
+    assert (runtime.compiles, runtime.cache_hits) == (1, 1)
+    theirs = runtime.compile(structured, "tenant-b")
+    assert theirs is not mine and theirs.result() is not None
+    assert (runtime.compiles, runtime.cache_hits) == (2, 1)
+
+
+def test_a_request_whose_grammar_is_too_costly_fails_alone_as_the_clients_error(tiny_llama):
+    """Through the engine: the costly request ends with an error that the protocol answers
+    with a 400 naming response_format; another tenant's constrained request runs meanwhile."""
+    engine = LLMEngine(EngineArgs(model=str(tiny_llama), grammar_compile_seconds=0.5))
+    costly = SamplingParams(max_tokens=8, structured=enum_schema(3))
+    json_mode = SamplingParams(max_tokens=64, structured=StructuredOutput.json_object())
+    engine.add_request("costly", "Pick:", costly, cache_salt="tenant-a")
+    engine.add_request("json", "Answer:", json_mode, cache_salt="tenant-b")
+    done = {}
+    while engine.has_unfinished_requests():
+        done.update({o.request_id: o for o in engine.step() if o.finished})
+    assert too_costly(done["costly"].error)
+    error = costly_output_format(done["costly"].error)
+    assert error is not None and error.status_code == 400
+    assert (error.body()["error"]["param"], error.body()["error"]["code"]) == (
+        "response_format",
+        "response_format_too_costly",
+    )
+    assert isinstance(json.loads(done["json"].outputs[0].text), dict)
+    assert lanes_idle(engine.grammars)

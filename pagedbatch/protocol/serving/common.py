@@ -25,6 +25,7 @@ from pagedbatch.engine.structured_output import StructuredOutput
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 from pagedbatch.protocol.errors import OpenAIError, from_validation_error
 from pagedbatch.protocol.schemas.common import PromptTokensDetails, SamplingRequest, Usage
+from pagedbatch.protocol.structured_output import costly_output_format
 
 Body = TypeVar("Body", bound=BaseModel)
 
@@ -319,6 +320,8 @@ def finish_reason(choice: CompletionOutput, output: RequestOutput) -> FinishReas
             type="server_error",
             code="request_aborted",
         )
+    if (costly := costly_output_format(output.error)) is not None:
+        raise costly  # the client's schema or tools, not the engine, are at fault
     raise OpenAIError(
         f"The request failed in the engine: {output.error or 'no reason given'}.",
         status_code=500,
