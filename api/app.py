@@ -14,8 +14,9 @@ from typing import Any
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse
+from fastapi.responses import JSONResponse, Response
 from starlette.exceptions import HTTPException
+from starlette.requests import ClientDisconnect
 from starlette.routing import Match
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,6 +24,7 @@ from pagedbatch.api.auth import KeyRing
 from pagedbatch.api.deps import Services
 from pagedbatch.api.errors import BodyTooLarge
 from pagedbatch.api.metrics import install_metrics
+from pagedbatch.api.realtime import CLIENT_CLOSED_REQUEST
 from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
 from pagedbatch.api.routes import admin_router, api_router, ui
 from pagedbatch.api.spend import SpendGuard
@@ -73,6 +75,7 @@ def install_error_handling(app: FastAPI, *, adopt_request_ids: bool = False) -> 
     app.add_exception_handler(OpenAIError, _openai_error)
     app.add_exception_handler(RequestValidationError, _validation_error)
     app.add_exception_handler(HTTPException, _http_error)
+    app.add_exception_handler(ClientDisconnect, _client_disconnected)
     app.add_exception_handler(Exception, _unexpected_error)
     app.add_middleware(RequestIdMiddleware, adopt=adopt_request_ids)
 
@@ -182,9 +185,11 @@ def _param(loc: Sequence[int | str]) -> str | None:
     return param
 
 
-async def _http_error(request: Request, exc: Exception) -> JSONResponse:
+async def _http_error(request: Request, exc: Exception) -> Response:
     """Starlette's own errors: unknown routes (404), wrong methods (405) and the like."""
     assert isinstance(exc, HTTPException)
+    if isinstance(exc.__cause__, ClientDisconnect):  # FastAPI's "error parsing the body"
+        return await _client_disconnected(request, exc.__cause__)
     headers = exc.headers
     if isinstance(exc, BodyTooLarge):
         error = exc.openai()
@@ -223,6 +228,19 @@ def _allowed_methods(request: Request) -> list[str]:
             route.matches({**request.scope, "method": method})[0] is Match.FULL for route in routes
         )
     ]
+
+
+async def _client_disconnected(request: Request, _exc: Exception) -> Response:
+    """A client that left before its body was read: nothing failed on our side, so no error and
+    no traceback (a crowd of them would bury real errors), only a line. Handled here, the server
+    never sees the exception."""
+    logger.info(
+        "request %s: the client disconnected before its body was read (%s %s)",
+        getattr(request.state, "request_id", None),
+        request.method,
+        request.url.path,
+    )
+    return Response(status_code=CLIENT_CLOSED_REQUEST)
 
 
 async def _unexpected_error(request: Request, exc: Exception) -> JSONResponse:

@@ -69,12 +69,11 @@ async def upload_file(
     upload = _Upload(services, owner, idempotency_key)
     try:
         boundary = form_boundary(request.headers.get("content-type"))
+        # A client that leaves mid-upload raises ClientDisconnect through the blob write (which
+        # then stores nothing) to the app's handler, which logs it as no error.
         return await anyio.to_thread.run_sync(
             upload.run, chunks(), boundary, limiter=services.upload_threads
         )
-    except ClientDisconnect:
-        # Nobody is left to read this; it only keeps the server from logging a failure.
-        raise OpenAIError("The client disconnected during the upload.") from None
     finally:
         # A response sent while the client is still sending is often lost to a reset, which
         # the SDK would retry; reading the rest first lets the client see the error.
