@@ -2,8 +2,8 @@
 
 It serves `/v1/chat/completions`, `/v1/completions`, `/v1/audio/transcriptions` and
 `/v1/moderations` with the embedded server's own code (api/realtime.py), so checks, admission
-(429 with Retry-After), streaming and the abort of a request whose client left behave alike in
-both deployments; the API forwards requests here and
+(429 with Retry-After), spend reservations (api/spend.py), streaming and the abort of a request
+whose client left behave alike in both deployments; the API forwards requests here and
 passes the answers back unchanged (api/engine_proxy.py). `GET /internal/load` tells this engine's
 load. Every heartbeat the host writes its address and load into Redis (store/engine_registry.py),
 where the API finds it; the record lapses within seconds of the worker dying, and is deleted at
@@ -38,6 +38,7 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.realtime import Admission
 from pagedbatch.api.routes import audio, chat, completions, moderations
 from pagedbatch.api.routes.engine import settings_in_force
+from pagedbatch.api.spend import SpendGuard
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
@@ -168,6 +169,8 @@ def engine_host_app(
 
     app = FastAPI(title="pagedbatch engine host", lifespan=lifespan)
     app.state.services = services
+    # Requests are tokenized here, so their spend is reserved here (the API reserves none).
+    app.state.spend = SpendGuard(services.session_factory, settings)
     # The one api/realtime.py would make for the main engine.
     app.state.realtime_admissions = {services.engine.engine.model_name: admission}
     guarded = [Depends(_secret_check(settings.engine_secret))]

@@ -152,8 +152,11 @@ class EngineProxy:
                 )
                 self._pass_over(host)
                 continue
-            if upstream.status_code == 429 and host is not hosts[-1]:
-                await upstream.aclose()  # full: another host may have room
+            # Full (a 429 with Retry-After): another host may have room. A spend limit's 429
+            # (insufficient_quota) is the same on every host, which share the budgets.
+            full_here = upstream.status_code == 429 and "retry-after" in upstream.headers
+            if full_here and host is not hosts[-1]:
+                await upstream.aclose()
                 full = True
                 continue
             return UpstreamResponse(upstream, send_timeout)

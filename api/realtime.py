@@ -1,8 +1,10 @@
 """The realtime door's side of the engine: admission, running a request, answering it.
 
 A request is read (at most `max_request_body_bytes`, api/request_body.py), parsed and prepared
-(templated, tokenized) on worker threads, so a large body never stalls the event loop. It is
-then admitted or refused at once: the engine holds at most `max_realtime_queue` realtime
+(templated, tokenized) on worker threads, so a large body never stalls the event loop. Its
+worst case is then reserved against the spend limits, or it is refused with 429
+`insufficient_quota` (api/spend.py); it settles to what it used however it ends. It is then
+admitted or refused at once: the engine holds at most `max_realtime_queue` realtime
 sequences (each request's prompts × n), shared fairly among tenants (`Admission`), and beyond
 that a client gets a 429 with Retry-After (when the room it needs is expected, which is kept for
 it meanwhile), so a burst costs neither memory nor an ever longer queue. Admitted requests
@@ -13,7 +15,7 @@ client reads; a client that goes away, or that leaves a stream unread for
 
 The distributed API runs no engine: it checks the request and forwards it, with its tenant, to
 a worker's engine host (api/engine_proxy.py), which answers it with this same code, and so admits
-per engine.
+per engine and reserves its spend.
 """
 
 from __future__ import annotations
@@ -36,6 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 from pagedbatch.api.deps import Services, get_services
 from pagedbatch.api.preparation import preparing_for
 from pagedbatch.api.request_body import decode_json
+from pagedbatch.api.spend import Account, SpendGuard
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind
@@ -56,7 +59,6 @@ from pagedbatch.protocol.serving.common import (
 from pagedbatch.protocol.serving.media import fetches_media
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
 from pagedbatch.store.models import DEFAULT_OWNER
-from pagedbatch.store.usage import Usage as LedgerUsage
 
 logger = logging.getLogger(__name__)
 
@@ -267,9 +269,6 @@ async def answer(
     tenant = _tenant(request)
     preparing_for.set(tenant)  # each step on a thread counts against its share of them
     params = await _off_loop(services, parse, raw)
-    spend = getattr(request.app.state, "spend", None)  # none on an engine host: the API checked
-    if spend is not None and engine_of is None:  # moderation costs nothing
-        await _off_loop(services, spend.check, tenant)
     send_timeout = services.settings.stream_send_timeout_seconds
     if services.engines is not None:  # the distributed API: a worker's engine host answers
         return await services.engines.forward(
@@ -279,6 +278,47 @@ async def answer(
     prepared = await _off_loop(
         services, prepare, params, engine.engine, fetching=fetches_media(params)
     )
+    account = await _open_account(request, services, tenant, engine, prepared)
+    try:
+        response = await _admit_and_run(
+            request, services, params, prepared, engine, chunks, tenant, account
+        )
+    except BaseException:
+        if account is not None:
+            account.close()
+        raise
+    if account is not None and not isinstance(response, EventStreamResponse):
+        account.close()  # recorded already if it ran; else it used nothing that is charged
+    return response
+
+
+async def _open_account(
+    request: Request, services: Services, tenant: str, engine: AsyncLLM, prepared: Prepared
+) -> Account | None:
+    """The request's account in the usage ledger, its worst case reserved against the spend
+    limits (api/spend.py): a 429 `insufficient_quota`, before any engine work, if they cannot
+    cover it. None where nothing is recorded: no ledger, or the moderation model (free)."""
+    if services.ledger is None or engine is not services.engine:
+        return None
+    spend: SpendGuard = request.app.state.spend
+    return await _off_loop(
+        services, spend.account, services.ledger, tenant, engine.engine, prepared
+    )
+
+
+async def _admit_and_run(
+    request: Request,
+    services: Services,
+    params: RealtimeBody,
+    prepared: P,
+    engine: AsyncLLM,
+    chunks: Callable[[P], ChunkWriter] | None,
+    tenant: str,
+    account: Account | None,
+) -> Response:
+    """The answer of a prepared request if it passes the content filter and is admitted; its
+    usage goes to `account` (the stream's closes it)."""
+    send_timeout = services.settings.stream_send_timeout_seconds
     salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
     policy = policy_for(services.settings, tenant)
     if policy.screens_input:
@@ -306,18 +346,24 @@ async def answer(
         running = _run(engine, prepared.inputs, salt, ticket.release)
         return output_screen.screened(running) if output_screen is not None else running
 
-    account = _accountant(services, tenant) if engine is services.engine else None
+    record = account.record if account is not None else None
     if chunks is not None and params.stream:
-        events = _events(run(), StreamEncoder(chunks(prepared), params), account)
-        return EventStreamResponse(events, ticket.release, send_timeout)
+        events = _events(run(), StreamEncoder(chunks(prepared), params), record)
+
+        def closed() -> None:
+            ticket.release()
+            if account is not None:
+                account.close()  # recorded already, unless the stream never began
+
+        return EventStreamResponse(events, closed, send_timeout)
     try:
         outputs = await unless_disconnected(request, _final_outputs(run()))
     finally:
         ticket.release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if account is not None:
-        account(usage(outputs))
+    if record is not None:
+        record(usage(outputs))
     body, media_type = await _off_loop(services, _rendered, prepared, outputs)
     return Response(body, media_type=media_type)
 
@@ -339,30 +385,6 @@ def _output_screen(
     )
     prepared.inputs = [_in_pieces(engine_input) for engine_input in prepared.inputs]
     return output_screen
-
-
-def _accountant(services: Services, tenant: str) -> Callable[[Usage], None] | None:
-    """What records a finished request's usage in the ledger (None without one)."""
-    ledger = services.ledger
-    if ledger is None or services.engine is None:
-        return None
-    model = services.engine.engine.model_name
-
-    def add(used: Usage) -> None:
-        details = used.prompt_tokens_details
-        ledger.add(
-            LedgerUsage(
-                owner=tenant,
-                model=model,
-                input_tokens=used.prompt_tokens,
-                output_tokens=used.completion_tokens,
-                cached_tokens=details.cached_tokens,
-                image_tokens=details.image_tokens or 0,
-                audio_tokens=details.audio_tokens or 0,
-            )
-        )
-
-    return add
 
 
 async def forward_to_any_host(request: Request, services: Services) -> Response:

@@ -1,101 +1,203 @@
 """Spend limits: the service's hard monthly limit (`/v1/organization/spend_limit`) and each API
-key's (`PAGEDBATCH_KEY_MONTHLY_SPEND_LIMIT_USD`). Past either, new realtime requests and new
-batches get a 429 `insufficient_quota` before any engine work; batches already running finish.
+key's (`PAGEDBATCH_KEY_MONTHLY_SPEND_LIMIT_USD`), which no number of concurrent requests, API
+replicas or workers can take spend past.
 
-What has been spent is this UTC month's usage at the configured prices, read from the usage
-ledger at most every `spend_cache_seconds`, all keys in one query: a request costs no query of
-its own, and a limit bites within that long of being reached (realtime usage reaches the ledger
-within a flush more).
+Every realtime request and batch line reserves its worst case before any engine work
+(`SpendGuard.reserve`): its prompts' tokens at the input price and, for each of their n choices,
+max_tokens (without one, the context its prompt leaves) at the output price, at the current
+prices, a batch line's at the batch discount. If its key's or the service's budget this UTC month
+cannot hold that, it is refused with 429 `insufficient_quota` (a batch line gets an error line
+saying so). When it ends, however it ends, it settles to its actual cost, what its usage-ledger
+record costs (realtime: `Account`; batch lines: their shard's result flush). A request that costs
+nothing at the prices reserves nothing. The budgets, and how a reservation stays atomic across
+processes: store/reservations.py.
+
+The realtime door that admits a request reserves for it: the embedded server's, or in the
+distributed deployment the worker's engine host that the API forwards it to (which tokenizes it).
+A new batch is refused while either budget has nothing left; its lines reserve as they run.
 """
 
 from __future__ import annotations
 
-import threading
-import time
-from collections import defaultdict
-from collections.abc import Callable
-from dataclasses import dataclass, field
+import os
+import socket
 
 from sqlalchemy.orm import Session, sessionmaker
 
-from pagedbatch.ids import now
+from pagedbatch.costs import NANOS_PER_USD, cost_nanos, worst_case_nanos
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.common import Usage
+from pagedbatch.protocol.serving.common import Prepared, ServedModel
 from pagedbatch.settings import Settings
-from pagedbatch.store.models import SpendLimit
-from pagedbatch.store.usage import ALL_TIME, UsageQuery, month_start, usage_sums
-
-ORGANIZATION = "organization"  # the spend limit row's id
-
-
-@dataclass(frozen=True)
-class _Reading:
-    limit_cents: int | None
-    by_owner: dict[str, float] = field(default_factory=dict)  # USD this month
-
-    @property
-    def total(self) -> float:
-        return sum(self.by_owner.values())
+from pagedbatch.store.reservations import (
+    ORGANIZATION,
+    Keeper,
+    OverBudget,
+    Reservation,
+    Settlement,
+    budget_use,
+    key_scope,
+    next_month,
+    service_limit_nanos,
+)
+from pagedbatch.store.usage import ALL_TIME, LedgerWriter, UsageQuery, usage_sums
+from pagedbatch.store.usage import Usage as LedgerUsage
 
 
 class SpendGuard:
-    def __init__(
-        self,
-        session_factory: sessionmaker[Session],
-        settings: Settings,
-        clock: Callable[[], float] = time.monotonic,
-    ) -> None:
+    """The spend limits of one process's doors: reserves requests' and batch lines' worst cases
+    (renewing them while they run), and tells whether a budget is spent."""
+
+    def __init__(self, session_factory: sessionmaker[Session], settings: Settings) -> None:
         self._session_factory = session_factory
         self._settings = settings
-        self._clock = clock
-        self._lock = threading.Lock()
-        self._reading: _Reading | None = None
-        self._read_at = 0.0
+        self._keeper = Keeper(
+            session_factory,
+            holder=f"{socket.gethostname()}:{os.getpid()}",
+            lease_seconds=settings.spend_reservation_seconds,
+            opening=self._opening,
+        )
+
+    def reserve(
+        self, owner: str, served: ServedModel, prepared: Prepared, batch: bool
+    ) -> Reservation | None:
+        """Hold the most `prepared` can cost in `owner`'s and the service's budgets; None if it
+        costs nothing at the prices. A 429 `insufficient_quota` if either cannot hold it."""
+        prompt = sum(len(i.prompt_token_ids) for i in prepared.inputs)
+        output = sum(
+            i.params.n
+            * (i.params.max_tokens or max(0, served.max_model_len - len(i.prompt_token_ids)))
+            for i in prepared.inputs
+        )
+        settings = self._settings
+        nanos = worst_case_nanos(
+            served.model_name, batch, prompt, output, settings.prices, settings.batch_discount
+        )
+        if not nanos:
+            return None
+        try:
+            return self._keeper.reserve(owner, nanos, self._key_limit())
+        except OverBudget as over:
+            whose = "The service's" if over.scope == ORGANIZATION else "Your API key's"
+            raise _over(
+                f"{whose} monthly spend limit cannot cover this request: at most it could cost "
+                f"{nanos / NANOS_PER_USD:.6f} USD (its prompt, and max_tokens for each choice)."
+            ) from None
+
+    def cost(self, model: str, batch: bool, tokens: tuple[int, int, int]) -> int:
+        """What `tokens` (input, of which cached, and output) cost now, in nano-dollars."""
+        settings = self._settings
+        return cost_nanos(model, batch, tokens, settings.prices, settings.batch_discount)
+
+    def account(
+        self, ledger: LedgerWriter, owner: str, served: ServedModel, prepared: Prepared
+    ) -> Account:
+        """A realtime request's account, its worst case reserved (see `reserve`)."""
+        reservation = self.reserve(owner, served, prepared, batch=False)
+        return Account(self, ledger, owner, served.model_name, reservation)
+
+    def release(self, reservations: list[Reservation]) -> None:
+        """Settle `reservations` at nothing: their requests recorded no usage."""
+        self._keeper.release(reservations)
 
     def check(self, owner: str) -> None:
-        """A 429 `insufficient_quota` if the service or `owner` has spent its monthly limit."""
-        reading = self._current()
-        if reading.limit_cents is not None and reading.total * 100 >= reading.limit_cents:
-            raise _over("The service has reached its monthly spend limit.")
-        key_limit = self._settings.key_monthly_spend_limit_usd
-        if key_limit is not None and reading.by_owner.get(owner, 0.0) >= key_limit:
-            raise _over("Your API key has reached its monthly spend limit.")
+        """A 429 `insufficient_quota` if the service's or `owner`'s budget has nothing left."""
+        with self._session_factory() as session:
+            limits = {
+                ORGANIZATION: (service_limit_nanos(session), None),
+                key_scope(owner): (self._key_limit(), owner),
+            }
+            for scope, (limit, whose) in limits.items():
+                if limit is None:
+                    continue
+                if budget_use(session, scope, limit, self._opening, whose).exhausted:
+                    raise _over(
+                        "The service has reached its monthly spend limit."
+                        if whose is None
+                        else "Your API key has reached its monthly spend limit."
+                    )
 
     def spent_usd(self) -> float:
-        return self._current().total
-
-    def forget(self) -> None:
-        """Read again at the next check (the limit was changed)."""
-        with self._lock:
-            self._reading = None
-
-    def _current(self) -> _Reading:
-        with self._lock:
-            stale = self._clock() - self._read_at >= self._settings.spend_cache_seconds
-            if self._reading is None or stale:
-                self._reading = self._read()
-                self._read_at = self._clock()
-            return self._reading
-
-    def _read(self) -> _Reading:
-        settings = self._settings
-        query = UsageQuery(
-            start=month_start(now()),
-            end=now() + 1,
-            width=ALL_TIME,
-            group_by=frozenset({"model", "batch", "api_key_id"}),
-        )
-        by_owner: defaultdict[str, float] = defaultdict(float)
+        """The service's spend this month, what running requests hold reserved included."""
         with self._session_factory() as session:
-            limit = session.get(SpendLimit, ORGANIZATION)
-            for sums in usage_sums(session, query):
-                items = sums.line_items(settings.prices, settings.batch_discount)
-                by_owner[sums.api_key_id] += sum(item.usd for item in items)
-        return _Reading(limit.threshold_cents if limit else None, dict(by_owner))
+            use = budget_use(session, ORGANIZATION, None, self._opening, None)
+        return (use.spent_nanos + use.reserved_nanos) / NANOS_PER_USD
+
+    def _key_limit(self) -> int | None:
+        usd = self._settings.key_monthly_spend_limit_usd
+        return None if usd is None else round(usd * NANOS_PER_USD)
+
+    def _opening(self, session: Session, owner: str | None, month: int) -> int:
+        """What the ledger holds of `month` (one key's, or with None everyone's) at the current
+        prices."""
+        query = UsageQuery(
+            start=month,
+            end=next_month(month),
+            width=ALL_TIME,
+            group_by=frozenset({"model", "batch"}),
+            owners=None if owner is None else frozenset({owner}),
+        )
+        return sum(
+            self.cost(
+                sums.model, sums.batch, (sums.input_tokens, sums.cached_tokens, sums.output_tokens)
+            )
+            for sums in usage_sums(session, query)
+            if sums.model is not None and sums.batch is not None
+        )
+
+
+class Account:
+    """A realtime request's way into the usage ledger. `record` its usage when it ends, which
+    settles its reservation at that usage's cost; `close` settles it at nothing if nothing was
+    recorded (it failed, or its client left first). Only the first of them counts, so every way
+    out may call `close`."""
+
+    def __init__(
+        self,
+        guard: SpendGuard,
+        ledger: LedgerWriter,
+        owner: str,
+        model: str,
+        reservation: Reservation | None,
+    ) -> None:
+        self._guard = guard
+        self._ledger = ledger
+        self._owner = owner
+        self._model = model
+        self._reservation = reservation
+        self._done = False
+
+    def record(self, used: Usage) -> None:
+        if self._done:
+            return
+        self._done = True
+        details = used.prompt_tokens_details
+        usage = LedgerUsage(
+            owner=self._owner,
+            model=self._model,
+            input_tokens=used.prompt_tokens,
+            output_tokens=used.completion_tokens,
+            cached_tokens=details.cached_tokens,
+            image_tokens=details.image_tokens or 0,
+            audio_tokens=details.audio_tokens or 0,
+        )
+        settlement = None
+        if self._reservation is not None:
+            tokens = (usage.input_tokens, usage.cached_tokens, usage.output_tokens)
+            settlement = Settlement(self._reservation, self._guard.cost(self._model, False, tokens))
+        self._ledger.add(usage, settlement)
+
+    def close(self) -> None:
+        if self._done:
+            return
+        self._done = True
+        if self._reservation is not None:
+            self._ledger.add(None, Settlement(self._reservation, 0))
 
 
 def _over(message: str) -> OpenAIError:
     return OpenAIError(
-        f"{message} You exceeded your current quota; new requests are refused until the month "
+        f"{message} You exceeded your current quota; such requests are refused until the month "
         "ends or the limit is raised.",
         status_code=429,
         type="insufficient_quota",

@@ -5,11 +5,15 @@ Costs are split into line items as OpenAI's costs API splits them: a model's unc
 cached input and output, each once for realtime requests and once for batch lines
 ("tiny, input", "tiny, input (batch)", ...). A model without a price costs 0 and says so: its
 line items keep their token quantities, with an amount of 0.
+
+Spend budgets (store/reservations.py) count whole nano-dollars: `cost_nanos` of what a request
+used, `worst_case_nanos` of what it may use, both rounded up.
 """
 
 from __future__ import annotations
 
 import json
+import math
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -17,6 +21,9 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict, Field
 
 PER_TOKENS = 1_000_000  # prices are per million tokens
+# Spend budgets count in nano-dollars: integers, which add and subtract exactly however many
+# requests settle, and fine enough for prices of a thousandth of a dollar per million tokens.
+NANOS_PER_USD = 10**9
 
 
 class ModelPrice(BaseModel):
@@ -57,17 +64,59 @@ def line_items(
 ) -> list[LineItem]:
     """The line items of `tokens` (input, of which cached, and output) of one model, realtime or
     batch."""
-    input_tokens, cached, output = tokens
-    price = prices.get(model)
     factor = discount if batch else 1.0
     suffix = " (batch)" if batch else ""
-    per_token = {"input": 0.0, "cached input": 0.0, "output": 0.0}
-    if price is not None:
-        cached_price = price.cached_input if price.cached_input is not None else price.input
-        per_token = {"input": price.input, "cached input": cached_price, "output": price.output}
-    counts = {"input": input_tokens - cached, "cached input": cached, "output": output}
     return [
-        LineItem(f"{model}, {kind}{suffix}", count, count * per_token[kind] * factor / PER_TOKENS)
-        for kind, count in counts.items()
+        LineItem(f"{model}, {kind}{suffix}", count, count * per_million * factor / PER_TOKENS)
+        for kind, count, per_million in _priced(model, tokens, prices)
         if count
     ]
+
+
+def cost_nanos(
+    model: str,
+    batch: bool,
+    tokens: tuple[int, int, int],
+    prices: dict[str, ModelPrice],
+    discount: float,
+) -> int:
+    """What `tokens` (input, of which cached, and output) cost, in nano-dollars rounded up: never
+    less than their line items."""
+    factor = discount if batch else 1.0
+    priced = _priced(model, tokens, prices)
+    exact = sum(count * per_million for _, count, per_million in priced) * factor * NANOS_PER_USD
+    # Rounded first to a millionth of a nano-dollar, so that float noise in a whole amount
+    # (0.15 * 1000 is 150.00000000000003) does not add a nano-dollar.
+    return math.ceil(round(exact / PER_TOKENS, 6))
+
+
+def worst_case_nanos(
+    model: str,
+    batch: bool,
+    prompt_tokens: int,
+    output_tokens: int,
+    prices: dict[str, ModelPrice],
+    discount: float,
+) -> int:
+    """The most a request of `prompt_tokens` generating at most `output_tokens` can cost: its
+    prompt at the dearer of the input and cached input prices (which of its tokens the prefix
+    cache holds is known only once it runs)."""
+    return max(
+        cost_nanos(model, batch, (prompt_tokens, cached, output_tokens), prices, discount)
+        for cached in (0, prompt_tokens)
+    )
+
+
+def _priced(
+    model: str, tokens: tuple[int, int, int], prices: dict[str, ModelPrice]
+) -> list[tuple[str, int, float]]:
+    """Each kind of token (uncached input, cached input, output): its count, and the USD a
+    million of them cost at `model`'s price (0 without one)."""
+    input_tokens, cached, output = tokens
+    price = prices.get(model)
+    per_million = {"input": 0.0, "cached input": 0.0, "output": 0.0}
+    if price is not None:
+        cached_price = price.cached_input if price.cached_input is not None else price.input
+        per_million = {"input": price.input, "cached input": cached_price, "output": price.output}
+    counts = {"input": input_tokens - cached, "cached input": cached, "output": output}
+    return [(kind, count, per_million[kind]) for kind, count in counts.items()]

@@ -99,12 +99,13 @@ class Settings(EngineSettings):
         default_factory=dict
     )
     batch_discount: float = Field(0.5, ge=0, le=1)
-    # Each API key's monthly spend at those prices, past which its new requests and batches are
-    # refused (429 insufficient_quota); None: no limit. The service's is set through the API.
+    # Each API key's monthly spend limit at those prices (api/spend.py): a request or batch line
+    # whose worst case could take the key past it is refused (429 insufficient_quota); None: no
+    # limit. The service's is set through the API. Set it alike on the API and the workers.
     key_monthly_spend_limit_usd: float | None = Field(None, ge=0)
-    # How often spend is read from the ledger for the limits (a request costs no query of its
-    # own): a limit bites within this long of being reached.
-    spend_cache_seconds: float = Field(5.0, ge=0, le=300)
+    # A running request's spend reservation lapses this long after its process last renewed it
+    # (every third of this): a process that died gives back what its requests held within it.
+    spend_reservation_seconds: float = Field(60.0, ge=1, le=3600)
     # `pagedbatch serve` refuses to listen beyond loopback without api_keys unless this is on:
     # an open port would give anyone who reaches it the engine and every file and batch.
     allow_unauthenticated: bool = False

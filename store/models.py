@@ -8,7 +8,7 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, String, UniqueConstraint
+from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from pagedbatch.ids import now
@@ -178,6 +178,38 @@ class SpendLimit(Base):
     interval: Mapped[str] = mapped_column(String(16))
     notification_channel: Mapped[dict[str, Any] | None]
     updated_at: Mapped[int] = mapped_column(BigInteger, default=now)
+
+
+class SpendBudget(Base):
+    """One budget's month (store/reservations.py): the service's, or one API key's. Requests reserve
+    their worst case here before they run and settle to their actual cost when they end; a
+    reservation is taken only if spent + reserved stays within the limit."""
+
+    __tablename__ = "spend_budgets"
+
+    scope: Mapped[str] = mapped_column(String(80), primary_key=True)  # ORGANIZATION or key:<id>
+    month: Mapped[int] = mapped_column(BigInteger, primary_key=True)  # when its UTC month began
+    spent_nanos: Mapped[int] = mapped_column(BigInteger, default=0)  # settled, in nano-dollars
+    reserved_nanos: Mapped[int] = mapped_column(BigInteger, default=0)  # held by running requests
+
+
+class SpendReservation(Base):
+    """What one running request (or batch line) may still spend, held in its key's and the
+    service's budgets of `month`. Its holder renews `expires_at` while it runs; upkeep releases
+    one that lapsed (its holder died)."""
+
+    __tablename__ = "spend_reservations"
+    __table_args__ = (Index("ix_spend_reservations_expiry", "expires_at"),)
+
+    # SQLite numbers only an INTEGER primary key by itself.
+    id: Mapped[int] = mapped_column(
+        BigInteger().with_variant(Integer, "sqlite"), primary_key=True, autoincrement=True
+    )
+    owner: Mapped[str] = mapped_column(String(64))
+    month: Mapped[int] = mapped_column(BigInteger)
+    nanos: Mapped[int] = mapped_column(BigInteger)
+    holder: Mapped[str] = mapped_column(String(128))  # the process that holds it, for the logs
+    expires_at: Mapped[float] = mapped_column(Float)  # Unix seconds
 
 
 class IdempotencyKey(Base):

@@ -3,7 +3,9 @@ the sums the admin API reads of it.
 
 Batch lines are recorded by `record_results`, in the transaction that records their results.
 Realtime requests are recorded here by a `LedgerWriter`, a batch of rows per transaction: a
-request's record costs its handler a list append, never a commit of its own.
+request's record costs its handler a list append, never a commit of its own. The same
+transaction settles the requests' spend reservations (store/reservations.py), so that a budget
+counts a request's cost exactly when the ledger does.
 """
 
 from __future__ import annotations
@@ -11,7 +13,6 @@ from __future__ import annotations
 import logging
 import threading
 from dataclasses import asdict, dataclass
-from datetime import UTC, datetime
 
 from sqlalchemy import func, insert, select
 from sqlalchemy.orm import Session, sessionmaker
@@ -20,6 +21,7 @@ from pagedbatch.costs import LineItem, ModelPrice, line_items
 from pagedbatch.ids import now
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import UsageRecord
+from pagedbatch.store.reservations import Settlement, forget_all, settle
 from pagedbatch.store.retry import is_transient
 
 logger = logging.getLogger(__name__)
@@ -46,22 +48,28 @@ class Usage:
 
 
 class LedgerWriter:
-    """Writes the records `add` is given, every FLUSH_SECONDS, all waiting in one transaction, on
-    a thread of its own. A failed write (the database restarting) keeps its records for the next
-    one; `close` writes what waits and stops."""
+    """Writes the records and settlements `add` is given, every FLUSH_SECONDS, all waiting in one
+    transaction, on a thread of its own. A failed write (the database restarting) keeps them for
+    the next one; `close` writes what waits and stops."""
 
     def __init__(self, session_factory: sessionmaker[Session]) -> None:
         self._session_factory = session_factory
         self._waiting: list[dict] = []
+        self._settling: list[Settlement] = []
         self._lock = threading.Lock()
         self._closed = threading.Event()
         self._thread = threading.Thread(target=self._run, name="usage-ledger", daemon=True)
         self._thread.start()
 
-    def add(self, usage: Usage) -> None:
-        record = {**asdict(usage), "finished_at": now()}
+    def add(self, usage: Usage | None, settlement: Settlement | None = None) -> None:
+        """Record `usage` (None: the request used nothing that is charged) and settle
+        `settlement`, its spend reservation, with it."""
         with self._lock:
-            self._waiting.append(record)
+            if settlement is not None:  # as many as requests in flight: never dropped
+                self._settling.append(settlement)
+            if usage is None:
+                return
+            self._waiting.append({**asdict(usage), "finished_at": now()})
             if len(self._waiting) > MAX_WAITING:
                 dropped = len(self._waiting) - MAX_WAITING
                 del self._waiting[:dropped]
@@ -79,18 +87,35 @@ class LedgerWriter:
     def _flush(self) -> None:
         with self._lock:
             records, self._waiting = self._waiting, []
-        if not records:
+            settlements, self._settling = self._settling, []
+        if not records and not settlements:
             return
         try:
             with transaction(self._session_factory) as session:
-                session.execute(insert(UsageRecord), records)
+                if records:
+                    session.execute(insert(UsageRecord), records)
+                settle(session, settlements)
         except Exception as e:
             if not is_transient(e):
-                logger.exception("usage ledger: %d records could not be written", len(records))
+                logger.exception(
+                    "usage ledger: %d records and %d settlements could not be written",
+                    len(records),
+                    len(settlements),
+                )
+                forget_all(settlements)  # their reservations lapse, and upkeep releases them
                 return
-            logger.warning("usage ledger: writing %d records failed (%s)", len(records), e)
+            logger.warning(
+                "usage ledger: writing %d records failed (%s); they and %d settlements wait for "
+                "the next flush",
+                len(records),
+                e,
+                len(settlements),
+            )
             with self._lock:
                 self._waiting[:0] = records  # before what came meanwhile
+                self._settling[:0] = settlements
+            return
+        forget_all(settlements)
 
 
 @dataclass(frozen=True)
@@ -166,9 +191,3 @@ def usage_sums(session: Session, query: UsageQuery) -> list[UsageSums]:
             named["batch"] = bool(named["batch"])
         sums.append(UsageSums(int(row[0]), *tokens, **named))
     return sums
-
-
-def month_start(moment: int) -> int:
-    """The Unix second the UTC month of `moment` began."""
-    day = datetime.fromtimestamp(moment, UTC)
-    return int(datetime(day.year, day.month, 1, tzinfo=UTC).timestamp())

@@ -23,6 +23,7 @@ from sqlalchemy import Connection, func, select
 from sqlalchemy.orm import Session, sessionmaker
 
 from pagedbatch.settings import Settings
+from pagedbatch.store.reservations import release_lapsed
 from pagedbatch.store.retry import is_transient
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.periodic import delete_expired_files, expire_batches, reap_leases
@@ -55,6 +56,8 @@ def tick_seconds(settings: Settings) -> float:
 JOBS = (
     Job("reap_leases", reap_leases, tick_seconds),
     Job("requeue_pending_shards", requeue_pending_shards, tick_seconds),
+    # A dead process's spend reservations go back to their budgets.
+    Job("release_reservations", lambda ctx: release_lapsed(ctx.session_factory), tick_seconds),
     Job("expire_batches", expire_batches, lambda s: s.reaper_interval_seconds),
     Job("redrive_finalization", redrive_finalization, lambda s: s.reaper_interval_seconds),
     Job("redrive_validation", redrive_validation, lambda s: s.validation_redrive_seconds),

@@ -28,11 +28,12 @@ from pagedbatch.api.organization.schemas import (
     UsagePage,
 )
 from pagedbatch.api.routes.openapi import error_responses, json_body
-from pagedbatch.api.spend import ORGANIZATION, SpendGuard
+from pagedbatch.api.spend import SpendGuard
 from pagedbatch.ids import now
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.store.models import SpendLimit
+from pagedbatch.store.reservations import ORGANIZATION
 from pagedbatch.store.usage import UsageQuery, UsageSums, usage_sums
 
 router = APIRouter(prefix="/organization", tags=["organization"])
@@ -279,7 +280,6 @@ def set_spend_limit(
         else:
             for name, value in values.items():
                 setattr(limit, name, value)
-    request.app.state.spend.forget()
     return _spend_limit(limit, request.app.state.spend)
 
 
@@ -289,10 +289,9 @@ def set_spend_limit(
     dependencies=[Depends(require_admin)],
     responses=error_responses(401),
 )
-def delete_spend_limit(request: Request, session: SessionDep) -> SpendLimitDeleted:
+def delete_spend_limit(session: SessionDep) -> SpendLimitDeleted:
     with session.begin():
         deleted = session.execute(delete(SpendLimit).where(SpendLimit.id == ORGANIZATION))
-    request.app.state.spend.forget()
     return SpendLimitDeleted(deleted=deleted.rowcount == 1)
 
 

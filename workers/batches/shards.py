@@ -6,7 +6,9 @@ starts. Tenants with the fewest running shards go first, so a small batch is not
 another tenant's large one; within a tenant, older batches go first.
 
 Results are written many lines to a transaction (`_ResultWriter`): with one a line, the job
-store's commits rather than the engine would bound a fast engine.
+store's commits rather than the engine would bound a fast engine. Each line reserves its worst
+case against the spend limits before it runs, and settles in the flush that writes its result
+(line_spend.py).
 
 Failures stay as small as they can: a line that cannot be run is that line's error line; a
 database outage is ridden out (writes are idempotent, so they are simply retried) and a lease
@@ -57,8 +59,10 @@ from pagedbatch.store.models import (
     Shard,
     ShardStatus,
 )
+from pagedbatch.store.reservations import Settlement
 from pagedbatch.store.retry import is_transient, retrying
 from pagedbatch.workers.batches.endpoints import Endpoint, endpoint
+from pagedbatch.workers.batches.line_spend import LineSpend
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.metrics import BATCH_REQUESTS
 
@@ -228,7 +232,10 @@ class _ShardRun:
         # the rest by arrival, so the lines of concurrent shards take turns, and a shard running
         # alone, or the others while one drains its last lines, still fill every seat.
         self.in_flight = asyncio.Semaphore(engine.engine.args.max_num_seqs)
-        self.results = _ResultWriter(ctx, shard, lambda: self.lease_lost, self._lose_lease)
+        self.spend = LineSpend(ctx, shard.owner, engine.engine.model_name)
+        self.results = _ResultWriter(
+            ctx, shard, lambda: self.lease_lost, self._lose_lease, self.spend
+        )
         # The batch's tenant, as for its realtime requests: no tenant learns from cached_tokens
         # what another's prompts began with.
         self.cache_salt = prefix_cache_salt(
@@ -252,6 +259,7 @@ class _ShardRun:
                 # engine died), and under the lease: the watcher renews it till then.
                 self.results.close()
                 await writer
+                await asyncio.to_thread(self.spend.release_rest)
         finally:
             watcher.cancel()
             with contextlib.suppress(asyncio.CancelledError):
@@ -415,6 +423,8 @@ class _ShardRun:
         what the endpoint would have answered instead, or whatever else went wrong."""
         # On a thread: decoding a line's images or clips takes long enough to hold up the others.
         prepared = await asyncio.to_thread(self.prepare, request.body, self.engine.engine)
+        # Before any engine work; a 429 insufficient_quota fails this line alone.
+        await asyncio.to_thread(self.spend.reserve, request.id, self.engine.engine, prepared)
         if self.safety.screens_input:
             await check_prompt(
                 self.ctx.guard,
@@ -501,11 +511,13 @@ class _ResultWriter:
         shard: ClaimedShard,
         lease_lost: Callable[[], bool],
         lose_lease: Callable[[], None],
+        spend: LineSpend,
     ) -> None:
         self.ctx = ctx
         self.shard = shard
         self.lease_lost = lease_lost
         self.lose_lease = lose_lease
+        self.spend = spend
         self.flush_lines = ctx.settings.result_flush_lines
         self.flush_seconds = ctx.settings.result_flush_ms / 1000
         self.buffer: list[LineResult] = []
@@ -542,19 +554,22 @@ class _ResultWriter:
                 await self._flush(results)
 
     async def _flush(self, results: list[LineResult]) -> None:
-        def write() -> list[LineResult] | None:
+        def write() -> tuple[list[LineResult], dict[int, Settlement]] | None:
             if self.lease_lost():  # also between retries: the next run does these lines
                 return None
             with transaction(self.ctx.session_factory) as session:
                 if not holds_lease(session, self.shard.id, self.ctx.worker_id):
                     return None
-                return record_results(session, self.shard.batch_id, results)
+                written = record_results(session, self.shard.batch_id, results)
+                return written, self.spend.settle(session, results, written)
 
         what = f"recording {len(results)} results of {self.shard.batch_id}"
-        written = await asyncio.to_thread(retrying, write, what)
-        if written is None:
+        done = await asyncio.to_thread(retrying, write, what)
+        if done is None:
             self.lose_lease()  # the reaper took the shard: another worker may be running it
             return
+        written, settlements = done
+        self.spend.settled(settlements)
         succeeded = sum(r.status == RequestStatus.SUCCEEDED for r in written)
         BATCH_REQUESTS.labels("completed").inc(succeeded)
         BATCH_REQUESTS.labels("failed").inc(len(written) - succeeded)
