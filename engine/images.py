@@ -3,6 +3,7 @@ makes a PIL image ready for it, and Qwen2-VL's M-RoPE positions over a prompt's 
 
 from __future__ import annotations
 
+import importlib
 from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
@@ -107,8 +108,29 @@ def mrope_positions(
     return table, int(table.max()) + 1 - prompt_len
 
 
+# The longest side of an image over its shortest: Qwen2-VL's processor refuses more, as vLLM
+# does; and a processor that scales the shortest side to a fixed length (CLIP's) would make a
+# strip of 1,048,576x16 pixels, inside the pixel limit, into billions of pixels.
+MAX_ASPECT_RATIO = 200
+
+
+class ImageRefused(ValueError):
+    """An image this model's processor cannot take (its shape, or the processor failed on it):
+    the client's image is at fault. `code` is the error code to answer with."""
+
+    def __init__(self, message: str, code: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
 class ImageProcessor:
-    """A vision-language model's image preprocessing, safe to call from many threads."""
+    """A vision-language model's image preprocessing, safe to call from many threads.
+
+    An image's shape is checked before the model's processor runs: its aspect ratio at most
+    MAX_ASPECT_RATIO, and the size the processor would resize it to at most the pixel limit of
+    an image as sent, so that preprocessing holds no more pixels than decoding did. Whatever
+    then goes wrong in the processor is the image's ImageRefused too.
+    """
 
     def __init__(self, cfg: ModelConfig, limits: ImageLimits):
         from transformers import AutoImageProcessor  # only multimodal models need its imports
@@ -120,9 +142,59 @@ class ImageProcessor:
         self.limits = limits
         self._processor = AutoImageProcessor.from_pretrained(Path(cfg.metadata_dir))
 
+    def refusal(self, width: int, height: int) -> ImageRefused | None:
+        """Why the processor may not take an image of `width` x `height` pixels, or None."""
+        if max(width, height) > MAX_ASPECT_RATIO * min(width, height):
+            return ImageRefused(
+                f"The image is {width}x{height} pixels: one side is more than {MAX_ASPECT_RATIO} "
+                "times the other, more than a model reads",
+                "invalid_image_shape",
+            )
+        resized = self.resized_size(width, height)
+        if resized is not None and resized[0] * resized[1] > self.limits.pixels:
+            return ImageRefused(
+                f"The image is too large: {width}x{height} pixels would be resized to "
+                f"{resized[0]}x{resized[1]} for this model, more than the {self.limits.pixels} "
+                "pixels allowed",
+                "image_too_large",
+            )
+        return None
+
+    def resized_size(self, width: int, height: int) -> tuple[int, int] | None:
+        """(width, height) of the image the processor resizes one of this size to; None for a
+        processor whose resizing is not known here (the aspect ratio bounds it then)."""
+        processor = self._processor
+        size = getattr(processor, "size", None)
+        if size is None or not getattr(processor, "do_resize", True):
+            return width, height
+        if getattr(processor, "merge_size", None):  # Qwen2-VL: a pixel budget on a grid
+            # The processor's own module's (transformers has one for each backend).
+            smart_resize = importlib.import_module(type(processor).__module__).smart_resize
+            factor = processor.patch_size * processor.merge_size
+            h, w = smart_resize(
+                height, width, factor, _size(size, "shortest_edge"), _size(size, "longest_edge")
+            )
+            return w, h
+        if (side := _size(size, "shortest_edge")) is not None:  # CLIP: the shorter side to it
+            short, long = sorted((width, height))
+            longer = int(side * long / short)
+            return (side, longer) if width <= height else (longer, side)
+        if (h := _size(size, "height")) is not None and (w := _size(size, "width")) is not None:
+            return w, h
+        return None
+
     def __call__(self, image: Any) -> ProcessedMedia:
-        """A PIL image (any mode; converted to RGB) made ready for the engine."""
-        out = self._processor(images=[image], return_tensors="np")
+        """A PIL image (any mode; converted to RGB) made ready for the engine; ImageRefused if
+        the model cannot take it."""
+        if (refused := self.refusal(*image.size)) is not None:
+            raise refused
+        try:
+            out = self._processor(images=[image], return_tensors="np")
+        except Exception as e:  # noqa: BLE001 - whatever the processor trips on is the image's
+            raise ImageRefused(
+                f"The model's image processor could not read the image ({type(e).__name__}: {e})",
+                "invalid_image_format",
+            ) from None
         grid: Grid | None = None
         if "image_grid_thw" in out:  # one image's patch rows, on its grid
             grid = tuple(int(n) for n in out["image_grid_thw"][0])
@@ -134,3 +206,8 @@ class ImageProcessor:
             "image", self.spec.token_id, values, content_hash("image", values, grid), 0, grid
         )
         return replace(processed, num_tokens=self.spec.tokens_for(processed))
+
+
+def _size(size: Any, name: str) -> int | None:
+    """A field of an image processor's `size` (a SizeDict, or a dict in older processors)."""
+    return size.get(name) if isinstance(size, dict) else getattr(size, name, None)

@@ -3,7 +3,8 @@
 An http(s) URL's body is fetched first (protocol/media_fetch.py: allowed hosts only, within one
 deadline for all of a request's fetches) and opened here. Every check runs before the costly
 step it guards: the base64 text's length before decoding it, the byte count before opening the
-image, the pixel count (read from the header) before decoding the pixels. So a hostile part
+image, the pixel count (read from the header) before decoding the pixels, the shape (aspect
+ratio, and the size the model's processor would resize to) before processing. So a hostile part
 costs at most what the limits allow, and each failure is a 400 naming the part
 (`messages[2].content[1].image_url`).
 """
@@ -15,7 +16,8 @@ import warnings
 
 from PIL import Image, UnidentifiedImageError
 
-from pagedbatch.engine.images import ImageLimits
+from pagedbatch.engine.images import ImageLimits, ImageProcessor, ImageRefused
+from pagedbatch.engine.multimodal import ProcessedMedia
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.inline_data import decode_base64
 
@@ -64,6 +66,15 @@ def open_image(raw: bytes, param: str, limits: ImageLimits) -> Image.Image:
                 param=param,
                 code="invalid_image_format",
             ) from None
+
+
+def process_image(processor: ImageProcessor, image: Image.Image, param: str) -> ProcessedMedia:
+    """A decoded image made ready for the model; a 400 naming `param` if the model's processor
+    cannot take it (its shape, checked before the processor runs, or a failure in it)."""
+    try:
+        return processor(image)
+    except ImageRefused as e:
+        raise OpenAIError(f"{e}.", param=param, code=e.code) from None
 
 
 def _rgb(image: Image.Image) -> Image.Image:

@@ -158,6 +158,10 @@ def _too_big_png() -> str:
     return data_url(Image.new("RGB", (5000, 4000)))
 
 
+def _strip(width: int, height: int) -> str:
+    return data_url(Image.new("1", (width, height)))
+
+
 @pytest.mark.parametrize(
     "parts, param, code",
     [
@@ -176,6 +180,9 @@ def _too_big_png() -> str:
         ([image_part("http://[::1/x.png")], "content[0].image_url", "invalid_image_url"),
         ([image_part(_too_big_png())], "content[0].image_url", "image_too_large"),
         ([image_part(data_url(picture(4)))] * 3, "messages", "too_many_images"),
+        # Inside the pixel limit, 2 KB of PNG each; resized, 2.5 GB and a MemoryError (a 500).
+        ([image_part(_strip(1_048_576, 16))], "content[0].image_url", "invalid_image_shape"),
+        ([image_part(_strip(16_777_216, 1))], "content[0].image_url", "invalid_image_shape"),
     ],
     ids=[
         "broken-base64",
@@ -185,6 +192,8 @@ def _too_big_png() -> str:
         "url-malformed",
         "too-many-pixels",
         "too-many",
+        "wide-strip",
+        "one-pixel-row",
     ],
 )
 def test_bad_images_get_a_400_naming_the_part(llava_server, parts, param, code):

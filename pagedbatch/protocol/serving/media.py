@@ -14,7 +14,7 @@ from typing import Any
 from pagedbatch.engine.multimodal import MediaItem, Modality, ProcessedMedia, place
 from pagedbatch.protocol.audio import decode_base64_audio
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.images import decode_image_url, open_image
+from pagedbatch.protocol.images import decode_image_url, open_image, process_image
 from pagedbatch.protocol.media_fetch import fetch_all, is_remote
 from pagedbatch.protocol.schemas.chat import AudioPart, ChatMessage, ImagePart
 from pagedbatch.protocol.serving.common import ServedModel
@@ -77,10 +77,12 @@ def decode_media(messages: Sequence[ChatMessage], served: ServedModel) -> list[P
         # One deadline for all of them, however many parts name a slow host.
         fetched = fetch_all([(param, url) for param, url in urls if is_remote(url)], limits)
         processed = [
-            image_processor(
+            process_image(
+                image_processor,
                 open_image(fetched[param], param, limits)
                 if param in fetched
-                else decode_image_url(url, param, limits)
+                else decode_image_url(url, param, limits),
+                param,
             )
             for param, url in urls
         ]
