@@ -38,6 +38,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "scheduling_policy": "fcfs",
         "low_priority_token_budget": 32,
         "low_priority_step_ms": 40.0,
+        "grammar_compile_seconds": 3.0,
         "max_images_per_request": 2,
         "max_image_bytes": 1000,
         "max_image_pixels": 10_000,
