@@ -27,12 +27,12 @@ from pagedbatch.api.metrics import install_metrics
 from pagedbatch.api.realtime import CLIENT_CLOSED_REQUEST
 from pagedbatch.api.request_body import BodyLimitMiddleware, body_limit
 from pagedbatch.api.routes import admin_router, api_router, ui
-from pagedbatch.api.spend import SpendGuard
 from pagedbatch.api.web_guard import WebGuardMiddleware
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 from pagedbatch.store.retry import is_transient
+from pagedbatch.store.spend import SpendGuard
 
 logger = logging.getLogger(__name__)
 

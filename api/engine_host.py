@@ -2,7 +2,7 @@
 
 It serves `/v1/chat/completions`, `/v1/completions`, `/v1/audio/transcriptions` and
 `/v1/moderations` with the embedded server's own code (api/realtime.py), so checks, admission
-(429 with Retry-After), spend reservations (api/spend.py), streaming and the abort of a request
+(429 with Retry-After), spend reservations (store/spend.py), streaming and the abort of a request
 whose client left behave alike in both deployments; the API forwards requests here and
 passes the answers back unchanged (api/engine_proxy.py). `GET /internal/load` tells this engine's
 load. Every heartbeat the host writes its address and load into Redis (store/engine_registry.py),
@@ -38,11 +38,11 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.realtime import Admission
 from pagedbatch.api.routes import audio, chat, completions, moderations
 from pagedbatch.api.routes.engine import settings_in_force
-from pagedbatch.api.spend import SpendGuard
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 from pagedbatch.store.engine_registry import EngineRecord, publish, withdraw
+from pagedbatch.store.spend import SpendGuard
 
 logger = logging.getLogger(__name__)
 

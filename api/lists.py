@@ -1,4 +1,6 @@
-"""The list envelope OpenAI's cursor-paged endpoints share (`/v1/files`, `/v1/batches`, ...)."""
+"""The list envelope OpenAI's cursor-paged endpoints share (`/v1/files`, `/v1/batches`, ...), and
+their one answer to an `after` cursor that names nothing of the caller's: a 400 naming `after`
+(the request is wrong; a 404 would say the list itself is missing)."""
 
 from __future__ import annotations
 
@@ -6,6 +8,8 @@ from collections.abc import Callable, Sequence
 from typing import Generic, Literal, Self, TypeVar
 
 from pydantic import BaseModel
+
+from pagedbatch.protocol.errors import OpenAIError
 
 Item = TypeVar("Item", bound=BaseModel)
 Row = TypeVar("Row")
@@ -31,3 +35,13 @@ class ListPage(BaseModel, Generic[Item]):
             last_id=getattr(data[-1], "id", None) if data else None,
             has_more=len(rows) > limit,
         )
+
+
+def unknown_cursor(kind: str, after: str) -> OpenAIError:
+    """The 400 for an `after` cursor that is not one of the caller's `kind` (a deleted or
+    another tenant's object included)."""
+    return OpenAIError(
+        f"Invalid value for 'after': no such {kind}: {after}",
+        param="after",
+        code="invalid_value",
+    )

@@ -3,7 +3,7 @@
 A request is read (at most `max_request_body_bytes`, api/request_body.py), parsed and prepared
 (templated, tokenized) on worker threads, so a large body never stalls the event loop. Its
 worst case is then reserved against the spend limits, or it is refused with 429
-`insufficient_quota` (api/spend.py); it settles to what it used however it ends. It is then
+`insufficient_quota` (store/spend.py); it settles to what it used however it ends. It is then
 admitted or refused at once: the engine holds at most `max_realtime_queue` realtime
 sequences (each request's prompts × n), shared fairly among tenants (`Admission`), and beyond
 that a client gets a 429 with Retry-After (when the room it needs is expected, which is kept for
@@ -38,7 +38,7 @@ from starlette.types import Message, Receive, Scope, Send
 from pagedbatch.api.deps import Services, get_services
 from pagedbatch.api.preparation import preparing_for
 from pagedbatch.api.request_body import decode_json
-from pagedbatch.api.spend import Account, SpendGuard
+from pagedbatch.api.spend import Account, open_account
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind
@@ -296,13 +296,18 @@ async def _open_account(
     request: Request, services: Services, tenant: str, engine: AsyncLLM, prepared: Prepared
 ) -> Account | None:
     """The request's account in the usage ledger, its worst case reserved against the spend
-    limits (api/spend.py): a 429 `insufficient_quota`, before any engine work, if they cannot
+    limits (store/spend.py): a 429 `insufficient_quota`, before any engine work, if they cannot
     cover it. None where nothing is recorded: no ledger, or the moderation model (free)."""
     if services.ledger is None or engine is not services.engine:
         return None
-    spend: SpendGuard = request.app.state.spend
     return await _off_loop(
-        services, spend.account, services.ledger, tenant, engine.engine, prepared
+        services,
+        open_account,
+        request.app.state.spend,
+        services.ledger,
+        tenant,
+        engine.engine,
+        prepared,
     )
 
 

@@ -21,6 +21,7 @@ from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
 from pagedbatch.api.errors import BodyTooLarge
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.schemas.common import TOO_DEEP
 from pagedbatch.settings import Settings
 
 UPLOAD_PATH = "/v1/files"
@@ -57,12 +58,13 @@ def decode_json(raw: bytes) -> object:
         return None
     try:
         return json.loads(raw)
-    except (ValueError, RecursionError):  # UnicodeDecodeError is a ValueError
-        raise OpenAIError(
-            "We could not parse the JSON body of your request: it is not valid JSON, or it nests "
-            "too deeply.",
-            code="invalid_json",
-        ) from None
+    except ValueError:  # UnicodeDecodeError is one
+        problem = "it is not valid JSON"
+    except RecursionError:
+        problem = TOO_DEEP
+    raise OpenAIError(
+        f"We could not parse the JSON body of your request: {problem}.", code="invalid_json"
+    )
 
 
 class BodyLimitMiddleware:

@@ -142,7 +142,7 @@ def safetensors_copy(gguf_file: Path) -> Path:
     import torch
     from safetensors.torch import save_file
 
-    from pagedbatch.engine import gguf
+    from pagedbatch.engine.worker import gguf
 
     meta = gguf.metadata_dir(gguf_file)
     target = CACHE_ROOT / f"bench-{meta.name}"

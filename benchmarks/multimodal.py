@@ -42,7 +42,7 @@ from PIL import Image
 
 from pagedbatch.engine import LLMEngine, SamplingParams
 from pagedbatch.engine.config import EngineArgs
-from pagedbatch.engine.multimodal import MediaItem, place
+from pagedbatch.engine.multimodal.inputs import MediaItem, place
 from pagedbatch.make_model import make_model
 from pagedbatch.protocol.audio import decode_audio
 

@@ -72,7 +72,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     import torch
 
     from pagedbatch.engine import LLM, SamplingParams
-    from pagedbatch.engine.structured_output import StructuredOutput
+    from pagedbatch.engine.sample.structured_output import StructuredOutput
 
     if args.threads:
         torch.set_num_threads(args.threads)

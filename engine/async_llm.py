@@ -22,7 +22,7 @@ from typing import Any, TypeVar
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
-from pagedbatch.engine.multimodal import MediaItem
+from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 

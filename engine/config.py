@@ -10,8 +10,8 @@ from typing import Any
 
 import torch
 
-from pagedbatch.engine.distributed import divide
-from pagedbatch.engine.gguf import find_gguf, metadata_dir
+from pagedbatch.engine.worker.distributed import divide
+from pagedbatch.engine.worker.gguf import find_gguf, metadata_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("priority", "fcfs")

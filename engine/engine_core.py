@@ -18,15 +18,15 @@ import torch
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.config import EngineArgs, ModelConfig
-from pagedbatch.engine.encoder_cache import EncoderCache
-from pagedbatch.engine.kv_cache_manager import KVCacheManager
-from pagedbatch.engine.model_runner import ModelRunner
-from pagedbatch.engine.ranks import start_runner
-from pagedbatch.engine.request import Request, RequestStatus, TokenLogprob
-from pagedbatch.engine.sampler import Sampler, edits_logits
-from pagedbatch.engine.scheduler import ScheduledRequest, Scheduler
-from pagedbatch.engine.step_cost import StepCostModel
-from pagedbatch.engine.structured_output import GrammarRuntime, StructuredOutput
+from pagedbatch.engine.core.encoder_cache import EncoderCache
+from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
+from pagedbatch.engine.core.request import Request, RequestStatus, TokenLogprob
+from pagedbatch.engine.core.scheduler import ScheduledRequest, Scheduler
+from pagedbatch.engine.core.step_cost import StepCostModel
+from pagedbatch.engine.sample.sampler import Sampler, edits_logits
+from pagedbatch.engine.sample.structured_output import GrammarRuntime, StructuredOutput
+from pagedbatch.engine.worker.model_runner import ModelRunner
+from pagedbatch.engine.worker.ranks import start_runner
 
 logger = logging.getLogger(__name__)
 

@@ -15,9 +15,9 @@ from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedbatch.engine.images import ImageSpec, mrope_positions
-from pagedbatch.engine.multimodal import MediaItem, MediaSpec
-from pagedbatch.engine.request import Request
+from pagedbatch.engine.core.request import Request
+from pagedbatch.engine.multimodal.images import ImageSpec, mrope_positions
+from pagedbatch.engine.multimodal.inputs import MediaItem, MediaSpec
 from pagedbatch.engine.sampling_params import SamplingParams
 
 

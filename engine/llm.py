@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
-from pagedbatch.engine.multimodal import MediaItem, place
+from pagedbatch.engine.multimodal.inputs import MediaItem, place
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 

@@ -14,23 +14,23 @@ import time
 
 import torch
 
-from pagedbatch.engine.audio import AudioLimits, AudioProcessor, audio_spec
 from pagedbatch.engine.config import EngineArgs, ModelConfig, default_model_name
+from pagedbatch.engine.core.scheduler import Scheduler
 from pagedbatch.engine.engine_core import EngineCore
-from pagedbatch.engine.images import ImageLimits, ImageProcessor, image_spec
 from pagedbatch.engine.input_processor import InputProcessor
-from pagedbatch.engine.loggers import StatLogger
-from pagedbatch.engine.metrics import EngineMetrics
-from pagedbatch.engine.model_runner import ModelRunner
-from pagedbatch.engine.multimodal import MediaItem
+from pagedbatch.engine.metrics.engine_stats import EngineStats
+from pagedbatch.engine.metrics.prometheus import EngineMetrics
+from pagedbatch.engine.metrics.stats_line import StatsLogger
+from pagedbatch.engine.metrics.step import StatLogger
+from pagedbatch.engine.multimodal.audio import AudioLimits, AudioProcessor, audio_spec
+from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor, image_spec
+from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.output_processor import OutputProcessor
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.sample.structured_output import GrammarRuntime
 from pagedbatch.engine.sampling_params import SamplingParams
-from pagedbatch.engine.scheduler import Scheduler
-from pagedbatch.engine.stats import EngineStats
-from pagedbatch.engine.stats_logger import StatsLogger
-from pagedbatch.engine.structured_output import GrammarRuntime
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
+from pagedbatch.engine.worker.model_runner import ModelRunner
 
 logger = logging.getLogger(__name__)
 

@@ -27,12 +27,12 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedbatch.engine.core.request import Request, RequestStatus
 from pagedbatch.engine.detokenizer import IncrementalDetokenizer
 from pagedbatch.engine.engine_core import CoreOutput, EngineCore, SampledToken
-from pagedbatch.engine.loggers import StepStats
-from pagedbatch.engine.multimodal import media_tokens
+from pagedbatch.engine.metrics.step import StepStats
+from pagedbatch.engine.multimodal.inputs import media_tokens
 from pagedbatch.engine.outputs import CompletionOutput, RequestMetrics, RequestOutput
-from pagedbatch.engine.request import Request, RequestStatus
 from pagedbatch.engine.sampling_params import RequestOutputKind
 
 

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pagedbatch.engine.request import TokenLogprob
+from pagedbatch.engine.core.request import TokenLogprob
 
 
 @dataclass

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING
 import torch
 
 if TYPE_CHECKING:
-    from pagedbatch.engine.structured_output import StructuredOutput
+    from pagedbatch.engine.sample.structured_output import StructuredOutput
 
 # A logits processor sees the tokens generated so far and the request's logits row (1-D, float32)
 # and returns the row to sample from (it may modify it in place). Structured output masks the

@@ -99,7 +99,7 @@ class Settings(EngineSettings):
         default_factory=dict
     )
     batch_discount: float = Field(0.5, ge=0, le=1)
-    # Each API key's monthly spend limit at those prices (api/spend.py): a request or batch line
+    # Each API key's monthly spend limit at those prices (store/spend.py): a request or batch line
     # whose worst case could take the key past it is refused (429 insufficient_quota); None: no
     # limit. The service's is set through the API. Set it alike on the API and the workers.
     key_monthly_spend_limit_usd: float | None = Field(None, ge=0)

@@ -24,7 +24,7 @@ from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
 # trained default; tests of the default clear this.
 os.environ.setdefault("PAGEDBATCH_MODEL", "demo-tiny")
 
-from pagedbatch.engine.gguf import cache_root
+from pagedbatch.engine.worker.gguf import cache_root
 from pagedbatch.make_model import long_context, make_model
 from pagedbatch.pypi_models import ModelUnavailable, fetch
 

@@ -21,7 +21,7 @@ import torch
 import transformers
 from transformers import AutoModelForCausalLM
 
-from pagedbatch.engine.gguf import cache_root
+from pagedbatch.engine.worker.gguf import cache_root
 
 ORACLE_ANSWERS = cache_root().parent / "oracle"
 

@@ -101,12 +101,60 @@ def test_imports_point_one_way(module: str):
     assert not wrong, f"{module} ({importer}) imports {wrong}"
 
 
+# Within the engine, as vLLM v1 lays it out: the scheduler and KV cache (core), the model and its
+# weights (worker), sampling (sample), metrics and media each a subpackage, under the front doors
+# (LLM, AsyncLLM, LLMEngine, EngineCore) at the top, which assemble them. What each subpackage may
+# import besides itself; "plain" is the engine's plain-data modules at the top (settings, sampling
+# parameters, outputs). No subpackage imports a front door, nor metrics, which only watch.
+ENGINE_PLAIN = {"config", "sampling_params", "outputs"}
+ENGINE_MAY_IMPORT = {
+    "core": {"multimodal", "plain"},
+    "worker": {"core", "multimodal", "plain"},
+    "sample": {"core", "plain"},
+    "metrics": {"core", "plain"},
+    "multimodal": {"plain"},
+}
+
+
+def engine_part(module: str) -> str | None:
+    """The engine subpackage `module` belongs to, "plain", "front", or None outside the engine."""
+    parts = module.split(".")
+    if parts[:2] != ["pagedbatch", "engine"] or len(parts) < 3:
+        return None
+    if parts[2] in ENGINE_MAY_IMPORT:
+        return parts[2]
+    return "plain" if parts[2] in ENGINE_PLAIN else "front"
+
+
+def test_the_engine_is_grouped_into_its_subpackages():
+    parts = {engine_part(name) for name in modules()}
+    assert set(ENGINE_MAY_IMPORT) <= parts
+    # A new engine module goes into the subpackage of its idea, not beside the front doors.
+    front = sorted(n for n in modules() if engine_part(n) == "front")
+    assert len(front) <= 10, front
+
+
+@pytest.mark.parametrize(
+    "module", sorted(n for n in modules() if engine_part(n) in ENGINE_MAY_IMPORT)
+)
+def test_engine_subpackages_import_one_way(module: str):
+    importer = engine_part(module)
+    allowed = ENGINE_MAY_IMPORT[importer] | {importer}
+    wrong = sorted(
+        name
+        for name in imported(module, modules()[module])
+        if engine_part(name) is not None and engine_part(name) not in allowed
+    )
+    assert not wrong, f"{module} ({importer}) imports {wrong}"
+
+
 def test_a_forbidden_direction_is_caught(tmp_path):
     """The check itself: an api module importing a workers module is reported."""
     path = tmp_path / "bad.py"
     path.write_text("from pagedbatch.workers.context import WorkerContext\n")
     assert unit("pagedbatch.workers.context") not in MAY_IMPORT["api"]
     assert "pagedbatch.workers.context" in imported("pagedbatch.api.bad", path)
+    assert engine_part("pagedbatch.engine.llm_engine") not in ENGINE_MAY_IMPORT["core"]
 
 
 def test_run_from_the_checkout_root_our_folders_hide_no_installed_package():

@@ -16,15 +16,16 @@ from pagedbatch.api.batches.schemas import SUPPORTED_ENDPOINTS, BatchCreate, Bat
 from pagedbatch.api.deps import Services, ServicesDep, SessionDep
 from pagedbatch.api.files.lookup import get_file
 from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once, fingerprint
-from pagedbatch.api.lists import ListPage
+from pagedbatch.api.lists import ListPage, unknown_cursor
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.ids import new_id, now
 from pagedbatch.protocol.batch_lines import MODERATIONS
-from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.errors import OpenAIError, insufficient_quota
 from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import TERMINAL, Batch, BatchStatus
+from pagedbatch.store.spend import SpendRefused
 
 router = APIRouter(prefix="/batches", tags=["batches"])
 
@@ -64,7 +65,10 @@ def create_batch(
     body: Annotated[Any, Body()] = None,
     idempotency_key: IdempotencyKeyHeader = None,
 ) -> BatchObject:
-    request.app.state.spend.check(owner)  # a running batch finishes; no new one past a limit
+    try:  # a running batch finishes; no new one past a limit
+        request.app.state.spend.check(owner)
+    except SpendRefused as refused:
+        raise insufficient_quota(str(refused)) from None
     params = parse_request(BatchCreate, body)
     if params.endpoint not in SUPPORTED_ENDPOINTS:
         raise OpenAIError(
@@ -138,7 +142,7 @@ def cancel_batch(batch_id: str, services: ServicesDep, owner: OwnerDep) -> Batch
     return answer_then_enqueue(services, owner, batch_id, "finalize_batch" if moved else None)
 
 
-@router.get("", responses=error_responses(404))
+@router.get("")
 def list_batches(
     session: SessionDep,
     owner: OwnerDep,
@@ -156,5 +160,7 @@ def list_batches(
 
 
 def _older_than(session: Session, owner: str, after: str) -> ColumnElement[bool]:
-    cursor = get_batch(session, owner, after)
+    cursor = session.scalar(select(Batch).where(Batch.id == after, Batch.owner == owner))
+    if cursor is None:
+        raise unknown_cursor("Batch object", after)
     return tuple_(Batch.created_at, Batch.id) < tuple_(cursor.created_at, cursor.id)

@@ -19,6 +19,7 @@ from pagedbatch.protocol.errors import OpenAIError
 
 MAX_FIELD_BYTES = 64 << 10  # a form field other than `file`
 MAX_BOUNDARY_LENGTH = 70  # RFC 2046's bound on a multipart boundary
+INVALID_FORM = "invalid_multipart"  # the code of a body that is no well-formed form
 
 
 def form_boundary(content_type: str | None) -> bytes:
@@ -28,7 +29,8 @@ def form_boundary(content_type: str | None) -> bytes:
     if kind != b"multipart/form-data" or not 1 <= len(found) <= MAX_BOUNDARY_LENGTH:
         raise OpenAIError(
             "Expected a multipart/form-data body with a boundary of 1 to "
-            f"{MAX_BOUNDARY_LENGTH} characters."
+            f"{MAX_BOUNDARY_LENGTH} characters.",
+            code=INVALID_FORM,
         )
     return found
 
@@ -64,7 +66,9 @@ def events(chunks: Iterator[bytes], boundary: bytes) -> Iterator[Event]:
         _, options = parse_options_header(bytes(disposition))
         disposition.clear()
         if b"name" not in options:
-            raise OpenAIError("A multipart part has no name in its Content-Disposition.")
+            raise OpenAIError(
+                "A multipart part has no name in its Content-Disposition.", code=INVALID_FORM
+            )
         filename = options.get(b"filename")
         pending.append(
             PartStart(
@@ -93,12 +97,16 @@ def events(chunks: Iterator[bytes], boundary: bytes) -> Iterator[Event]:
         try:
             parser.write(chunk)
         except MultipartParseError as exc:
-            raise OpenAIError(f"The multipart body is malformed: {exc}") from None
+            raise OpenAIError(
+                f"The multipart body is malformed: {exc}", code=INVALID_FORM
+            ) from None
         yield from pending
         pending.clear()
     if not finished:
         # Raised into the blob write too, so a truncated upload is never stored.
-        raise OpenAIError("The multipart body ended before its closing boundary.")
+        raise OpenAIError(
+            "The multipart body ended before its closing boundary.", code=INVALID_FORM
+        )
 
 
 def part_data(stream: Iterator[Event]) -> Iterator[bytes]:

@@ -21,9 +21,8 @@ from pagedbatch.api.files.schemas import (
 )
 from pagedbatch.api.files.uploads import upload_file
 from pagedbatch.api.idempotency import IdempotencyKeyHeader
-from pagedbatch.api.lists import ListPage
+from pagedbatch.api.lists import ListPage, unknown_cursor
 from pagedbatch.api.routes.openapi import error_responses
-from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.store.models import File
 
 router = APIRouter(prefix="/files", tags=["files"])
@@ -94,7 +93,7 @@ def _beyond(session: Session, owner: str, after: str, order: str) -> ColumnEleme
     """Files that come after the cursor file `after` in `order`."""
     cursor = session.scalar(select(File).where(File.id == after, File.owner == owner))
     if cursor is None:
-        raise OpenAIError(f"No such File object: {after}", param="after", code="invalid_value")
+        raise unknown_cursor("File object", after)
     position = tuple_(File.created_at, File.id)
     if order == "asc":
         return position > tuple_(cursor.created_at, cursor.id)

@@ -1,5 +1,5 @@
 """The admin API: usage and costs, read from the usage ledger (store/usage.py), and the service's
-spend limit (api/spend.py).
+spend limit (store/spend.py).
 
 An admin key (`PAGEDBATCH_ADMIN_KEYS`; the SDK's `admin_api_key`) reads every tenant's usage; a
 tenant's own key reads its own through the same endpoints, never another's. Only admin keys
@@ -28,12 +28,12 @@ from pagedbatch.api.organization.schemas import (
     UsagePage,
 )
 from pagedbatch.api.routes.openapi import error_responses, json_body
-from pagedbatch.api.spend import SpendGuard
 from pagedbatch.ids import now
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.store.models import SpendLimit
 from pagedbatch.store.reservations import ORGANIZATION
+from pagedbatch.store.spend import SpendGuard
 from pagedbatch.store.usage import UsageQuery, UsageSums, usage_sums
 
 router = APIRouter(prefix="/organization", tags=["organization"])

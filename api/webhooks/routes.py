@@ -15,7 +15,7 @@ from sqlalchemy.orm import Session
 
 from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.deps import ServicesDep, SessionDep
-from pagedbatch.api.lists import ListPage
+from pagedbatch.api.lists import ListPage, unknown_cursor
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.api.webhooks.schemas import (
     WebhookDeliveryObject,
@@ -106,7 +106,7 @@ def list_endpoints(
             )
         )
         if cursor is None:
-            raise _unknown_cursor("webhook endpoint", after)
+            raise unknown_cursor("webhook endpoint", after)
         query = query.where(
             tuple_(WebhookEndpoint.created_at, WebhookEndpoint.id)
             < tuple_(cursor.created_at, cursor.id)
@@ -186,11 +186,7 @@ def _older_delivery(session: Session, endpoint_id: str, after: str) -> ColumnEle
         )
     )
     if cursor is None:
-        raise _unknown_cursor("webhook delivery", after)
+        raise unknown_cursor("webhook delivery", after)
     return tuple_(WebhookDelivery.created_at, WebhookDelivery.id) < tuple_(
         cursor.created_at, cursor.id
     )
-
-
-def _unknown_cursor(kind: str, after: str) -> OpenAIError:
-    return OpenAIError(f"No such {kind}: {after}", param="after", code="invalid_value")

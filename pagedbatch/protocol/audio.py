@@ -15,7 +15,7 @@ import io
 
 import numpy as np
 
-from pagedbatch.engine.audio import AudioLimits
+from pagedbatch.engine.multimodal.audio import AudioLimits
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.inline_data import decode_base64
 

@@ -19,6 +19,7 @@ from pydantic import BaseModel, StrictStr, ValidationError
 from pagedbatch.ids import new_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
+from pagedbatch.protocol.schemas.common import TOO_DEEP
 from pagedbatch.protocol.schemas.completions import CompletionRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
 from pagedbatch.protocol.serving.common import Prepared, ServedModel, parse_request
@@ -152,6 +153,10 @@ class InputLineChecker:
             data = json.loads(raw)
         except ValueError as exc:
             raise InvalidBatchLine("invalid_json_line", f"Invalid JSON: {exc}", line=line) from None
+        except RecursionError:
+            raise InvalidBatchLine(
+                "invalid_json_line", f"Invalid JSON: {TOO_DEEP}.", line=line
+            ) from None
         if not isinstance(data, dict):
             raise InvalidBatchLine("invalid_json_line", "A line must be a JSON object.", line=line)
         custom_id = data.get("custom_id") if isinstance(data.get("custom_id"), str) else None

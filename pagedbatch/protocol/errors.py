@@ -38,10 +38,24 @@ class OpenAIError(Exception):
     ) -> None:
         super().__init__(message)
         self.status_code = status_code
+        if code is None and status_code < 500:
+            # Every client error has a code a program can branch on (README "Errors").
+            code = "invalid_value" if param is not None else "invalid_request"
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
 
     def body(self) -> dict[str, Any]:
         return ErrorResponse(error=self.detail).model_dump()
+
+
+def insufficient_quota(reason: str) -> OpenAIError:
+    """The 429 of a request that a spend limit refuses, with `reason` saying which."""
+    return OpenAIError(
+        f"{reason} You exceeded your current quota; such requests are refused until the month "
+        "ends or the limit is raised.",
+        status_code=429,
+        type="insufficient_quota",
+        code="insufficient_quota",
+    )
 
 
 def from_validation_error(exc: ValidationError, data: Any) -> OpenAIError:

@@ -16,8 +16,8 @@ import warnings
 
 from PIL import Image, UnidentifiedImageError
 
-from pagedbatch.engine.images import ImageLimits, ImageProcessor, ImageRefused
-from pagedbatch.engine.multimodal import ProcessedMedia
+from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor, ImageRefused
+from pagedbatch.engine.multimodal.inputs import ProcessedMedia
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.inline_data import decode_base64
 

@@ -25,7 +25,7 @@ from typing import TypeVar
 import httpx
 
 from pagedbatch.egress import Destination, ForbiddenDestination, check_url
-from pagedbatch.engine.images import ImageLimits
+from pagedbatch.engine.multimodal.images import ImageLimits
 from pagedbatch.protocol.errors import OpenAIError
 
 MAX_REDIRECTS = 3

@@ -12,7 +12,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedbatch.engine.structured_output import OutputLimits, StructuredOutput, too_costly
+from pagedbatch.engine.sample.structured_output import OutputLimits, StructuredOutput, too_costly
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.tool_calls import TOOL_CALL_OPENING, call_tag, calls_in_a_row
 

@@ -13,7 +13,7 @@ import re
 from dataclasses import dataclass
 from typing import Any
 
-from pagedbatch.engine.structured_output import StructuredOutput
+from pagedbatch.engine.sample.structured_output import StructuredOutput
 
 TOOL_CALL_START = "<tool_call>\n"
 TOOL_CALL_END = "}\n</tool_call>"

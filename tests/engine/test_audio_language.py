@@ -14,7 +14,7 @@ from audio_oracle import MAX_TOKENS, RATE, chat_text, hf_greedy, hf_inputs, tone
 from greedy_checks import assert_pool_whole
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.engine.multimodal import place
+from pagedbatch.engine.multimodal.inputs import place
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 

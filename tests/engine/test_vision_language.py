@@ -15,7 +15,7 @@ from PIL import Image
 from vision_oracle import MAX_TOKENS, chat_text, hf_greedy, image
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.engine.multimodal import place
+from pagedbatch.engine.multimodal.inputs import place
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS, ignore_eos=True)
 ARCHS = ("llava", "qwen2_vl")

@@ -75,7 +75,7 @@ def test_the_package_imports_and_runs_without_triton():
 import sys
 sys.modules["triton"] = None  # as if not installed: importing it raises ImportError
 import torch
-import pagedbatch.engine.models.llama  # the engine's model, which calls the ops
+import pagedbatch.engine.worker.models.llama  # the engine's model, which calls the ops
 from pagedbatch.kernels import ops
 out = ops.rms_norm(torch.ones(2, 4), torch.ones(4), 1e-6)
 assert out.shape == (2, 4)

@@ -6,7 +6,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from pagedbatch.engine.models.rope import RotaryEmbedding
+from pagedbatch.engine.worker.models.rope import RotaryEmbedding
 from pagedbatch.kernels import rotary, triton_rotary
 
 HEAD_DIM = 64

@@ -16,7 +16,7 @@ from PIL import Image
 from vision_oracle import data_url
 
 from pagedbatch.engine.config import ModelConfig
-from pagedbatch.engine.images import ImageLimits, ImageProcessor
+from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.images import decode_image_url, process_image
 
@@ -76,7 +76,7 @@ MEASURE = """
 import json, sys
 sys.path[:0] = [{tests!r}, {oracles!r}]
 from pagedbatch.engine.config import ModelConfig
-from pagedbatch.engine.images import ImageLimits, ImageProcessor
+from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.images import decode_image_url, process_image
 from test_image_bounds import LIMITS, PARAM, STRIPS, strip

@@ -11,7 +11,7 @@ import pytest
 import xgrammar as xgr
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.engine.structured_output import OutputLimits, StructuredOutput
+from pagedbatch.engine.sample.structured_output import OutputLimits, StructuredOutput
 from pagedbatch.protocol.structured_output import RequestedOutput, from_openai
 from pagedbatch.protocol.tool_calls import ToolCall, parse_tool_calls
 

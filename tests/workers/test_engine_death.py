@@ -30,7 +30,7 @@ def dying_model(tiny_llama: Path, tmp_path: Path) -> tuple[Path, Path]:
     plugins.mkdir()
     (plugins / "dying_plugin.py").write_text(
         textwrap.dedent("""
-        from pagedbatch.engine.models.llama import LlamaForCausalLM
+        from pagedbatch.engine.worker.models.llama import LlamaForCausalLM
 
         class DyingForCausalLM(LlamaForCausalLM):
             def forward(self, *args, **kwargs):

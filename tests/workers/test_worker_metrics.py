@@ -14,7 +14,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
 
-from pagedbatch.engine.metrics import PREFIX
+from pagedbatch.engine.metrics.prometheus import PREFIX
 from pagedbatch.settings import Settings
 from pagedbatch.store.queue import InProcessQueue, QueueDepthCollector, TaskQueue
 from pagedbatch.workers.celery_app import QUEUE, CeleryQueue, make_celery

@@ -1,4 +1,4 @@
-"""A shard run's spend reservations (api/spend.py): each line reserves its worst case, at the
+"""A shard run's spend reservations (store/spend.py): each line reserves its worst case, at the
 batch discount, as the shard takes it, and settles in the result flush that writes it, in the
 same transaction; a line refused fails with `insufficient_quota`, and the batch goes on.
 
@@ -16,11 +16,12 @@ from collections.abc import Sequence
 
 from sqlalchemy.orm import Session
 
-from pagedbatch.api.spend import SpendGuard
-from pagedbatch.protocol.serving.common import Prepared, ServedModel
+from pagedbatch.protocol.errors import insufficient_quota
+from pagedbatch.protocol.serving.common import Prepared, ServedModel, worst_case_tokens
 from pagedbatch.store.batches import LineResult
 from pagedbatch.store.reservations import Reservation, Settlement, forget_all, settle
 from pagedbatch.store.retry import retrying
+from pagedbatch.store.spend import SpendGuard, SpendRefused
 from pagedbatch.workers.context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -39,10 +40,14 @@ class LineSpend:
     def reserve(self, request_id: int, served: ServedModel, prepared: Prepared) -> None:
         """Reserve the line's worst case; a 429 `insufficient_quota` if a budget cannot hold it.
         Rides out a database outage."""
-        reservation = retrying(
-            lambda: self._guard.reserve(self._owner, served, prepared, batch=True),
-            "reserving a batch line's spend",
-        )
+        tokens = worst_case_tokens(prepared, served.max_model_len)
+        try:
+            reservation = retrying(
+                lambda: self._guard.reserve(self._owner, self._model, True, *tokens),
+                "reserving a batch line's spend",
+            )
+        except SpendRefused as refused:
+            raise insufficient_quota(str(refused)) from None
         if reservation is not None:
             with self._lock:
                 self._held[request_id] = reservation

@@ -143,7 +143,7 @@ ChatMessage = Annotated[
     Field(discriminator="role"),
 ]
 
-# Tools and response formats, enforced by constrained decoding (engine/structured_output.py).
+# Tools and response formats, enforced by constrained decoding (engine/sample/structured_output.py).
 
 
 class FunctionDefinition(BaseModel):

@@ -32,6 +32,11 @@ MAX_NAME_CHARS = 256  # names and ids: `user`, message names, tool call ids
 # its nesting and size are bounded before anything walks it recursively.
 MAX_JSON_DEPTH = 64
 MAX_JSON_VALUES = 20_000
+# Python's JSON parser recurses once a level, so a document nested deeper than the interpreter's
+# stack allows (about 1,000 levels, less the caller's frames) cannot be read at all, and one
+# nested up to this deep always can: a refusal for depth says this much.
+JSON_PARSE_DEPTH = 500
+TOO_DEEP = f"it nests more than {JSON_PARSE_DEPTH} levels deep"
 
 Text = Annotated[str, Field(max_length=MAX_TEXT_CHARS)]
 Name = Annotated[str, Field(max_length=MAX_NAME_CHARS)]

@@ -16,9 +16,9 @@ from typing import Any, Literal
 from jinja2 import TemplateError
 from transformers import PreTrainedTokenizerBase
 
-from pagedbatch.engine.multimodal import Modality
+from pagedbatch.engine.core.request import TokenLogprob
+from pagedbatch.engine.multimodal.inputs import Modality
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
-from pagedbatch.engine.request import TokenLogprob
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import (
     ChatCompletion,

@@ -16,12 +16,12 @@ from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
-from pagedbatch.engine.audio import AudioProcessor
-from pagedbatch.engine.images import ImageProcessor
-from pagedbatch.engine.multimodal import MediaItem
+from pagedbatch.engine.multimodal.audio import AudioProcessor
+from pagedbatch.engine.multimodal.images import ImageProcessor
+from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.sample.structured_output import StructuredOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
-from pagedbatch.engine.structured_output import StructuredOutput
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 from pagedbatch.protocol.errors import OpenAIError, from_validation_error
 from pagedbatch.protocol.schemas.common import PromptTokensDetails, SamplingRequest, Usage
@@ -69,6 +69,17 @@ class Prepared(Protocol):
 
         Raises OpenAIError if a request ended in an error or was aborted.
         """
+
+
+def worst_case_tokens(prepared: Prepared, max_model_len: int) -> tuple[int, int]:
+    """The most tokens `prepared` can take: its prompts', and for each of their n choices
+    max_tokens, or without it the context its prompt leaves (what spend limits reserve)."""
+    prompt = sum(len(i.prompt_token_ids) for i in prepared.inputs)
+    output = sum(
+        i.params.n * (i.params.max_tokens or max(0, max_model_len - len(i.prompt_token_ids)))
+        for i in prepared.inputs
+    )
+    return prompt, output
 
 
 def parse_request(schema: type[Body], body: Any) -> Body:

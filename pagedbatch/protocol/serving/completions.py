@@ -13,8 +13,8 @@ from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedbatch.engine.core.request import TokenLogprob
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
-from pagedbatch.engine.request import TokenLogprob
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.completions import (
     Completion,
@@ -129,15 +129,24 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
     _refuse_unsupported(request)
     tokenizer = served.tokenizer
     prompts = _split_prompts(request.prompt)
-    token_ids = [
-        encode_prompt(p, request.max_tokens, served, param="prompt", add_special_tokens=True)
-        if isinstance(p, str)
-        else p
-        for p in prompts
-    ]
-    for ids in token_ids:
-        check_vocabulary(ids, len(tokenizer), param="prompt")
-        check_context_length(len(ids), request.max_tokens, served, param="prompt")
+    token_ids: list[list[int]] = []
+    for i, prompt in enumerate(prompts):
+        # Each of a list of prompts is named as the schema's checks name it.
+        param = "prompt" if prompt is request.prompt else f"prompt[{i}]"
+        ids = (
+            encode_prompt(prompt, request.max_tokens, served, param=param, add_special_tokens=True)
+            if isinstance(prompt, str)
+            else prompt
+        )
+        if not ids:  # "" with a tokenizer that adds no BOS: nothing for the model to go on
+            raise OpenAIError(
+                f"Invalid value for '{param}': the prompt is empty (it has no tokens).",
+                param=param,
+                code="invalid_value",
+            )
+        check_vocabulary(ids, len(tokenizer), param=param)
+        check_context_length(len(ids), request.max_tokens, served, param=param)
+        token_ids.append(ids)
     params = sampling_params(
         request, max_tokens=request.max_tokens, logprobs=request.logprobs, tokenizer=tokenizer
     )

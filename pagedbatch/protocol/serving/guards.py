@@ -27,8 +27,8 @@ from typing import ClassVar
 import torch
 
 from pagedbatch.engine.outputs import CompletionOutput
+from pagedbatch.engine.sample.structured_output import StructuredOutput
 from pagedbatch.engine.sampling_params import SamplingParams
-from pagedbatch.engine.structured_output import StructuredOutput
 from pagedbatch.moderation import CATEGORIES, GUARD_CODES
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.serving.common import ServedModel

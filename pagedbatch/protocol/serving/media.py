@@ -11,7 +11,7 @@ from __future__ import annotations
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from pagedbatch.engine.multimodal import MediaItem, Modality, ProcessedMedia, place
+from pagedbatch.engine.multimodal.inputs import MediaItem, Modality, ProcessedMedia, place
 from pagedbatch.protocol.audio import decode_base64_audio
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.images import decode_image_url, open_image, process_image

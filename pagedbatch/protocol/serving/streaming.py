@@ -17,8 +17,8 @@ from typing import Protocol
 
 from pydantic import BaseModel
 
+from pagedbatch.engine.core.request import TokenLogprob
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.request import TokenLogprob
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import (
     ChatCompletionChunk,

@@ -11,7 +11,7 @@ import pytest
 from vision_oracle import chat_text, data_url, image
 
 from pagedbatch.engine import EngineArgs, LLMEngine, SamplingParams
-from pagedbatch.engine.multimodal import place
+from pagedbatch.engine.multimodal.inputs import place
 from pagedbatch.protocol.batch_lines import BatchOutputLine
 from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
 

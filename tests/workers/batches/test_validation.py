@@ -166,7 +166,7 @@ def test_a_custom_id_longer_than_its_column_is_that_lines_error(make_validator, 
     assert validator.requests(batch_id) == {}
 
 
-def test_a_line_that_makes_a_check_raise_is_that_lines_error(make_validator):
+def test_a_line_nested_too_deeply_to_parse_is_that_lines_error_saying_so(make_validator):
     validator = make_validator()
     # Nesting this deep makes the JSON parser raise RecursionError, not a ValueError.
     batch_id = validator.batch([line("a"), "[" * 100_000, line("c")])
@@ -175,8 +175,8 @@ def test_a_line_that_makes_a_check_raise_is_that_lines_error(make_validator):
     batch = validator.get(batch_id)
     assert batch.status == "failed"
     [error] = batch.errors
-    assert (error["code"], error["line"], error["param"]) == ("invalid_request", 2, None)
-    assert "RecursionError" in error["message"]
+    assert (error["code"], error["line"], error["param"]) == ("invalid_json_line", 2, None)
+    assert "nests more than 500 levels deep" in error["message"]
 
 
 def test_requests_are_committed_in_chunks_and_a_late_bad_line_removes_them(make_validator):

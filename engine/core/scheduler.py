@@ -1,0 +1,315 @@
+"""Token-level continuous batching: which requests run this step, and how many tokens each.
+
+Every step has one token budget. Running requests are served first (one decode token each, or the
+next chunk of their prefill), best priority first; waiting requests then fill what is left, their
+prefills cut into chunks that fit. A running prefill's chunk leaves a token for each running
+decode behind it and room for the first waiting prompt (up to half the budget), so that a 128K
+prompt, prefilled over many steps, holds up neither the others' decoding nor a new request.
+
+Under the priority policy the best priority present (realtime requests) is served that way
+before any other, and alone in a step where one of them prefills (but never in two steps
+running), so that its first token is not held up by batch work; otherwise the rest share at
+most `low_priority_token_budget` tokens, and no more than fit in a step of
+`low_priority_step_seconds` by the engine's measure of its steps (`step_cost`), which keeps the
+steps realtime requests wait on short. When the KV pool runs dry, the worst running request
+(lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
+mostly from the prefix cache.
+
+A request's images and audio clips are encoded in the step that first reaches their
+placeholders, within a per-step encoder budget and the encoder cache's room (`encoder_cache`): a
+chunk is cut before the first item whose embeddings cannot be had this step. A chunk may end
+inside an item; the next goes on from the cached embeddings.
+"""
+
+from __future__ import annotations
+
+import bisect
+import time
+from dataclasses import dataclass, field
+
+from pagedbatch.engine.core.encoder_cache import EncoderCache
+from pagedbatch.engine.core.kv_cache_manager import KVCacheManager, cdiv
+from pagedbatch.engine.core.request import Request, RequestStatus
+from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
+
+
+@dataclass
+class ScheduledRequest:
+    request: Request
+    num_new_tokens: int
+    start: int  # position of the first new token
+    # True when this step reaches the request's last known token, so its logits are sampled.
+    samples: bool = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.samples = self.end == self.request.num_tokens
+
+    @property
+    def end(self) -> int:
+        return self.start + self.num_new_tokens
+
+
+@dataclass
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_tokens(self) -> int:
+        return sum(s.num_new_tokens for s in self.scheduled)
+
+    @property
+    def work(self) -> StepWork:
+        return sum(
+            (StepWork.of_chunk(s.start, s.num_new_tokens) for s in self.scheduled), StepWork()
+        )
+
+
+def _decoding(request: Request, only: int | None) -> bool:
+    """Whether the request (of priority `only`, if given) wants one token: its next decode."""
+    return request.num_tokens - request.num_computed_tokens == 1 and (
+        only is None or request.priority == only
+    )
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        max_num_seqs: int,
+        max_num_batched_tokens: int,
+        policy: str = "priority",
+        low_priority_token_budget: int | None = None,
+        low_priority_step_seconds: float | None = None,
+        step_cost: StepCostModel | None = None,
+        encoder_cache: EncoderCache | None = None,
+        max_num_encoder_tokens: int = 0,
+    ):
+        if policy not in ("fcfs", "priority"):
+            raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
+        self.kv = kv
+        self.max_num_seqs = max_num_seqs
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.policy = policy
+        # While better-priority requests are in the engine, the others' tokens per step: short
+        # steps for realtime requests under a batch (None: max_num_batched_tokens bounds them).
+        self.low_priority_token_budget = low_priority_token_budget
+        # ... and no more than fit in a step this long, once `step_cost` can tell.
+        self.low_priority_step_seconds = low_priority_step_seconds
+        self.step_cost = step_cost
+        # A multimodal model's: which items' embeddings the runner holds, and how many
+        # embeddings it may encode in one step.
+        self.encoder_cache = encoder_cache
+        self.max_num_encoder_tokens = max_num_encoder_tokens
+        self._encoder_budget = 0  # left in the step being scheduled
+        # (request id, item hash) whose placeholders the last step finished: released next step,
+        # once the runner has read them.
+        self._media_passed: list[tuple[str, bytes]] = []
+        self.waiting: list[Request] = []  # sorted, best first
+        self.running: list[Request] = []  # sorted, best first
+        self.num_preemptions = 0
+        self._last_step_alone = False  # the last step served the best priority alone
+
+    def _key(self, request: Request) -> tuple[int, float]:
+        return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
+
+    def add(self, request: Request) -> None:
+        bisect.insort(self.waiting, request, key=self._key)
+
+    @property
+    def num_unfinished(self) -> int:
+        return len(self.waiting) + len(self.running)
+
+    def finish(self, request: Request, status: RequestStatus) -> None:
+        """End a request in any live state, releasing its blocks."""
+        if request.status == RequestStatus.RUNNING:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        request.transition(status)
+        request.finished_time = time.monotonic()
+        self.kv.forget(request)
+        self._release_media(request)
+
+    def _release_media(self, request: Request) -> None:
+        if self.encoder_cache is not None and request.media:
+            self.encoder_cache.release(request.request_id)
+
+    def _preempt(self, request: Request) -> None:
+        self.running.remove(request)
+        self.kv.free(request)
+        self._release_media(request)
+        request.transition(RequestStatus.PREEMPTED)
+        request.num_computed_tokens = 0
+        request.num_preemptions += 1
+        self.num_preemptions += 1
+        self.add(request)
+
+    def _blocks_needed(self, request: Request) -> int:
+        first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
+        return cdiv(first_chunk, self.kv.block_size)
+
+    def _make_room_for_better_waiting(self, out: SchedulerOutput) -> None:
+        """A waiting request that outranks running ones takes their seats or blocks."""
+        free_blocks = self.kv.pool.num_free_blocks
+        free_seats = self.max_num_seqs - len(self.running)
+        for waiting in list(self.waiting):
+            need = self._blocks_needed(waiting)
+            while (free_seats < 1 or free_blocks < need) and self.running:
+                victim = self.running[-1]
+                if self._key(victim) <= self._key(waiting):
+                    return
+                free_blocks += len(self.kv.block_ids(victim.request_id))
+                free_seats += 1
+                self._preempt(victim)
+                out.preempted.append(victim)
+            if free_seats < 1 or free_blocks < need:
+                return
+            free_seats -= 1
+            free_blocks -= need
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        if self.encoder_cache is not None:
+            for request_id, content_hash in self._media_passed:
+                self.encoder_cache.release(request_id, content_hash)
+            self._media_passed.clear()
+            self._encoder_budget = self.max_num_encoder_tokens
+        if self.policy == "priority":
+            self._make_room_for_better_waiting(out)
+        budget = self.max_num_batched_tokens
+        # The best priority present goes first, running then waiting: a realtime request's prefill
+        # is not left behind batch work. Then the rest, within their own budget.
+        top = self._top_priority()
+        _, budget = self._schedule_running(out, 0, budget, top)
+        budget = self._schedule_waiting(out, budget, top)
+        placed = sum(1 for r in self.running if r.priority == top)  # they lie first
+        others = len(self.running) > placed or (self.waiting and self.waiting[-1].priority != top)
+        if top is not None and others:
+            low = min(budget, self._low_priority_tokens(out, self.running[placed:]))
+            prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
+            # A best-priority request is prefilling: its first token comes sooner from a step of
+            # its own. Never twice in a row, so a stream of them takes at most half the steps.
+            alone = prefilling and not self._last_step_alone
+            self._last_step_alone = alone
+            if alone:
+                low = 0
+            _, left = self._schedule_running(out, placed, low, None)
+            self._schedule_waiting(out, left, None)
+        return out
+
+    def _low_priority_tokens(self, out: SchedulerOutput, others: list[Request]) -> int:
+        """How many tokens the others may add to a step that holds the best priority's work."""
+        tokens = self.low_priority_token_budget or self.max_num_batched_tokens
+        cost = self.step_cost.cost if self.step_cost is not None else None
+        if self.low_priority_step_seconds is None or cost is None:
+            return tokens
+        room = self.low_priority_step_seconds - cost.seconds(out.work)
+        # Each of their tokens costs its matmuls and reading its context: most are decodes.
+        context = sum(r.num_computed_tokens for r in others) / max(1, len(others))
+        per_token = cost.per_token + cost.per_context * context
+        # At least one token a step: realtime traffic slows the others, never stops them.
+        return max(1, min(tokens, int(room / per_token)))
+
+    def _fit_media(self, request: Request, start: int, num_new: int) -> int:
+        """`num_new` tokens from `start`, cut before the first image or clip the chunk reaches
+        whose embeddings cannot be had this step; takes the request's hold on the others
+        (encoding those not cached, within the step's encoder budget)."""
+        cache = self.encoder_cache
+        end = start + num_new
+        for item in request.media:
+            if item.end <= start or item.offset >= end:
+                continue
+            h = item.content_hash
+            if not cache.holds(request.request_id, h):
+                if not cache.cached(h):
+                    if item.length > self._encoder_budget or not cache.room_for(item.length):
+                        return max(0, item.offset - start)
+                    self._encoder_budget -= item.length
+                cache.hold(request.request_id, item)
+            if item.end <= end:
+                self._media_passed.append((request.request_id, h))
+        return num_new
+
+    def _top_priority(self) -> int | None:
+        """The best priority in the engine; None under fcfs, where all are one class."""
+        if self.policy != "priority":
+            return None
+        heads = [queue[0].priority for queue in (self.running, self.waiting) if queue]
+        return min(heads) if heads else None
+
+    def _schedule_running(
+        self, out: SchedulerOutput, start: int, budget: int, only: int | None
+    ) -> tuple[int, int]:
+        """Running requests from `start` on, best first (of priority `only`, if given); returns
+        where it stopped and the budget left. Victims are taken from the end, so never one
+        already placed."""
+        i = start
+        # A prefill chunk leaves a token for each decode behind it and room for the next waiting
+        # prompt: a long prompt's prefill never stalls the others' decoding, nor a new request.
+        decodes = sum(1 for r in self.running[start:] if _decoding(r, only))
+        newcomer = 0
+        # Waiting requests lie best first: the first is of priority `only` if any is.
+        if self.waiting and len(self.running) < self.max_num_seqs:
+            first = self.waiting[0]
+            if only is None or first.priority == only:
+                newcomer = min(first.num_tokens, self.max_num_batched_tokens // 2)
+        while i < len(self.running) and budget > 0:
+            request = self.running[i]
+            if only is not None and request.priority != only:
+                break
+            num_new = min(request.num_tokens - request.num_computed_tokens, budget)
+            if _decoding(request, only):
+                decodes -= 1
+            else:
+                num_new = min(num_new, max(1, budget - decodes - newcomer))
+            if request.media:
+                num_new = self._fit_media(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next item cannot be encoded this step
+                    i += 1
+                    continue
+            while not self.kv.allocate(request, num_new):
+                victim = self.running[-1]
+                self._preempt(victim)
+                out.preempted.append(victim)
+                if victim is request:
+                    break
+            else:
+                out.scheduled.append(
+                    ScheduledRequest(request, num_new, request.num_computed_tokens)
+                )
+                request.num_computed_tokens += num_new
+                budget -= num_new
+                i += 1
+        return i, budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int, only: int | None) -> int:
+        """Waiting requests (of priority `only`, if given) fill the budget, unless the pool was
+        just found short; returns the budget left."""
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            if out.preempted and self.policy == "fcfs":
+                break
+            request = self.waiting[0]
+            if only is not None and request.priority != only:
+                break
+            if request in out.preempted:
+                break  # preempted for lack of room this very step
+            cached = self.kv.find_cached_prefix(request)
+            num_cached = len(cached) * self.kv.block_size
+            num_new = min(request.num_tokens - num_cached, budget)
+            if request.media:
+                num_new = self._fit_media(request, num_cached, num_new)
+            if num_new == 0 or not self.kv.allocate(request, num_new, cached):
+                self._release_media(request)
+                break
+            self.waiting.pop(0)
+            request.transition(RequestStatus.RUNNING)
+            if request.first_scheduled_time is None:
+                request.first_scheduled_time = time.monotonic()
+                request.num_cached_tokens = num_cached
+            request.num_computed_tokens = num_cached
+            out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            bisect.insort(self.running, request, key=self._key)
+        return budget

@@ -1,0 +1,259 @@
+"""One tensor-parallel rank's model shard and KV cache; runs one flattened batch per step.
+
+Rank 0 (the engine's process) turns the scheduler's decisions into a `StepInput`; with more than
+one rank, `ranks.RankProcesses` hands the same input to every other rank, and all of them run it.
+"""
+
+from __future__ import annotations
+
+import logging
+import resource
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
+
+import numpy as np
+import torch
+
+from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
+from pagedbatch.engine.core.encoder_cache import EncoderWork
+from pagedbatch.engine.core.scheduler import ScheduledRequest
+from pagedbatch.engine.worker import distributed
+from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
+from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed_memory
+from pagedbatch.engine.worker.loader import iterate_weights
+from pagedbatch.engine.worker.models.registry import resolve_model_class
+from pagedbatch.engine.worker.parallel_layers import pack_weights
+from pagedbatch.kernels import native
+from pagedbatch.kernels.attention import prepare_attention
+
+logger = logging.getLogger(__name__)
+
+if TYPE_CHECKING:
+    from pagedbatch.engine.worker.ranks import RankProcesses
+
+GPU_MEMORY_FRACTION = 0.9
+
+
+def resolve_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def rank_device(name: str, rank: int, size: int) -> torch.device:
+    """The device of `rank` of `size`: on CUDA, one device per rank, counting up from `name`'s."""
+    device = resolve_device(name)
+    if size == 1 or device.type == "cpu":
+        return device
+    if device.type != "cuda":
+        raise ValueError(f"tensor parallelism runs on cpu or cuda devices, not {device.type}")
+    first, count = device.index or 0, torch.cuda.device_count()
+    if first + size > count:
+        raise ValueError(
+            f"tensor_parallel_size {size} needs CUDA devices {first} to {first + size - 1}; "
+            f"{count} visible"
+        )
+    return torch.device("cuda", first + rank)
+
+
+def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    if name != "auto":
+        return DTYPES[name]
+    # Half precision on CPUs without AMX runs at about half the float32 rate.
+    return cfg.torch_dtype if device.type == "cuda" else torch.float32
+
+
+@dataclass
+class StepInput:
+    """One step's batch as plain lists and an array: what every rank needs to run it."""
+
+    input_ids: list[int]
+    query_start_loc: list[int]  # sequence i owns input_ids[query_start_loc[i]:[i + 1]]
+    seq_lens: list[int]  # each sequence's context length after this step
+    block_tables: np.ndarray  # [num_seqs, width] int32: row i is sequence i's, padded with 0
+    sample_rows: list[int]  # the tokens whose next-token logits are wanted
+    # A multimodal model's: the images and clips to encode (and cached outputs to drop first),
+    # and the batch rows that take their embeddings: (first row, item hash, embeddings from, to).
+    encoder: EncoderWork | None = None
+    media_rows: list[tuple[int, bytes, int, int]] = field(default_factory=list)
+    # A model with M-RoPE: every token's positions along time, height and width, [3, tokens].
+    mrope_positions: np.ndarray | None = None
+
+    @classmethod
+    def build(
+        cls,
+        scheduled: list[ScheduledRequest],
+        block_tables: np.ndarray,
+        encoder: EncoderWork | None = None,
+    ) -> StepInput:
+        input_ids: list[int] = []
+        # M-RoPE positions where a request has them (a Qwen2-VL prompt with images); text alone
+        # sits at its indices on all three axes, which plain positions say.
+        mrope = any(s.request.mrope_positions is not None for s in scheduled)
+        mrope_columns: list[np.ndarray] = []
+        query_start_loc = [0]
+        sample_rows: list[int] = []
+        media_rows: list[tuple[int, bytes, int, int]] = []
+        for s in scheduled:
+            first_row = len(input_ids)
+            for item in s.request.media:
+                start, end = max(s.start, item.offset), min(s.end, item.end)
+                if start < end:
+                    row = first_row + start - s.start
+                    media_rows.append(
+                        (row, item.content_hash, start - item.offset, end - item.offset)
+                    )
+            input_ids.extend(s.request.all_token_ids[s.start : s.end])
+            if mrope:
+                mrope_columns.append(_mrope_columns(s))
+            query_start_loc.append(len(input_ids))
+            if s.samples:
+                sample_rows.append(len(input_ids) - 1)
+        return cls(
+            input_ids=input_ids,
+            query_start_loc=query_start_loc,
+            seq_lens=[s.end for s in scheduled],
+            block_tables=block_tables,
+            sample_rows=sample_rows,
+            encoder=encoder,
+            media_rows=media_rows,
+            mrope_positions=np.concatenate(mrope_columns, axis=1) if mrope else None,
+        )
+
+
+def _mrope_columns(s: ScheduledRequest) -> np.ndarray:
+    """The M-RoPE positions of a scheduled chunk, `[3, num_new_tokens]`: the prompt's table where
+    the request has one, then each token's index plus the request's delta."""
+    request = s.request
+    table = request.mrope_positions
+    known = table.shape[1] if table is not None else 0
+    head = table[:, s.start : min(s.end, known)] if s.start < known else None
+    tail = np.arange(max(s.start, known), s.end) + request.mrope_delta
+    tail = np.broadcast_to(tail, (3, tail.size))
+    return tail if head is None else np.concatenate([head, tail], axis=1)
+
+
+class ModelRunner:
+    def __init__(self, cfg: ModelConfig, args: EngineArgs, tp: TensorParallel = SINGLE):
+        self.cfg = cfg
+        self.tp = tp
+        self.device = rank_device(args.device, tp.rank, tp.size)
+        self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        self.block_size = args.block_size
+        self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
+        if self.device.type == "cpu":
+            keep_freed_memory()
+        started = time.perf_counter()
+        self.model = self._load_model(args.max_num_seqs)
+        self.load_seconds = time.perf_counter() - started
+        if tp.rank == 0:
+            logger.info(
+                "loaded %s (%s, %s) in %.1f s; peak RSS %.0f MiB",
+                cfg.path,
+                cfg.architecture,
+                str(self.dtype).removeprefix("torch."),
+                self.load_seconds,
+                # ru_maxrss is in KiB on Linux.
+                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+            )
+        if self.device.type == "cpu":
+            native.library()  # built (once per machine) or loaded now, not on the first request
+        blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
+        # Rank 0's block ids address every rank's cache: all hold as many blocks as the smallest.
+        self.num_blocks = tp.min(blocks, self.device)
+        self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)]
+        # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
+        self.ranks: RankProcesses | None = None
+        # Image and audio embeddings by content hash, as the engine's EncoderCache says (a
+        # multimodal model's; every rank keeps its own copy).
+        self.encoder_outputs: dict[bytes, torch.Tensor] = {}
+
+    def _load_model(self, rows: int) -> torch.nn.Module:
+        """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
+        packing (see parallel_layers.Packed)."""
+        model_cls = resolve_model_class(self.cfg.architecture)
+        with torch.device(self.device), distributed.building_for(self.tp):
+            model = model_cls(self.cfg)
+        model = model.to(self.dtype)
+        model.load_weights(iterate_weights(self.cfg.path))
+        pack_weights(model, rows)
+        return model.eval()
+
+    @property
+    def kv_bytes_per_block(self) -> int:
+        per_token = 2 * self.cfg.num_layers * self.num_kv_heads * self.cfg.head_dim
+        return per_token * self.block_size * self.dtype.itemsize
+
+    def _blocks_for_budget(self, gib: float | None) -> int:
+        if gib is None and self.device.type == "cuda":
+            free, _ = torch.cuda.mem_get_info(self.device)
+            budget = free * GPU_MEMORY_FRACTION
+        else:
+            # CPU ranks of one engine share the host's memory.
+            budget = gib * 2**30 if gib is not None else cpu_kv_budget_bytes() / self.tp.size
+        return max(1, int(budget // self.kv_bytes_per_block))
+
+    def _empty_cache(self) -> torch.Tensor:
+        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
+        # Uninitialised on purpose: attention only reads slots that were written.
+        return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def execute(
+        self,
+        scheduled: list[ScheduledRequest],
+        block_tables: np.ndarray,
+        encoder: EncoderWork | None = None,
+    ) -> torch.Tensor:
+        """Run one step on every rank; returns float32 logits for the requests that sample, in
+        order. `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
+        step = StepInput.build(scheduled, block_tables, encoder)
+        if self.ranks is None:
+            return self.run(step)
+        return self.ranks.run(step, self.run)
+
+    @torch.inference_mode()
+    def run(self, step: StepInput) -> torch.Tensor:
+        """This rank's part of a step; every rank returns the same logits."""
+        device = self.device
+        meta = prepare_attention(
+            query_start_loc=torch.tensor(step.query_start_loc, device=device),
+            seq_lens=torch.tensor(step.seq_lens, device=device),
+            block_tables=torch.from_numpy(step.block_tables).to(device),
+            block_size=self.block_size,
+        )
+        input_ids = torch.tensor(step.input_ids, device=device)
+        positions = meta.positions
+        if step.mrope_positions is not None:
+            positions = torch.from_numpy(step.mrope_positions).to(device)
+        if step.encoder is not None:
+            self._encode(step.encoder)
+        if step.media_rows:
+            rows, embeds = self._media_embeddings(step.media_rows)
+            hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, embeds)
+        else:
+            hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
+        return self.model.compute_logits(hidden[rows]).float()
+
+    def _encode(self, work: EncoderWork) -> None:
+        """Drop what the cache evicted, then encode the new images or clips, all at once."""
+        for content_hash in work.free:
+            del self.encoder_outputs[content_hash]
+        if work.encode:
+            embeddings = self.model.encode(work.encode)
+            for item, embeds in zip(work.encode, embeddings, strict=True):
+                self.encoder_outputs[item.content_hash] = embeds
+
+    def _media_embeddings(
+        self, media_rows: list[tuple[int, bytes, int, int]]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The batch rows that hold media positions, and their embeddings in the same order."""
+        rows = [torch.arange(row, row + end - start) for row, _, start, end in media_rows]
+        embeds = [self.encoder_outputs[h][start:end] for _, h, start, end in media_rows]
+        return torch.cat(rows).to(self.device), torch.cat(embeds)
+
+    def shutdown(self) -> None:
+        """Stops the other ranks, if any."""
+        if self.ranks is not None:
+            self.ranks.shutdown()

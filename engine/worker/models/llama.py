@@ -1,0 +1,237 @@
+"""The Llama family (Llama, Mistral, Qwen2) over a flattened token batch and a paged KV cache.
+
+The three differ only in what config.json switches on: Qwen2's q/k/v biases, Mistral's and Qwen2's
+sliding windows. Q/K/V and gate/up projections are fused into one matmul each; the loader splits
+the checkpoint's separate tensors into them.
+
+Built under `distributed.building_for(tp)`, a model holds one tensor-parallel rank's share: its
+attention heads, its slice of the MLP and of the vocabulary (see parallel_layers).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+
+import torch
+from torch import nn
+
+from pagedbatch.engine.config import ModelConfig
+from pagedbatch.engine.worker.models.rope import RotaryEmbedding
+from pagedbatch.engine.worker.parallel_layers import (
+    ColumnParallelLinear,
+    Loaded,
+    ParallelLMHead,
+    QKVParallelLinear,
+    RowParallelLinear,
+    VocabParallelEmbedding,
+    default_weight_loader,
+)
+from pagedbatch.kernels import ops
+from pagedbatch.kernels.attention import AttentionMetadata
+
+KVCache = tuple[torch.Tensor, torch.Tensor]
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, size: int, eps: float):
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(size))
+        self.eps = eps
+
+    def forward(
+        self, x: torch.Tensor, residual: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Returns (normed, residual stream); with `residual`, adds it to x first."""
+        if residual is None:
+            return ops.rms_norm(x, self.weight, self.eps), x
+        return ops.fused_add_rms_norm(x, residual, self.weight, self.eps)
+
+
+class Attention(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        self.qkv_proj = QKVParallelLinear(
+            cfg.hidden_size, cfg.head_dim, cfg.num_heads, cfg.num_kv_heads, cfg.qkv_bias
+        )
+        # This rank's heads.
+        self.num_heads = self.qkv_proj.num_heads
+        self.num_kv_heads = self.qkv_proj.num_kv_heads
+        self.head_dim = cfg.head_dim
+        self.q_size = self.num_heads * cfg.head_dim
+        self.kv_size = self.num_kv_heads * cfg.head_dim
+        self.o_proj = RowParallelLinear(
+            cfg.num_heads * cfg.head_dim, cfg.hidden_size, cfg.o_proj_bias, "the attention output"
+        )
+        self.rotary = rotary
+        self.sliding_window = sliding_window
+        self.scale = cfg.head_dim**-0.5
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        num_tokens = x.shape[0]
+        q, k, v = self.qkv_proj(x).split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+        q = q.view(num_tokens, self.num_heads, self.head_dim)
+        k = k.view(num_tokens, self.num_kv_heads, self.head_dim)
+        v = v.view(num_tokens, self.num_kv_heads, self.head_dim)
+        q, k = self.rotate(positions, q, k, meta)
+        key_cache, value_cache = kv_cache
+        ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
+        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        return self.o_proj(out.reshape(num_tokens, self.q_size))
+
+    def rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """Queries `[T, heads, D]` and keys `[T, kv_heads, D]` as attention reads and caches them:
+        rotated by position. (A subclass may transform them first: Gemma 3 normalises them.)"""
+        return self.rotary(positions, q, k, meta.rope_seq_lens)
+
+
+class MLP(nn.Module):
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        inter = cfg.intermediate_size
+        self.gate_up_proj = ColumnParallelLinear(
+            cfg.hidden_size, [inter, inter], bias=False, what="intermediate_size"
+        )
+        self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, "intermediate_size")
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__()
+        self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.self_attn = Attention(cfg, rotary, sliding_window)
+        self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
+        self.mlp = MLP(cfg)
+
+    def forward(
+        self,
+        positions: torch.Tensor,
+        x: torch.Tensor,
+        residual: torch.Tensor | None,
+        kv_cache: KVCache,
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        x, residual = self.input_layernorm(x, residual)
+        x = self.self_attn(positions, x, kv_cache, meta)
+        x, residual = self.post_attention_layernorm(x, residual)
+        return self.mlp(x), residual
+
+
+class LlamaForCausalLM(nn.Module):
+    # checkpoint name fragment -> (fused parameter fragment, shard index)
+    _FUSED = {
+        "q_proj": ("qkv_proj", 0),
+        "k_proj": ("qkv_proj", 1),
+        "v_proj": ("qkv_proj", 2),
+        "gate_proj": ("gate_up_proj", 0),
+        "up_proj": ("gate_up_proj", 1),
+    }
+    # What a subclass of the same outline (embed, layers, norm, LM head) changes.
+    embedding_class: type[VocabParallelEmbedding] = VocabParallelEmbedding
+    norm_class: type[nn.Module] = RMSNorm
+    rotary_class: type[RotaryEmbedding] = RotaryEmbedding
+
+    def __init__(self, cfg: ModelConfig):
+        super().__init__()
+        self.cfg = cfg
+        self.embed_tokens = self.embedding_class(cfg.vocab_size, cfg.hidden_size)
+        self.layers = nn.ModuleList(self.decoder_layers(cfg))
+        self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
+        self.lm_head = self.output_head(cfg)
+
+    def output_head(self, cfg: ModelConfig) -> ParallelLMHead:
+        head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
+        if cfg.tie_word_embeddings:
+            head.weight = self.embed_tokens.weight
+        return head
+
+    def decoder_layers(self, cfg: ModelConfig) -> list[nn.Module]:
+        """The layers, each `layer(positions, x, residual, kv_cache, meta) -> (x, residual)`."""
+        # The table covers the context the config declares, which max_model_len never passes.
+        rotary = self.rotary_class.from_config(cfg.raw, cfg.head_dim, cfg.max_position_embeddings)
+        return [DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)]
+
+    def forward(
+        self,
+        input_ids: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+        inputs_embeds: torch.Tensor | None = None,
+    ) -> torch.Tensor:
+        """Hidden states of every token in the flattened batch; `inputs_embeds`, where given,
+        replace the tokens' embeddings (a vision-language model's, with its images in)."""
+        x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
+        residual = None
+        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+            x, residual = layer(positions, x, residual, kv_cache, meta)
+        x, _ = self.norm(x, residual)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """Logits over the whole vocabulary, on every rank."""
+        return self.lm_head.compute_logits(hidden)
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        """Loads (name, tensor) pairs named as transformers names them; each parameter reads only
+        this rank's slice (from a `CheckpointTensor`, only those bytes of the file)."""
+        params = dict(self.named_parameters())
+        loaded: set[str] = set()
+        for ckpt_name, tensor in weights:
+            if "rotary_emb.inv_freq" in ckpt_name:
+                continue
+            name = ckpt_name.removeprefix("model.")
+            shard = None
+            for part, (fused, index) in self._FUSED.items():
+                if f".{part}." in name:
+                    name, shard = name.replace(part, fused), index
+                    break
+            if name not in params:
+                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                    continue
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
+            param = params[name]
+            weight_loader = getattr(param, "weight_loader", default_weight_loader)
+            try:
+                weight_loader(param, tensor, shard)
+            except ValueError as e:
+                raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from e
+            loaded.add(name if shard is None else f"{name}#{shard}")
+        expected = self._expected_loads(params)
+        if missing := sorted(expected - loaded):
+            raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+
+    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
+        expected = set()
+        for name in params:
+            if "qkv_proj" in name:
+                expected |= {f"{name}#{i}" for i in range(3)}
+            elif "gate_up_proj" in name:
+                expected |= {f"{name}#{i}" for i in range(2)}
+            else:
+                expected.add(name)
+        return expected
+
+
+class LlamaForSequenceClassification(LlamaForCausalLM):
+    """The same decoder under a score head: one logit per label (`ModelConfig.labels`) where a
+    language model has one per token. Transformers reads the head at a sequence's last token,
+    which is where the engine samples a prompt's first token: a request's first logits row
+    (`SamplingParams.scores`) is the sequence's label scores. Also Qwen2's and Mistral's."""
+
+    def output_head(self, cfg: ModelConfig) -> ParallelLMHead:
+        return ParallelLMHead(len(cfg.labels), cfg.hidden_size)  # never tied to the embedding
+
+    def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
+        renamed = (("lm_head.weight" if n == "score.weight" else n, t) for n, t in weights)
+        super().load_weights(renamed)

@@ -1,0 +1,42 @@
+"""The step cost model: fitted on observed steps, silent until it knows enough."""
+
+import random
+
+import pytest
+
+from pagedbatch.engine.core.step_cost import MIN_STEPS, REFIT_EVERY, StepCostModel, StepWork
+
+
+def test_a_chunk_attends_each_of_its_positions_context():
+    # Positions 3, 4, 5 attend 4, 5 and 6 keys.
+    assert StepWork.of_chunk(3, 3) == StepWork(3, 15)
+    assert StepWork.of_chunk(0, 1) + StepWork.of_chunk(9, 1) == StepWork(2, 11)
+
+
+def test_the_fit_recovers_a_linear_cost_from_noisy_steps():
+    rng = random.Random(0)
+    model = StepCostModel()
+    for _ in range(MIN_STEPS + REFIT_EVERY):
+        work = StepWork(rng.randint(1, 2048), rng.randint(1, 400_000))
+        seconds = 0.030 + 0.0004 * work.tokens + 2e-7 * work.context
+        model.observe(work, seconds * rng.uniform(0.97, 1.03))
+    cost = model.cost
+    assert cost is not None
+    assert cost.fixed == pytest.approx(0.030, rel=0.2)
+    assert cost.per_token == pytest.approx(0.0004, rel=0.05)
+    assert cost.per_context == pytest.approx(2e-7, rel=0.1)
+    assert cost.seconds(StepWork(100, 10_000)) == pytest.approx(0.072, rel=0.05)
+
+
+def test_too_few_steps_predict_nothing():
+    model = StepCostModel()
+    for i in range(MIN_STEPS - 1):
+        model.observe(StepWork(i + 1, i + 1), 0.01 * (i + 1))
+    assert model.cost is None
+
+
+def test_steps_that_tell_nothing_about_tokens_predict_nothing():
+    model = StepCostModel()
+    for _ in range(MIN_STEPS + REFIT_EVERY):
+        model.observe(StepWork(64, 1000), 0.05)  # all alike: per-token cost unknowable
+    assert model.cost is None
