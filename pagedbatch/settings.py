@@ -215,12 +215,18 @@ class Settings(EngineSettings):
 
     # Retention, applied by upkeep in bounded chunks; 0 keeps for good. A finished batch's
     # requests (bodies and results) go this long after it ended: its output and error files
-    # and the batch object stay (they expire on their own terms). Delivered or failed webhook
+    # and the batch object stay (they expire on their own terms). A batch's output and error
+    # files expire batch_output_retention_days after they were written, unless the batch set
+    # its own `output_expires_after` (OpenAI keeps them 30 days); their blobs go with them. A
+    # finished batch itself (what retrieve and list show) is purged batch_retention_days after
+    # it ended, and is then a 404. Delivered or failed webhook
     # messages and every delivery attempt go after webhook_retention_days; idempotency keys
     # after idempotency_key_retention_hours (a retry comes within minutes; OpenAI keeps 24 h).
     # The usage ledger's records go after usage_retention_days (a year and a month of usage
     # and costs to read back by default).
     batch_data_retention_days: float = Field(30.0, ge=0, le=3650)
+    batch_output_retention_days: float = Field(30.0, ge=0, le=3650)
+    batch_retention_days: float = Field(400.0, ge=0, le=3650)
     webhook_retention_days: float = Field(7.0, ge=0, le=3650)
     idempotency_key_retention_hours: float = Field(24.0, ge=0, le=24 * 3650)
     usage_retention_days: float = Field(400.0, ge=0, le=3650)

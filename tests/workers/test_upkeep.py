@@ -36,6 +36,7 @@ from pagedbatch.store.models import (
 from pagedbatch.store.queue import InProcessQueue
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import heartbeat
+from pagedbatch.workers.periodic import delete_expired_files
 from pagedbatch.workers.retention import apply_retention
 from pagedbatch.workers.upkeep import upkeep, upkeep_lock
 
@@ -353,3 +354,90 @@ def test_retention_deletes_old_data_and_keeps_the_rest(make_ctx):
         assert set(session.scalars(select(WebhookDelivery.id))) == {"whd_recent"}
         assert set(session.scalars(select(IdempotencyKey.key))) == {"recent"}
         assert set(session.scalars(select(UsageRecord.model))) == {"recent"}
+
+
+def add_file(ctx: WorkerContext, file_id: str, purpose: str, created: int, **values: object) -> str:
+    key = f"files/{file_id}"
+    ctx.blobs.put(key, iter([b"{}\n"]))
+    with transaction(ctx.session_factory) as session:
+        session.add(
+            File(
+                id=file_id,
+                owner="default",
+                filename=f"{file_id}.jsonl",
+                purpose=purpose,
+                bytes=3,
+                created_at=created,
+                storage_key=key,
+                **values,
+            )
+        )
+    return key
+
+
+def test_retention_expires_batch_outputs_and_their_blobs(make_ctx):
+    ctx, _ = make_ctx()
+    old, recent, later = now() - 31 * DAY, now() - 29 * DAY, now() + DAY
+    keys = {
+        "file-old-output": add_file(ctx, "file-old-output", "batch_output", old),
+        "file-recent-output": add_file(ctx, "file-recent-output", "batch_output", recent),
+        # The batch's output_expires_after set its own expiry; an upload has none and stays.
+        "file-own-expiry": add_file(ctx, "file-own-expiry", "batch_output", old, expires_at=later),
+        "file-upload": add_file(ctx, "file-upload", "user_data", old),
+    }
+
+    apply_retention(ctx)
+    delete_expired_files(ctx)
+
+    with ctx.session_factory() as session:
+        expiry = dict(session.execute(select(File.id, File.expires_at)).all())
+    assert expiry == {
+        "file-recent-output": recent + 30 * DAY,  # shown to clients as the File's expires_at
+        "file-own-expiry": later,
+        "file-upload": None,
+    }
+    assert not ctx.blobs.exists(keys["file-old-output"])
+    assert all(ctx.blobs.exists(keys[f]) for f in expiry)
+
+
+def test_retention_purges_batches_long_finished(make_ctx):
+    ctx, _ = make_ctx()
+    ancient, old = now() - 401 * DAY, now() - 31 * DAY
+    add_batch(ctx, "batch_ancient", BatchStatus.COMPLETED, completed_at=ancient)
+    add_batch(ctx, "batch_cancelled", BatchStatus.CANCELLED, cancelled_at=ancient)
+    add_batch(ctx, "batch_old", BatchStatus.COMPLETED, completed_at=old)
+    add_batch(ctx, "batch_running", BatchStatus.IN_PROGRESS, created_at=ancient)
+    for batch_id in ("batch_ancient", "batch_running"):
+        add_shard(ctx, batch_id, 0, status=ShardStatus.DONE)
+    with transaction(ctx.session_factory) as session:
+        session.add_all(
+            BatchRequest(
+                batch_id="batch_ancient",
+                line=line,
+                custom_id=f"r{line}",
+                shard_index=0,
+                body={},
+                status=RequestStatus.SUCCEEDED,
+            )
+            for line in range(3)
+        )
+
+    apply_retention(ctx)
+
+    with ctx.session_factory() as session:
+        assert set(session.scalars(select(Batch.id))) == {"batch_old", "batch_running"}
+        assert session.scalar(select(func.count()).select_from(BatchRequest)) == 0
+        assert set(session.scalars(select(Shard.batch_id))) == {"batch_running"}
+
+
+def test_retention_set_to_zero_keeps_outputs_and_batches(make_ctx):
+    ctx, _ = make_ctx(batch_output_retention_days=0, batch_retention_days=0)
+    add_file(ctx, "file-old-output", "batch_output", now() - 999 * DAY)
+    add_batch(ctx, "batch_ancient", BatchStatus.COMPLETED, completed_at=now() - 999 * DAY)
+
+    apply_retention(ctx)
+    delete_expired_files(ctx)
+
+    with ctx.session_factory() as session:
+        assert session.get(File, "file-old-output").expires_at is None
+        assert session.get(Batch, "batch_ancient") is not None
