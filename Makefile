@@ -2,16 +2,28 @@
 VENV ?= .venv
 BIN := $(VENV)/bin
 STAMP := $(VENV)/.installed
+# The lock: the versions CI passed with, as pip constraints (the CPU install). Every install here
+# takes them, and tests/test_lock.py fails when the virtual environment holds anything else.
+LOCK := constraints.txt
 
-$(STAMP): pyproject.toml
+$(STAMP): pyproject.toml $(LOCK)
 	python3 -m venv $(VENV)
 	# torch first and pinned: a looser resolve would pull a multi-GB CUDA build on CPU machines.
-	$(BIN)/pip install --quiet torch==2.13.0
-	$(BIN)/pip install --quiet -e '.[dev]'
+	$(BIN)/pip install --quiet -c $(LOCK) torch==2.13.0
+	$(BIN)/pip install --quiet -c $(LOCK) -e '.[dev]'
 	touch $@
 
-.PHONY: install system-deps test lint serve
+.PHONY: install system-deps test lint serve lock
 install: $(STAMP)
+
+# The lock from what the virtual environment holds now: after changing a version there
+# (`$(BIN)/pip install -U NAME`) and a passing `make test`. Its header comment is kept; torch's
+# local label (+cpu) is dropped, so the CUDA build of the same version matches it too.
+lock:
+	{ sed -n '/^#/!q;p' $(LOCK); \
+	  $(BIN)/pip freeze --exclude-editable | grep -v '^pagedbatch==' | sed -E 's/\+[[:alnum:].]+$$//'; \
+	} > $(LOCK).new
+	mv $(LOCK).new $(LOCK)
 
 # PostgreSQL, Redis, chromium and promtool: what the tests use besides Python packages.
 system-deps:

@@ -191,6 +191,16 @@ def _serve(args: argparse.Namespace) -> int:
     return 0
 
 
+WORKER_DESCRIPTION = """\
+A worker of the distributed deployment: one engine, taking batch work from the broker (Celery on
+Redis) and realtime requests from the API, and running upkeep. It rides out broker restarts and
+outages of any length, reconnecting and going on taking tasks, and restarts of PostgreSQL and S3.
+Run it under a supervisor that starts it again whenever it exits (compose.yaml's `restart:
+unless-stopped`, systemd's `Restart=always`, a Kubernetes Deployment): it exits with status 70
+when its engine dies, and whatever else ends it, it must come back the same way. Nothing is lost
+meanwhile: other workers' upkeep re-leases its shards, and it resumes where the job store says."""
+
+
 def _worker(args: argparse.Namespace) -> int:
     from pagedbatch import service
 
@@ -283,7 +293,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_settings_args(p)
     p.set_defaults(func=_serve)
 
-    p = sub.add_parser("worker", help="start a GPU worker of the distributed deployment")
+    p = sub.add_parser(
+        "worker",
+        help="start a GPU worker of the distributed deployment (under a supervisor)",
+        description=WORKER_DESCRIPTION,
+    )
     p.add_argument(
         "--beat", action="store_true", help="deprecated and ignored: every worker runs upkeep"
     )

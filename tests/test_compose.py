@@ -139,6 +139,39 @@ def test_the_worker_has_a_gpu_and_no_singleton_role(compose: dict[str, Any]) -> 
     assert device == {"driver": "nvidia", "count": 1, "capabilities": ["gpu"]}
 
 
+def test_a_supervisor_restarts_every_long_running_process(compose: dict[str, Any]) -> None:
+    # A worker exits when its engine dies (status 70) and whenever Celery gives up; the API and
+    # the stores must come back too. Only the one-shot migration is left alone once it is done.
+    services = compose["services"]
+    for name, service in services.items():
+        if name == "migrate":
+            assert service["restart"] == "no"
+        else:
+            assert service["restart"] in {"always", "unless-stopped"}, name
+
+
+def test_the_worker_command_asks_for_the_supervisor_compose_gives_it() -> None:
+    shown = subprocess.run(
+        [sys.executable, "-m", "pagedbatch.cli", "worker", "--help"],
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=60,
+    ).stdout
+    assert "supervisor" in shown and "restart: unless-stopped" in " ".join(shown.split())
+
+
+def test_the_image_installs_the_locked_versions() -> None:
+    dockerfile = DOCKERFILE.read_text()
+    copied = {
+        name for line in re.findall(r"^COPY (.+)$", dockerfile, re.M) for name in line.split()
+    }
+    assert "constraints.txt" in copied
+    (install,) = re.findall(r"pip install -c (\S+) \.(?:\s|$)", dockerfile)
+    # The lock less triton (the CPU install's; the CUDA torch pins its own), nothing else.
+    assert f"grep -v '^triton==' constraints.txt > {install}" in dockerfile
+
+
 def test_the_image_pins_the_torch_that_pyproject_pins() -> None:
     (pinned,) = re.findall(r'"(torch==[^"]+)"', (ROOT / "pyproject.toml").read_text())
     assert re.findall(r"pip install (torch==\S+)", DOCKERFILE.read_text()) == [pinned]

@@ -4,6 +4,11 @@ Crash recovery does not rest on `acks_late` alone (Redis redelivers an unacknowl
 after its visibility timeout), nor on the broker keeping its queue: shards hold leases in the job
 store, and each worker's upkeep (workers/upkeep.py, on timers of its own, not Celery beat)
 re-queues the shards of dead workers and the work a restarted broker lost.
+
+A worker outlives broker restarts and outages of any length: it reconnects and goes on taking
+tasks. Celery 5.7.0 did not (a worker holding an unacknowledged task when Redis went away died
+in its reconnect, tests/workers/test_broker_restart.py): constraints.txt holds the Celery that
+passes.
 """
 
 from __future__ import annotations
@@ -52,6 +57,9 @@ def make_celery(settings: Settings, run: Callable[[str, tuple[Any, ...]], None])
         task_reject_on_worker_lost=True,
         worker_prefetch_multiplier=1,
         broker_connection_retry_on_startup=True,
+        # Past Celery's default of 100 tries (about 50 minutes of an outage) the worker would
+        # give up and exit: it retries for as long as the broker is away, at most every 30 s.
+        broker_connection_max_retries=None,
     )
     for name in TASKS:
         app.task(name=name, ignore_result=True)(_bind(run, name))
