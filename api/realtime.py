@@ -26,10 +26,9 @@ import logging
 import math
 import time
 from collections import Counter
-from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable, Sequence
-from dataclasses import dataclass, replace
-from itertools import zip_longest
-from typing import Any, Protocol, TypeVar, cast
+from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
+from dataclasses import dataclass
+from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -41,20 +40,15 @@ from pagedbatch.api.request_body import decode_json
 from pagedbatch.api.spend import Account, open_account
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.sampling_params import RequestOutputKind
 from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.safety import OutputScreen, SafetyPolicy, check_prompt, policy_for
+from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline, final_outputs, unless
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
 from pagedbatch.protocol.serving.common import (
-    REALTIME_PRIORITY,
-    EngineInput,
     Prepared,
     ServedModel,
     model_not_found,
     parse_request,
-    prefix_cache_salt,
-    usage,
 )
 from pagedbatch.protocol.serving.media import fetches_media
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
@@ -324,36 +318,27 @@ async def _admit_and_run(
     """The answer of a prepared request if it passes the content filter and is admitted; its
     usage goes to `account` (the stream's closes it)."""
     send_timeout = services.settings.stream_send_timeout_seconds
-    salt = prefix_cache_salt(services.settings.share_prefix_cache_across_tenants, tenant)
-    policy = policy_for(services.settings, tenant)
-    if policy.screens_input:
-        await check_prompt(
-            services.guard,
-            prepared.input_texts(),
-            policy,
-            door="realtime",
-            priority=REALTIME_PRIORITY,
-            cache_salt=salt,
-            request_id=current_request_id.get(),
-        )
+    context = RequestContext.of(
+        services.settings,
+        tenant,
+        door="realtime",
+        guard=services.guard,
+        moderation=engine is not services.engine,  # its scores are free, and not screened
+        request_id=current_request_id.get(),
+    )
+    pipeline = RequestPipeline(engine, prepared, context)
+    await pipeline.screen_input()
     admission = _admission(request, engine.engine.model_name)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
     ticket = admission.enter(tenant, sequences)
     if isinstance(ticket, Refusal):
         return too_busy(ticket.reason, ticket.retry_after)
-
-    output_screen = None
-    if policy.screens_output and engine is services.engine:  # not the moderation model's scores
-        output_screen = _output_screen(services, prepared, policy, salt)
-
-    def run() -> AsyncGenerator[list[RequestOutput | None], None]:
-        running = _run(engine, prepared.inputs, salt, ticket.release)
-        return output_screen.screened(running) if output_screen is not None else running
+    running = pipeline.outputs(engine_done=ticket.release)
 
     record = account.record if account is not None else None
     if chunks is not None and params.stream:
-        events = _events(run(), StreamEncoder(chunks(prepared), params), record)
+        events = _events(running, StreamEncoder(chunks(prepared), params), record)
 
         def closed() -> None:
             ticket.release()
@@ -362,34 +347,16 @@ async def _admit_and_run(
 
         return EventStreamResponse(events, closed, send_timeout)
     try:
-        outputs = await unless_disconnected(request, _final_outputs(run()))
+        outputs = await unless_disconnected(request, final_outputs(running))
     finally:
         ticket.release()
     if outputs is None:
         return Response(status_code=CLIENT_CLOSED_REQUEST)
-    if record is not None:
-        record(usage(outputs))
+    used = pipeline.usage(outputs)
+    if record is not None and used is not None:
+        record(used)
     body, media_type = await _off_loop(services, _rendered, prepared, outputs)
     return Response(body, media_type=media_type)
-
-
-def _output_screen(
-    services: Services, prepared: Prepared, policy: SafetyPolicy, salt: str | None
-) -> OutputScreen:
-    """The screen of what the request generates; its engine requests then give their outputs
-    in pieces as they come (DELTA), so that flagged output stops the request mid-way."""
-    output_screen = OutputScreen(
-        services.guard,
-        policy,
-        services.settings.safety_output_check_tokens,
-        [engine_input.params.n for engine_input in prepared.inputs],
-        priority=REALTIME_PRIORITY,
-        cache_salt=salt,
-        door="realtime",
-        request_id=current_request_id.get(),
-    )
-    prepared.inputs = [_in_pieces(engine_input) for engine_input in prepared.inputs]
-    return output_screen
 
 
 async def forward_to_any_host(request: Request, services: Services) -> Response:
@@ -539,95 +506,6 @@ def too_busy(reason: str, retry_after: int = RETRY_AFTER_SECONDS) -> JSONRespons
     return JSONResponse(error.body(), status_code=429, headers={"Retry-After": str(retry_after)})
 
 
-async def _run(
-    engine: AsyncLLM,
-    inputs: Sequence[EngineInput],
-    cache_salt: str | None,
-    engine_done: Callable[[], None],
-) -> AsyncGenerator[list[RequestOutput | None], None]:
-    """Runs `inputs` at realtime priority and yields, whenever one moves, what each said since
-    the previous yield (None if nothing), until all have finished. Closing it aborts what still
-    runs. `engine_done` runs once the engine holds none of them, before the caller has seen the
-    end.
-
-    Each input's params ask for its outputs: the final one alone (FINAL_ONLY), or the pieces of a
-    stream (DELTA). A caller slower than the engine gets the pieces it missed folded into one: it
-    holds one output per engine request, never a backlog of them.
-    """
-    new: list[RequestOutput | None] = [None] * len(inputs)
-    finished = [False] * len(inputs)
-    moved = asyncio.Event()
-    failures: list[Exception] = []
-    following = len(inputs)
-
-    async def follow(position: int, engine_input: EngineInput) -> None:
-        nonlocal following
-        try:
-            async for output in engine.generate(
-                engine_input.prompt_token_ids,
-                engine_input.params,
-                request_id=engine_input.request_id,
-                priority=REALTIME_PRIORITY,
-                cache_salt=cache_salt,
-                media=engine_input.media,
-            ):
-                waiting = new[position]
-                if waiting is None:
-                    new[position] = output
-                else:  # only a DELTA request has more than one output
-                    waiting.add(output)
-                finished[position] = output.finished
-                moved.set()
-        except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
-            failures.append(OpenAIError(str(exc)))
-        except Exception as exc:
-            failures.append(exc)
-        finally:
-            following -= 1
-            if not following:
-                engine_done()
-            moved.set()  # a failure must wake the caller too
-
-    followers = [asyncio.create_task(follow(i, x)) for i, x in enumerate(inputs)]
-    try:
-        while True:
-            await moved.wait()
-            moved.clear()
-            if failures:
-                raise failures[0]
-            outputs, new[:] = list(new), [None] * len(new)
-            yield outputs
-            if all(finished):
-                return
-    finally:
-        for follower in followers:
-            follower.cancel()  # leaving `generate` early aborts its request
-        await asyncio.gather(*followers, return_exceptions=True)
-
-
-async def _final_outputs(
-    running: AsyncGenerator[list[RequestOutput | None], None],
-) -> list[RequestOutput]:
-    """Each request's whole output: its one FINAL_ONLY output, or its DELTA pieces folded."""
-    final: list[RequestOutput | None] = []
-    async with contextlib.aclosing(running):
-        async for outputs in running:
-            for position, (new, old) in enumerate(zip_longest(outputs, final)):
-                if position == len(final):
-                    final.append(new)
-                elif old is None:
-                    final[position] = new
-                elif new is not None:
-                    old.add(new)
-    return cast("list[RequestOutput]", final)  # all there, and finished
-
-
-def _in_pieces(engine_input: EngineInput) -> EngineInput:
-    """The input, its outputs asked for as DELTA pieces."""
-    params = replace(engine_input.params, output_kind=RequestOutputKind.DELTA)
-    return replace(engine_input, params=params)
-
-
 async def _events(
     running: AsyncGenerator[list[RequestOutput | None], None],
     stream: StreamEncoder,
@@ -659,17 +537,7 @@ async def _events(
 
 async def unless_disconnected(request: Request, work: Awaitable[T]) -> T | None:
     """What `work` returns, or None if the client goes away first, which cancels `work`."""
-    task = asyncio.ensure_future(work)
-    watch = asyncio.ensure_future(_disconnect(request))
-    try:
-        await asyncio.wait({task, watch}, return_when=asyncio.FIRST_COMPLETED)
-    finally:
-        watch.cancel()
-        if not task.done():
-            task.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
-    return None if task.cancelled() else task.result()
+    return await unless(work, _disconnect(request))
 
 
 async def _disconnect(request: Request) -> None:

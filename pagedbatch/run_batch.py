@@ -7,8 +7,12 @@ from typing import Any
 
 from tqdm import tqdm
 
-from pagedbatch.engine import EngineArgs, LLMEngine
+from pagedbatch.engine import AsyncLLM
 from pagedbatch.protocol.batch_lines import BatchOutputLine
+from pagedbatch.protocol.pipeline import RequestContext
+from pagedbatch.service import start_guard
+from pagedbatch.settings import Settings
+from pagedbatch.store.models import DEFAULT_OWNER
 from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
 
 # tqdm's ETA comes from the rate lines finish at; the postfix adds tokens/s and failures.
@@ -26,10 +30,33 @@ def run_batch(
     """Writes one output line to `output_path` per input line, as each finishes.
 
     `engine_args` are EngineArgs fields (max_num_seqs, num_kv_blocks, served_model_name, ...).
-    With `show_progress`, a progress bar on stderr shows lines, tokens/s and the ETA.
+    With `show_progress`, a progress bar on stderr shows lines, tokens/s and the ETA. Lines are
+    screened as the service's settings say (PAGEDBATCH_SAFETY_*; the moderation model of
+    PAGEDBATCH_MODERATION_MODEL, where one is set), as the default tenant's batch lines.
     """
-    args = EngineArgs(model=str(model_dir), **engine_args)
-    runner = BatchRunner(LLMEngine(args), max_in_flight=2 * args.max_num_seqs)
+    settings = Settings()
+    engine = AsyncLLM(str(model_dir), **engine_args)
+    guard = start_guard(settings)
+    context = RequestContext.of(
+        settings, DEFAULT_OWNER, door="batch", guard=guard, moderation=False
+    )
+    max_in_flight = 2 * engine.engine.args.max_num_seqs
+    try:
+        return _run(
+            BatchRunner(engine, context, max_in_flight=max_in_flight),
+            input_path,
+            output_path,
+            show_progress,
+        )
+    finally:
+        engine.shutdown()
+        if guard is not None:
+            guard.shutdown()
+
+
+def _run(
+    runner: BatchRunner, input_path: str | Path, output_path: str | Path, show_progress: bool
+) -> BatchProgress:
     # Bytes, not text: a line that is not UTF-8 becomes an error line instead of ending the run.
     with (
         open(input_path, "rb") as source,

@@ -1,24 +1,27 @@
-"""Runs the lines of an OpenAI batch input file through an LLMEngine that it drives itself.
+"""Runs the lines of an OpenAI batch input file through an AsyncLLM, each line through the same
+request pipeline as the service's (protocol/pipeline.py): its content filter, the engine's
+refusals as OpenAI errors, its usage from the engine's outputs.
 
-Lines are read lazily and only a bounded number of engine requests are in flight, so memory does
-not grow with the file. Lines are checked in order on the engine's thread (a custom_id repeated
-is a later line's fault) and prepared (templated, tokenized, media decoded) on other threads.
-Every input line yields exactly one output line, in the order lines finish: a response (status
-200, or the endpoint's error status and body) or, for a line that is not a well-formed request
-line, an `error`.
+Lines are read lazily and at most `max_in_flight` of them are under way at once, so memory does
+not grow with the file. Lines are checked in order on the event loop (a custom_id repeated is a
+later line's fault) and prepared (templated, tokenized, media decoded) on other threads. Every
+input line yields exactly one output line, in the order lines finish: a response (status 200, or
+the endpoint's error status and body) or, for a line that is not a well-formed request line, an
+`error`.
 """
 
 from __future__ import annotations
 
-from collections import deque
+import asyncio
 from collections.abc import Callable, Iterable
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass, field
+from concurrent.futures import ThreadPoolExecutor
+from dataclasses import dataclass, replace
 
-from pagedbatch.engine import LLMEngine
-from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.async_llm import EngineDeadError
 from pagedbatch.protocol.batch_lines import (
     ENDPOINTS,
+    BatchInputLine,
     BatchOutputLine,
     InputLineChecker,
     InvalidBatchLine,
@@ -26,8 +29,7 @@ from pagedbatch.protocol.batch_lines import (
     failed_line,
     response_line,
 )
-from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared
+from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline
 
 # Threads preparing lines while the engine steps: the machine's two cores, one of them shared
 # with the engine, are kept busy without more.
@@ -38,25 +40,15 @@ PREPARE_THREADS = 2
 class BatchProgress:
     lines_done: int = 0
     lines_failed: int = 0  # error lines and non-200 responses, among lines_done
-    generated_tokens: int = 0
-
-
-@dataclass
-class _Line:
-    """An input line whose engine requests are running."""
-
-    custom_id: str
-    prepared: Prepared
-    finished: dict[str, RequestOutput] = field(default_factory=dict)
+    generated_tokens: int = 0  # by the lines done
 
 
 class BatchRunner:
-    def __init__(
-        self, engine: LLMEngine, *, max_in_flight: int, priority: int = BATCH_PRIORITY
-    ) -> None:
+    def __init__(self, engine: AsyncLLM, context: RequestContext, *, max_in_flight: int) -> None:
+        """`context`: how every line runs (batch priority, the content filter in force)."""
         self.engine = engine
-        self.max_in_flight = max_in_flight  # engine requests, not lines
-        self.priority = priority
+        self.context = context
+        self.max_in_flight = max_in_flight  # lines under way: prepared, screened or running
 
     def run(
         self,
@@ -66,102 +58,89 @@ class BatchRunner:
     ) -> BatchProgress:
         """Runs every line of `lines`, passing each output line to `write` as it is ready.
 
-        Blank lines are skipped. `on_progress` is called after each engine step and each line
-        that fails before reaching the engine; the returned progress holds the totals.
+        Blank lines are skipped. `on_progress` is called after each line is written; the
+        returned progress holds the totals. A dead engine ends the run with its error.
         """
+        return asyncio.run(self._run(lines, write, on_progress))
+
+    async def _run(
+        self,
+        lines: Iterable[str | bytes],
+        write: Callable[[BatchOutputLine], None],
+        on_progress: Callable[[BatchProgress], None] | None,
+    ) -> BatchProgress:
         progress = BatchProgress()
         checker = InputLineChecker(ENDPOINTS)
-        owners: dict[str, _Line] = {}  # engine request id -> its line
-        generated: dict[str, int] = {}  # engine request id -> tokens generated so far
-        # Lines being prepared (templated, tokenized, their media decoded) on other threads, in
-        # input order: a line of large images or clips does not hold up the engine's steps.
-        preparing: deque[tuple[str, Future[Prepared]]] = deque()
-        numbered = enumerate(lines, start=1)
-        exhausted = False
+        room = asyncio.Semaphore(self.max_in_flight)
+        running: set[asyncio.Task[None]] = set()
+        failures: list[BaseException] = []
 
-        def emit(line: BatchOutputLine) -> None:
+        def emit(line: BatchOutputLine, generated: int = 0) -> None:
             write(line)
             progress.lines_done += 1
+            progress.generated_tokens += generated
             if line.error is not None or line.response.status_code != 200:
                 progress.lines_failed += 1
-
-        def refuse(line: BatchOutputLine) -> None:
-            """A line that failed before reaching the engine."""
-            emit(line)
             if on_progress:
                 on_progress(progress)
 
+        async def answer(request_line: BatchInputLine, pool: ThreadPoolExecutor) -> None:
+            try:
+                emit(*await self._answer(request_line, pool))
+            except EngineDeadError as exc:  # the run ends
+                failures.append(exc)
+            finally:
+                room.release()
+
         with ThreadPoolExecutor(PREPARE_THREADS, thread_name_prefix="prepare-line") as pool:
-            while True:
-                while not exhausted and len(owners) + len(preparing) < self.max_in_flight:
+            try:
+                numbered = enumerate(lines, start=1)
+                while not failures:
+                    await room.acquire()  # the next line is read once there is room for it
                     number, raw = next(numbered, (0, None))
-                    if raw is None:
-                        exhausted = True
-                    elif raw.strip():
-                        try:
-                            request_line = checker.check(raw, number)
-                        except InvalidBatchLine as exc:
-                            refuse(error_line(exc))
-                            continue
-                        prepare = ENDPOINTS[request_line.url]
-                        future = pool.submit(prepare, request_line.body, self.engine)
-                        preparing.append((request_line.custom_id, future))
-                # Prepared lines join in order; with nothing to run, wait for the next one.
-                while preparing and (preparing[0][1].done() or not owners):
-                    custom_id, future = preparing.popleft()
-                    if (failure := self._submit(custom_id, future, owners)) is not None:
-                        refuse(failure)
-                if not owners:
-                    if exhausted and not preparing:
-                        return progress
-                    continue
-                for output in self.engine.step():
-                    line = owners.get(output.request_id)
-                    if line is None:  # aborted when a later request of its line was refused
+                    if raw is None or not raw.strip():
+                        room.release()
+                        if raw is None:
+                            break
                         continue
-                    tokens = sum(len(c.token_ids) for c in output.outputs)
-                    progress.generated_tokens += tokens - generated.get(output.request_id, 0)
-                    generated[output.request_id] = tokens
-                    if output.finished:
-                        del owners[output.request_id], generated[output.request_id]
-                        line.finished[output.request_id] = output
-                        if len(line.finished) == len(line.prepared.inputs):
-                            emit(self._result(line))
-                if on_progress:
-                    on_progress(progress)
+                    try:
+                        request_line = checker.check(raw, number)
+                    except InvalidBatchLine as exc:
+                        room.release()
+                        emit(error_line(exc))
+                        continue
+                    task = asyncio.create_task(answer(request_line, pool))
+                    running.add(task)
+                    task.add_done_callback(running.discard)
+                await asyncio.gather(*running)
+            finally:
+                for task in running:
+                    task.cancel()  # closing their pipelines aborts their engine requests
+                await asyncio.gather(*running, return_exceptions=True)
+        if failures:
+            raise failures[0]
+        return progress
 
-    def _submit(
-        self, custom_id: str, preparing: Future[Prepared], owners: dict[str, _Line]
-    ) -> BatchOutputLine | None:
-        """Puts the line's requests into the engine once prepared, or returns its output line
-        if it fails."""
-        added: list[str] = []
+    async def _answer(
+        self, request_line: BatchInputLine, pool: ThreadPoolExecutor
+    ) -> tuple[BatchOutputLine, int]:
+        """The line's output line and the tokens it generated. Raises only EngineDeadError:
+        anything else is this line's failure."""
+        custom_id = request_line.custom_id
         try:
-            prepared = preparing.result()
-            for engine_input in prepared.inputs:
-                try:
-                    self.engine.add_request(
-                        engine_input.request_id,
-                        engine_input.prompt_token_ids,
-                        engine_input.params,
-                        priority=self.priority,
-                        media=engine_input.media,
-                    )
-                except ValueError as exc:  # the engine's own checks, e.g. the KV cache is too small
-                    raise OpenAIError(str(exc)) from None
-                added.append(engine_input.request_id)
+            prepare = ENDPOINTS[request_line.url]
+            loop = asyncio.get_running_loop()
+            prepared = await loop.run_in_executor(
+                pool, prepare, request_line.body, self.engine.engine
+            )
+            context = replace(self.context, request_id=custom_id)
+            pipeline = RequestPipeline(self.engine, prepared, context)
+            await pipeline.screen_input()
+            outputs = await pipeline.final_outputs(screen_at_end=True)
+            body = prepared.response(outputs).model_dump(mode="json")
+        except EngineDeadError:
+            raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this line's failure
-            for request_id in added:
-                self.engine.abort_request(request_id)
-            return failed_line(custom_id, exc)
-        line = _Line(custom_id, prepared)
-        owners.update(dict.fromkeys(added, line))
-        return None
-
-    def _result(self, line: _Line) -> BatchOutputLine:
-        outputs = [line.finished[i.request_id] for i in line.prepared.inputs]
-        try:
-            body = line.prepared.response(outputs).model_dump(mode="json")
-        except Exception as exc:  # noqa: BLE001 - this line's failure, not the batch's
-            return failed_line(line.custom_id, exc)
-        return response_line(line.custom_id, 200, body)
+            return failed_line(custom_id, exc), 0
+        used = pipeline.usage(outputs)
+        return response_line(custom_id, 200, body), used.completion_tokens if used else 0

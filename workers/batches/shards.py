@@ -27,21 +27,19 @@ import time
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Any
 
 from sqlalchemy import func, select, update
 from sqlalchemy.orm import Session
 
 from pagedbatch.engine.async_llm import EngineDeadError
-from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.protocol.batch_lines import (
     failed_line,
     response_line,
 )
-from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.safety import OutputScreen, check_prompt, policy_for
-from pagedbatch.protocol.serving.common import BATCH_PRIORITY, Prepared, prefix_cache_salt
+from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline, unless
+from pagedbatch.protocol.schemas.common import Usage
 from pagedbatch.store.batches import (
     LineResult,
     fail_pending,
@@ -236,12 +234,14 @@ class _ShardRun:
         self.results = _ResultWriter(
             ctx, shard, lambda: self.lease_lost, self._lose_lease, self.spend
         )
-        # The batch's tenant, as for its realtime requests: no tenant learns from cached_tokens
-        # what another's prompts began with.
-        self.cache_salt = prefix_cache_salt(
-            ctx.settings.share_prefix_cache_across_tenants, shard.owner
+        # Each line names itself by its custom_id in the content filter's log lines.
+        self.context = RequestContext.of(
+            ctx.settings,
+            shard.owner,
+            door="batch",
+            guard=ctx.guard,
+            moderation=engine is not ctx.engine,
         )
-        self.safety = policy_for(ctx.settings, shard.owner)
 
     async def run(self) -> None:
         requests = retrying(self._pending_requests, "reading a shard's requests")
@@ -394,100 +394,51 @@ class _ShardRun:
             if self.stop.is_set():
                 return  # left pending: finalization marks it cancelled or expired
             try:
-                body = await self._respond(request)
+                answered = await self._respond(request)
             except EngineDeadError:
                 raise  # the worker's failure, not the line's: the shard runs again elsewhere
             except Exception as e:  # noqa: BLE001 - whatever it is, it is this line's failure
                 line = failed_line(request.custom_id, e).model_dump(mode="json")
                 self.results.add(LineResult(request.id, RequestStatus.FAILED, line))
                 return
-            if body is None:
+            if answered is None:
                 return  # stopped mid-way
-            usage = body.get("usage") or {}
-            details = usage.get("prompt_tokens_details") or {}
+            body, used = answered
+            details = used.prompt_tokens_details if used is not None else None
             self.results.add(
                 LineResult(
                     request.id,
                     RequestStatus.SUCCEEDED,
                     response_line(request.custom_id, 200, body).model_dump(mode="json"),
-                    prompt_tokens=usage.get("prompt_tokens", 0),
-                    cached_tokens=details.get("cached_tokens") or 0,
-                    completion_tokens=usage.get("completion_tokens", 0),
-                    image_tokens=details.get("image_tokens") or 0,
-                    audio_tokens=details.get("audio_tokens") or 0,
+                    prompt_tokens=used.prompt_tokens if used is not None else 0,
+                    cached_tokens=details.cached_tokens if details is not None else 0,
+                    completion_tokens=used.completion_tokens if used is not None else 0,
+                    image_tokens=details.image_tokens if details is not None else 0,
+                    audio_tokens=details.audio_tokens if details is not None else 0,
                 )
             )
 
-    async def _respond(self, request: BatchRequest) -> dict[str, Any] | None:
-        """The line's response body; None if the shard was told to stop. Raises OpenAIError with
-        what the endpoint would have answered instead, or whatever else went wrong."""
+    async def _respond(self, request: BatchRequest) -> tuple[dict[str, Any], Usage | None] | None:
+        """The line's response body and what it used; None if the shard was told to stop.
+        Raises OpenAIError with what the endpoint would have answered instead, or whatever else
+        went wrong."""
         # On a thread: decoding a line's images or clips takes long enough to hold up the others.
         prepared = await asyncio.to_thread(self.prepare, request.body, self.engine.engine)
         # Before any engine work; a 429 insufficient_quota fails this line alone.
         await asyncio.to_thread(self.spend.reserve, request.id, self.engine.engine, prepared)
-        if self.safety.screens_input:
-            await check_prompt(
-                self.ctx.guard,
-                prepared.input_texts(),
-                self.safety,
-                door="batch",
-                priority=BATCH_PRIORITY,
-                cache_salt=self.cache_salt,
-                request_id=request.custom_id,
-            )
-        try:
-            outputs = await self._generate(prepared)
-        except ValueError as e:  # the engine's own checks, e.g. the KV cache is too small
-            raise OpenAIError(str(e)) from None
+        # Unique per attempt: a retried shard may overlap a lost one in this engine.
+        attempt = uuid.uuid4().hex[:8]
+        prepared.inputs = [
+            replace(i, request_id=f"{i.request_id}-{attempt}") for i in prepared.inputs
+        ]
+        pipeline = RequestPipeline(
+            self.engine, prepared, replace(self.context, request_id=request.custom_id)
+        )
+        await pipeline.screen_input()
+        outputs = await unless(pipeline.final_outputs(screen_at_end=True), self.stop.wait())
         if outputs is None:
             return None
-        if self.safety.screens_output and self.engine is self.ctx.engine:  # not moderation's
-            output_screen = OutputScreen(
-                self.ctx.guard,
-                self.safety,
-                self.ctx.settings.safety_output_check_tokens,
-                [engine_input.params.n for engine_input in prepared.inputs],
-                priority=BATCH_PRIORITY,
-                cache_salt=self.cache_salt,
-                door="batch",
-                request_id=request.custom_id,
-            )
-            outputs = await output_screen.screened_final(outputs)
-        return prepared.response(outputs).model_dump(mode="json")
-
-    async def _generate(self, prepared: Prepared) -> list[RequestOutput] | None:
-        """Run every engine request of one line; None if the shard was told to stop."""
-
-        async def one(engine_input: Any) -> RequestOutput:
-            final = None
-            async for output in self.engine.generate(
-                engine_input.prompt_token_ids,
-                engine_input.params,
-                # Unique per attempt: a retried shard may overlap a lost one in this engine.
-                request_id=f"{engine_input.request_id}-{uuid.uuid4().hex[:8]}",
-                priority=BATCH_PRIORITY,
-                final_only=True,
-                cache_salt=self.cache_salt,
-                media=engine_input.media,
-            ):
-                final = output
-            return final
-
-        requests = [asyncio.ensure_future(one(i)) for i in prepared.inputs]
-        work = asyncio.gather(*requests)
-        stop = asyncio.create_task(self.stop.wait())
-        try:
-            done, _ = await asyncio.wait({work, stop}, return_when=asyncio.FIRST_COMPLETED)
-            return work.result() if work in done else None
-        finally:
-            # Stopped, or one request failed: closing the others' generators aborts them. Every
-            # outcome is taken, so none is logged as never retrieved.
-            stop.cancel()
-            for request in requests:
-                request.cancel()
-            await asyncio.wait([work, *requests])
-            if not work.cancelled():
-                work.exception()
+        return prepared.response(outputs).model_dump(mode="json"), pipeline.usage(outputs)
 
 
 class _ResultWriter:

@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import re
 import threading
 from collections.abc import Iterator
+from dataclasses import replace
 from typing import Any
 
 import pytest
 from vision_oracle import chat_text, data_url, image
 
-from pagedbatch.engine import EngineArgs, LLMEngine, SamplingParams
+from pagedbatch.engine import AsyncLLM, SamplingParams
 from pagedbatch.engine.multimodal.inputs import place
 from pagedbatch.protocol.batch_lines import BatchOutputLine
+from pagedbatch.protocol.pipeline import RequestContext
+from pagedbatch.protocol.safety import SafetyPolicy
+from pagedbatch.protocol.serving.common import BATCH_PRIORITY
 from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
 
 GREEDY_6 = SamplingParams(temperature=0, max_tokens=6)
@@ -20,22 +26,39 @@ CHAT = "/v1/chat/completions"
 COMPLETIONS = "/v1/completions"
 
 
+# Lines as the default tenant's with the content filter off, unless a test screens them.
+UNSCREENED = RequestContext(
+    door="batch",
+    priority=BATCH_PRIORITY,
+    request_id=None,
+    cache_salt=None,
+    policy=SafetyPolicy(),
+    guard=None,
+    output_check_tokens=8,
+)
+
+
 @pytest.fixture(scope="module")
-def engine(tiny_llama) -> LLMEngine:
-    return LLMEngine(EngineArgs(model=str(tiny_llama), max_num_seqs=4, num_kv_blocks=256))
+def engine(tiny_llama) -> Iterator[AsyncLLM]:
+    llm = AsyncLLM(tiny_llama, max_num_seqs=4, num_kv_blocks=256)
+    yield llm
+    llm.shutdown()
 
 
-def line(engine: LLMEngine, custom_id: str, url: str = CHAT, **body: Any) -> str:
+def line(engine: AsyncLLM, custom_id: str, url: str = CHAT, **body: Any) -> str:
     if url == CHAT:
         body.setdefault("messages", [{"role": "user", "content": f"Question {custom_id}?"}])
     else:
         body.setdefault("prompt", f"Story {custom_id}:")
-    body = {"model": engine.model_name, "max_tokens": 4, **body}
+    body = {"model": engine.engine.model_name, "max_tokens": 4, **body}
     return json.dumps({"custom_id": custom_id, "method": "POST", "url": url, "body": body})
 
 
 def run(
-    engine: LLMEngine, lines: list[str], max_in_flight: int = 8
+    engine: AsyncLLM,
+    lines: list[str],
+    max_in_flight: int = 8,
+    context: RequestContext = UNSCREENED,
 ) -> tuple[list[BatchOutputLine], list[BatchProgress]]:
     written: list[BatchOutputLine] = []
     progress: list[BatchProgress] = []
@@ -43,7 +66,8 @@ def run(
     def on_progress(p: BatchProgress) -> None:
         progress.append(BatchProgress(p.lines_done, p.lines_failed, p.generated_tokens))
 
-    final = BatchRunner(engine, max_in_flight=max_in_flight).run(lines, written.append, on_progress)
+    runner = BatchRunner(engine, context, max_in_flight=max_in_flight)
+    final = runner.run(lines, written.append, on_progress)
     assert progress[-1] == final
     return written, progress
 
@@ -55,13 +79,14 @@ def by_custom_id(written: list[BatchOutputLine]) -> dict[str | None, BatchOutput
 
 
 def direct(
-    engine: LLMEngine, prompt_ids: list[int], params: SamplingParams, media: tuple = ()
+    engine: AsyncLLM, prompt_ids: list[int], params: SamplingParams, media: tuple = ()
 ) -> str:
-    engine.add_request("direct", prompt_ids, params, media=media)
-    while True:
-        for output in engine.step():
-            if output.request_id == "direct" and output.finished:
-                return output.outputs[0].text
+    async def final() -> str:
+        async for output in engine.generate(prompt_ids, params, final_only=True, media=media):
+            return output.outputs[0].text
+        raise AssertionError("no output")
+
+    return asyncio.run(final())
 
 
 def test_every_line_gets_one_output_line(engine):
@@ -123,7 +148,7 @@ def test_bad_lines_become_error_lines_and_bad_bodies_error_responses(engine):
         "",
         line(engine, "hot", temperature=5),
         line(engine, "who", model="gpt-4o"),
-        line(engine, "long", max_tokens=engine.max_model_len),
+        line(engine, "long", max_tokens=engine.engine.max_model_len),
         line(engine, "vocab", COMPLETIONS, prompt=[10**9]),
         line(engine, "streamed", stream=True),
         line(engine, "ok"),
@@ -181,7 +206,7 @@ def test_lines_are_read_as_room_frees_up(engine):
     def write(result: BatchOutputLine) -> None:
         in_flight_at_write.append(reads[0] - len(in_flight_at_write))
 
-    BatchRunner(engine, max_in_flight=max_in_flight).run(lines(), write)
+    BatchRunner(engine, UNSCREENED, max_in_flight=max_in_flight).run(lines(), write)
     assert len(in_flight_at_write) == 12
     assert max(in_flight_at_write) <= max_in_flight
     assert in_flight_at_write[0] < 12  # the first result came before the whole input was read
@@ -190,9 +215,9 @@ def test_lines_are_read_as_room_frees_up(engine):
 def test_lines_with_images_are_prepared_off_the_engine_thread(make_checkpoint):
     """Each line's images are decoded on a preparing thread; the answers are the engine's own
     for those images, in whatever order lines finish."""
-    llava = LLMEngine(EngineArgs(model=str(make_checkpoint("llava")), max_num_seqs=4))
+    llava = AsyncLLM(make_checkpoint("llava"), max_num_seqs=4)
     threads: set[str] = set()
-    processor = llava.image_processor
+    processor = llava.engine.image_processor
     original = type(processor).__call__
 
     def traced(self, image):
@@ -230,3 +255,24 @@ def test_lines_with_images_are_prepared_off_the_engine_thread(make_checkpoint):
         prompt_ids, items = place(llava.tokenizer.encode(text), [processor(picture)])
         expected = direct(llava, prompt_ids, GREEDY_6, tuple(items))
         assert body["choices"][0]["message"]["content"] == expected
+    llava.shutdown()
+
+
+def test_lines_pass_the_content_filter_as_the_services_do(engine):
+    """The service's pipeline: a prompt the blocklist matches is a 400 content_filter before the
+    engine sees it; an output it matches stops with finish_reason content_filter."""
+    story = {"prompt": "Once upon a time", "temperature": 0, "max_tokens": 16}
+    unfiltered = run(engine, [line(engine, "free", COMPLETIONS, **story)])
+    text = unfiltered[0][0].response.body["choices"][0]["text"]
+    banned = text.split()[len(text.split()) // 2]
+    policy = SafetyPolicy(checks="both", blocklist=(re.compile(re.escape(banned)),))
+    screened = replace(UNSCREENED, policy=policy)
+    lines = [
+        line(engine, "out", COMPLETIONS, **story),
+        line(engine, "in", COMPLETIONS, prompt=f"Say {banned}"),
+    ]
+    results = by_custom_id(run(engine, lines, context=screened)[0])
+    choice = results["out"].response.body["choices"][0]
+    assert choice["finish_reason"] == "content_filter" and banned not in choice["text"]
+    refused = results["in"].response
+    assert (refused.status_code, refused.body["error"]["code"]) == (400, "content_filter")
