@@ -9,8 +9,11 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from batch_worker import batch as finished_batch
+from batch_worker import chat_line, file_lines, run_all_shards, submit
+from servers import eventually
 from services import postgres_schema
-from sqlalchemy import func, select
+from sqlalchemy import func, select, update
 
 from pagedbatch.ids import now
 from pagedbatch.service import open_store
@@ -38,6 +41,7 @@ from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import heartbeat
 from pagedbatch.workers.periodic import delete_expired_files
 from pagedbatch.workers.retention import apply_retention
+from pagedbatch.workers.tasks import run_task
 from pagedbatch.workers.upkeep import upkeep, upkeep_lock
 
 DAY = 24 * 3600
@@ -441,3 +445,55 @@ def test_retention_set_to_zero_keeps_outputs_and_batches(make_ctx):
     with ctx.session_factory() as session:
         assert session.get(File, "file-old-output").expires_at is None
         assert session.get(Batch, "batch_ancient") is not None
+
+
+def running_tasks(ctx: WorkerContext) -> InProcessQueue:
+    """A queue that runs each task for real, in `ctx`: the worker upkeep is part of."""
+    return InProcessQueue(lambda name, args: run_task(ctx, name, args))
+
+
+def test_a_batch_whose_lines_are_all_done_is_finalized_by_upkeep_when_its_finalization_was_lost(
+    make_batch_worker,
+):
+    worker = make_batch_worker(shard_size=2)
+    batch_id = submit(worker, [chat_line(f"r{i}") for i in range(4)])
+    run_all_shards(worker, batch_id)
+    # The last shard queued the finalization; the queue was lost (a broker restart, the worker
+    # that took the task killed) and nothing ran it.
+    assert ("finalize_batch", (batch_id,)) in worker.queued
+    assert finished_batch(worker, batch_id).status == BatchStatus.IN_PROGRESS
+    lost, worker.ctx.queue = worker.ctx.queue, running_tasks(worker.ctx)
+    lost.shutdown()
+
+    upkeep(worker.ctx)
+
+    eventually(lambda: finished_batch(worker, batch_id).status == BatchStatus.COMPLETED, timeout=60)
+    assert sorted(file_lines(worker, batch_id)) == sorted(f"r{i}" for i in range(4))
+
+
+def test_a_batch_whose_worker_died_after_its_last_line_is_finalized_by_upkeep(make_batch_worker):
+    worker = make_batch_worker(
+        shard_size=2, worker_heartbeat_seconds=0.2, upkeep_interval_seconds=0.2
+    )
+    ctx = worker.ctx
+    batch_id = submit(worker, [chat_line(f"r{i}") for i in range(4)])
+    run_all_shards(worker, batch_id)
+    # As a worker killed -9 after writing its shard's last result, before marking the shard done
+    # or queueing the finalization: the shard is still leased to it, for a minute more.
+    with transaction(ctx.session_factory) as session:
+        session.execute(
+            update(Shard)
+            .where(Shard.batch_id == batch_id, Shard.index == 1)
+            .values(status=ShardStatus.RUNNING, lease_owner="dead", lease_expires_at=now() + 60)
+        )
+    set_last_seen(ctx, "dead", time.time() - 10)
+    lost, ctx.queue = ctx.queue, running_tasks(ctx)
+    lost.shutdown()
+    heartbeat(ctx)  # this process judges others' heartbeats once its own went through 3 beats
+    time.sleep(0.65)
+    heartbeat(ctx)
+
+    upkeep(ctx)  # re-leases the dead worker's shard; its run finds every line done, finalizes
+
+    eventually(lambda: finished_batch(worker, batch_id).status == BatchStatus.COMPLETED, timeout=60)
+    assert sorted(file_lines(worker, batch_id)) == sorted(f"r{i}" for i in range(4))
