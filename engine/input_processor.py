@@ -21,6 +21,14 @@ from pagedbatch.engine.multimodal.inputs import MediaItem, MediaSpec
 from pagedbatch.engine.sampling_params import SamplingParams
 
 
+def fits_context(prompt_len: int, max_tokens: int | None, max_model_len: int) -> bool:
+    """Whether a prompt of `prompt_len` tokens leaves room in the context for `max_tokens`, or
+    without it for one token: the one rule that the engine and the API's 400
+    `context_length_exceeded` (protocol/serving/common.py) both apply."""
+    room = max_model_len - prompt_len
+    return room >= 1 if max_tokens is None else max_tokens <= room
+
+
 class InputProcessor:
     def __init__(
         self,
@@ -152,16 +160,11 @@ class InputProcessor:
                 )
 
     def _resolve_max_tokens(self, prompt_len: int, params: SamplingParams) -> int:
-        room = self.max_model_len - prompt_len
-        if room < 1:
-            raise ValueError(
-                f"this model's maximum context length is {self.max_model_len} tokens, "
-                f"but the prompt has {prompt_len} tokens"
-            )
-        if params.max_tokens is not None and params.max_tokens > room:
+        if not fits_context(prompt_len, params.max_tokens, self.max_model_len):
+            asked = "at least 1" if params.max_tokens is None else str(params.max_tokens)
             raise ValueError(
                 f"this model's maximum context length is {self.max_model_len} tokens; the prompt "
-                f"has {prompt_len} and max_tokens asks for {params.max_tokens} more"
+                f"has {prompt_len} and max_tokens asks for {asked} more"
             )
         # max_model_len is at most what the KV cache holds: the request fits it whole.
-        return params.max_tokens or room
+        return params.max_tokens or self.max_model_len - prompt_len

@@ -10,13 +10,13 @@ from dataclasses import replace
 
 import pytest
 
-from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine import AsyncLLM, SamplingParams
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline
 from pagedbatch.protocol.safety import SafetyPolicy
 from pagedbatch.protocol.schemas.completions import CompletionRequest
 from pagedbatch.protocol.schemas.moderations import ModerationRequest
-from pagedbatch.protocol.serving.common import BATCH_PRIORITY
+from pagedbatch.protocol.serving.common import BATCH_PRIORITY, check_context_length
 from pagedbatch.protocol.serving.completions import prepare_completion
 from pagedbatch.protocol.serving.moderations import prepare_moderation
 
@@ -123,3 +123,23 @@ def test_a_flagged_output_stops_the_request(llm, at_end):
     with pytest.raises(OpenAIError) as caught:
         whole(llm, completion(llm, prompt=f"{PROMPT} {banned}"), ctx)
     assert caught.value.detail.code == "content_filter"
+
+
+def test_the_engine_and_the_api_agree_on_what_fits_the_context(llm):
+    served = llm.engine
+    limit = served.max_model_len
+    for prompt_len in (limit - 8, limit - 1, limit):
+        room = limit - prompt_len
+        for max_tokens in (None, *(m for m in (room - 1, room, room + 1) if m >= 1)):
+            api_refuses = engine_refuses = False
+            try:
+                check_context_length(prompt_len, max_tokens, served, param="prompt")
+            except OpenAIError as exc:
+                assert exc.detail.code == "context_length_exceeded"
+                api_refuses = True
+            try:
+                params = SamplingParams(max_tokens=max_tokens)
+                served.inputs.process("fit", [5] * prompt_len, params, 0, None, None)
+            except ValueError:
+                engine_refuses = True
+            assert api_refuses == engine_refuses, (prompt_len, max_tokens)

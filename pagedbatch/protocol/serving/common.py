@@ -16,6 +16,7 @@ from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from pagedbatch.engine.input_processor import fits_context
 from pagedbatch.engine.multimodal.audio import AudioProcessor
 from pagedbatch.engine.multimodal.images import ImageProcessor
 from pagedbatch.engine.multimodal.inputs import MediaItem
@@ -182,17 +183,17 @@ def check_context_length(
     """400 `context_length_exceeded` unless the prompt leaves room for `max_tokens` (or one).
     `at_least`: the prompt has at least `prompt_tokens` tokens, how many more is not known."""
     limit = served.max_model_len
+    if fits_context(prompt_tokens, max_tokens, limit):
+        return
     counted = f"at least {prompt_tokens}" if at_least else str(prompt_tokens)
-    if max_tokens is None and prompt_tokens >= limit:
+    if max_tokens is None:
         detail = f"your {param} resulted in {counted} tokens, leaving none for the completion"
-    elif max_tokens is not None and prompt_tokens + max_tokens > limit:
+    else:
         requested = prompt_tokens + max_tokens
         detail = (
             f"you requested {'at least ' if at_least else ''}{requested} tokens "
             f"({counted} in the {param}, {max_tokens} in the completion)"
         )
-    else:
-        return
     raise OpenAIError(
         f"This model's maximum context length is {limit} tokens. However, {detail}. "
         f"Please reduce the length of the {param} or completion.",
