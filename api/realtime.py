@@ -15,7 +15,8 @@ client reads; a client that goes away, or that leaves a stream unread for
 
 The distributed API runs no engine: it checks the request and forwards it, with its tenant, to
 a worker's engine host (api/engine_proxy.py), which answers it with this same code, and so admits
-per engine and reserves its spend.
+per engine and reserves its spend. The API's part stops at reading and validating the body: the
+request's pipeline (protocol/pipeline.py: screening, the engine, usage) runs once, on the host.
 """
 
 from __future__ import annotations
@@ -264,7 +265,7 @@ async def answer(
     preparing_for.set(tenant)  # each step on a thread counts against its share of them
     params = await _off_loop(services, parse, raw)
     send_timeout = services.settings.stream_send_timeout_seconds
-    if services.engines is not None:  # the distributed API: a worker's engine host answers
+    if services.engines is not None:  # the distributed API: a worker's engine host runs it
         return await services.engines.forward(
             request, params.model, raw, services.served_models, tenant, send_timeout
         )

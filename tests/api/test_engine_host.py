@@ -27,6 +27,7 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.engine_host import EngineHost
 from pagedbatch.api.engine_proxy import rank
 from pagedbatch.engine import AsyncLLM
+from pagedbatch.protocol.safety import BLOCKLIST, CONTENT_FILTERED
 from pagedbatch.service import api_only, open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.engine_registry import EngineRecord, publish
@@ -216,6 +217,32 @@ def test_the_api_streams_from_the_host_and_passes_over_one_that_is_gone(settings
             sdk.chat.completions.create(**chat_body(model="nope"))
         assert missing.value.body["code"] == "model_not_found"
     assert load(host)["running"] == 0
+
+
+def test_a_forwarded_request_runs_the_pipeline_once_on_the_host(
+    tmp_path, broker, tiny_llama, start_host
+):
+    """The API only checks and forwards: the content filter screens the prompt once, on the
+    host, whose refusal the client gets through the API."""
+    settings = Settings(
+        data_dir=tmp_path / "data",
+        broker_url=broker,
+        model=str(tiny_llama),
+        served_model_name="tiny",
+        engine_heartbeat_seconds=HEARTBEAT,
+        safety_policy="input",
+        safety_blocklist=["forbidden"],
+    )
+    start_host(settings)
+    eventually(lambda: len(engine_records(settings.broker_url)) == 1)
+    refusals = CONTENT_FILTERED.labels("realtime", "input", BLOCKLIST)
+    before = refusals._value.get()
+    with serving(api_only(settings)) as url, pytest.raises(openai.BadRequestError) as caught:
+        client(url).chat.completions.create(
+            **chat_body(messages=[{"role": "user", "content": "Say forbidden."}])
+        )
+    assert caught.value.body["code"] == "content_filter"
+    assert refusals._value.get() == before + 1
 
 
 def test_a_transcription_form_reaches_the_host_whole(settings, start_host):
