@@ -36,18 +36,14 @@ def run_batch(
     """
     settings = Settings()
     engine = AsyncLLM(str(model_dir), **engine_args)
-    guard = start_guard(settings)
-    context = RequestContext.of(
-        settings, DEFAULT_OWNER, door="batch", guard=guard, moderation=False
-    )
-    max_in_flight = 2 * engine.engine.args.max_num_seqs
+    guard = None
     try:
-        return _run(
-            BatchRunner(engine, context, max_in_flight=max_in_flight),
-            input_path,
-            output_path,
-            show_progress,
+        guard = start_guard(settings)
+        context = RequestContext.of(
+            settings, DEFAULT_OWNER, door="batch", guard=guard, moderation=False
         )
+        runner = BatchRunner(engine, context, max_in_flight=2 * engine.engine.args.max_num_seqs)
+        return _run(runner, input_path, output_path, show_progress)
     finally:
         engine.shutdown()
         if guard is not None:

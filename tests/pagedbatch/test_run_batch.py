@@ -113,3 +113,25 @@ def test_the_progress_bar_shows_lines_tokens_per_second_and_eta(
     # Once a line has finished, the ETA is a time and tokens are flowing.
     assert all(eta != "?" and float(rate) > 0 for _, eta, rate in midway)
     assert shown[-1][0] == "4"
+
+
+def test_run_batch_screens_lines_as_the_service_settings_say(tiny_llama, tmp_path, monkeypatch):
+    monkeypatch.setenv("PAGEDBATCH_SAFETY_POLICY", "input")
+    monkeypatch.setenv("PAGEDBATCH_SAFETY_BLOCKLIST", '["forbidden"]')
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    model = Path(tiny_llama).resolve().name
+    lines = [
+        {
+            "custom_id": custom_id,
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {"model": model, "prompt": prompt, "max_tokens": 3},
+        }
+        for custom_id, prompt in (("clean", "Once upon a time"), ("refused", "Say forbidden"))
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    run_batch(source, target, tiny_llama, show_progress=False, num_kv_blocks=128)
+    results = {r["custom_id"]: r["response"] for r in map(json.loads, target.open())}
+    assert results["clean"]["status_code"] == 200
+    refused = results["refused"]
+    assert (refused["status_code"], refused["body"]["error"]["code"]) == (400, "content_filter")
