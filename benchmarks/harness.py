@@ -439,8 +439,8 @@ def _postgres_admin(users: Sequence[str] = POSTGRES_USERS) -> Any:
         except psycopg.OperationalError as exc:
             error = exc
     raise RuntimeError(
-        f"PostgreSQL refused users {tuple(users)} on {POSTGRES_HOST} (NOTES.md says how to "
-        f"start it): {error}"
+        f"PostgreSQL refused users {tuple(users)} on {POSTGRES_HOST} (scripts/system-deps "
+        f"starts it): {error}"
     ) from error
 
 

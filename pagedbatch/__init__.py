@@ -1,7 +1,7 @@
 """pagedbatch: an OpenAI-compatible batch and realtime service on a paged-KV-cache engine.
 
 The source folders beside this one (engine/, kernels/, api/, store/, ...) install as subpackages
-of pagedbatch, never as top-level modules (DESIGN.md, Layout). But run from the checkout's root
+of pagedbatch, never as top-level modules (docs/architecture.md). But run from the checkout's root
 (`python -m pagedbatch.cli`, `python -c ...`), Python puts that root first on sys.path, and they
 become top-level modules too: our `kernels` then hides the installed package of that name, which
 transformers imports when it loads a model config. The root comes off the path here, before

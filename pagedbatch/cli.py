@@ -155,7 +155,7 @@ def service_settings(args: argparse.Namespace):
     settings = settings_from_args(args)
     configure_logging(settings.log_format)
     for name in unknown_variables(os.environ):
-        logger.warning("%s names no setting and is ignored (see the README's settings)", name)
+        logger.warning("%s names no setting and is ignored (see docs/configuration.md)", name)
     return settings
 
 

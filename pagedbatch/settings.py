@@ -241,7 +241,7 @@ class Settings(EngineSettings):
     # The score from which a category counts as flagged: a number in [0, 1], or a level
     # (`pagedbatch.moderation.LEVELS`).
     safety_threshold: Annotated[float, BeforeValidator(threshold)] = LEVELS["medium"]
-    # The content filter on the doors (see README "Safety"): which way it screens, per-category
+    # The content filter on the doors (docs/api.md, "Safety"): which way it screens, per-category
     # thresholds (JSON: {"hate": "low", "violence": 0.9}), a blocklist of regular expressions
     # (JSON list) checked before any model, and per-tenant overrides of any of these (JSON:
     # {"<API key id>": {"policy", "threshold", "categories", "blocklist"}}).

@@ -1,4 +1,4 @@
-"""Dependencies point one way (DESIGN.md, Layout): the doors (api) and the workers use the OpenAI
+"""Dependencies point one way (docs/architecture.md): the doors (api) and the workers use the OpenAI
 translation (protocol), the store and the engine, and never each other; the engine knows nothing
 of HTTP, SQL, Celery or OpenAI; only the entry points (CLI, service assembly, offline batch mode)
 see everything. Every import counts, including those inside functions and under TYPE_CHECKING."""

@@ -39,7 +39,7 @@ class OpenAIError(Exception):
         super().__init__(message)
         self.status_code = status_code
         if code is None and status_code < 500:
-            # Every client error has a code a program can branch on (README "Errors").
+            # Every client error has a code a program can branch on (docs/api.md, "Errors").
             code = "invalid_value" if param is not None else "invalid_request"
         self.detail = ErrorDetail(message=message, type=type, param=param, code=code)
 

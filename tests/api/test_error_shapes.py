@@ -1,4 +1,4 @@
-"""One rule for client errors (README "Errors"): every 4xx has a `code`, and `param` names what
+"""One rule for client errors (docs/api.md): every 4xx has a `code`, and `param` names what
 the client sent wrong wherever one parameter is; a body or line nested too deeply says so; an
 unknown `after` cursor is the same 400 naming `after` in every list."""
 

@@ -6,7 +6,7 @@ Every field of `POST /v1/chat/completions` and `POST /v1/completions` (whole and
 integers past 64 bits, strings of hundreds of KB, nesting hundreds to thousands deep, lone
 surrogates, NUL, overlong and invalid UTF-8, NaN and Infinity literals, wrong types, thousands of
 stop strings, `n` 128 over many prompts. Each response must be an OpenAI-shaped error with a 4xx
-status (a 503 only with a code the README documents) or a success that parses as the documented
+status (a 503 only with a code docs/api.md documents) or a success that parses as the documented
 object, within a minute (the tiny model answers any of these in seconds); a stream must end in
 `[DONE]` or a client error event; a batch must end, and no line of its output or error file may
 hold a 5xx. Afterwards the same server must still answer a plain
@@ -58,7 +58,7 @@ from pagedbatch.protocol.schemas.completions import Completion, CompletionReques
 MODEL = "tiny"
 REQUEST_TIMEOUT_SECONDS = 60.0  # a request the tiny model cannot answer in this is a hang
 BATCH_TIMEOUT_SECONDS = 90.0
-# Statuses at or above 500 the README documents, by error code: no engine for the model.
+# Statuses at or above 500 docs/api.md documents, by error code: no engine for the model.
 DOCUMENTED_5XX = {503: {"engine_unavailable"}}
 TERMINAL = {"completed", "failed", "cancelled", "expired"}
 

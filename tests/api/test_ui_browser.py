@@ -16,7 +16,8 @@ import pytest
 from playwright.sync_api import Browser, Page, expect, sync_playwright
 
 CHROMIUM = "/usr/bin/chromium"
-# As NOTES.md has it: headless as root, and no background traffic into the closed network.
+# Debian's chromium, never a downloaded one: headless as root, and no background traffic into
+# the closed network.
 CHROMIUM_FLAGS = [
     "--no-sandbox",
     "--disable-gpu",

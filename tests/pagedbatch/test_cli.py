@@ -16,7 +16,7 @@ from pagedbatch.cli import build_parser, check_exposure, engine_kwargs, main, se
 from pagedbatch.engine import EngineArgs
 from pagedbatch.settings import ENGINE_SETTINGS, Settings, unknown_variables
 
-README = Path(__file__).resolve().parents[2] / "README.md"
+CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ENGINE_ARGS = dataclasses.fields(EngineArgs)
 # The settings of issue 14's deployment, as flags and as variables.
 FLAGS = ["--max-num-seqs", "4", "--max-model-len", "512", "--kv-cache-memory-gib", "0.1"]
@@ -121,19 +121,28 @@ def test_a_choice_out_of_the_engine_args_is_refused_by_every_command(capsys):
         assert "invalid choice: 'float8'" in capsys.readouterr().err
 
 
-def test_the_readme_lists_every_engine_setting_with_its_flag_and_default():
+def test_the_configuration_doc_lists_every_engine_setting_with_its_flag_and_default():
     rows = {
         match[1]: match[0]
-        for match in re.findall(r"^(\| `PAGEDBATCH_(\w+)`.*)$", README.read_text(), re.M)
+        for match in re.findall(r"^(\| `PAGEDBATCH_(\w+)`.*)$", CONFIGURATION.read_text(), re.M)
     }
     for arg in ENGINE_ARGS:
         row = rows.get(arg.name.upper())
-        assert row is not None, f"README: no row for PAGEDBATCH_{arg.name.upper()}"
+        assert row is not None, f"docs/configuration.md: no row for PAGEDBATCH_{arg.name.upper()}"
         assert f"`{flag(arg.name)}`" in row
         default = Settings.model_fields[arg.name].default  # a service's
         if default is not None:
             shown = f"{default:g}" if isinstance(default, float) else str(default).lower()
             assert f"| {shown} |" in row, row
+
+
+def test_the_configuration_doc_lists_every_service_setting():
+    rows = [line for line in CONFIGURATION.read_text().splitlines() if line.startswith("| `")]
+    named = {name for row in rows for name in re.findall(r"`PAGEDBATCH_(\w+)`", row)}
+    missing = sorted(
+        f"PAGEDBATCH_{name.upper()}" for name in Settings.model_fields if name.upper() not in named
+    )
+    assert not missing, f"docs/configuration.md has no row for {missing}"
 
 
 @pytest.mark.parametrize(
