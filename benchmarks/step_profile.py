@@ -50,8 +50,9 @@ from typing import Any
 import torch
 from harness import ensure_model, log, measure_gemm_peak, measure_read_gbps, print_report
 
-from pagedbatch.engine import LLMEngine, SamplingParams, parallel_layers
+from pagedbatch.engine import LLMEngine, SamplingParams
 from pagedbatch.engine.config import EngineArgs
+from pagedbatch.engine.worker import parallel_layers
 from pagedbatch.kernels import ops
 
 PARTS = (

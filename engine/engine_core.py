@@ -23,8 +23,9 @@ from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.core.request import Request, RequestStatus, TokenLogprob
 from pagedbatch.engine.core.scheduler import ScheduledRequest, Scheduler
 from pagedbatch.engine.core.step_cost import StepCostModel
+from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sample.sampler import Sampler, edits_logits
-from pagedbatch.engine.sample.structured_output import GrammarRuntime, StructuredOutput
+from pagedbatch.engine.sample.structured_output import StructuredOutput
 from pagedbatch.engine.worker.model_runner import ModelRunner
 from pagedbatch.engine.worker.ranks import start_runner
 

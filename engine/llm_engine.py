@@ -27,7 +27,7 @@ from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor, ima
 from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.output_processor import OutputProcessor
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.sample.structured_output import GrammarRuntime
+from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 from pagedbatch.engine.worker.model_runner import ModelRunner

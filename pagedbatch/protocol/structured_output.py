@@ -12,7 +12,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-from pagedbatch.engine.sample.structured_output import OutputLimits, StructuredOutput, too_costly
+from pagedbatch.engine.sample.grammar_runtime import too_costly
+from pagedbatch.engine.sample.structured_output import OutputLimits, StructuredOutput
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.tool_calls import TOOL_CALL_OPENING, call_tag, calls_in_a_row
 

@@ -17,13 +17,11 @@ import xgrammar as xgr
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
+from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime, GrammarTooCostly, too_costly
 from pagedbatch.engine.sample.structured_output import (
     MAX_GRAMMAR_CHARS,
-    GrammarRuntime,
-    GrammarTooCostly,
     OutputLimits,
     StructuredOutput,
-    too_costly,
 )
 from pagedbatch.protocol.structured_output import costly_output_format
 

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from pagedbatch.engine import LLM, host_memory
+from pagedbatch.engine import LLM
+from pagedbatch.engine.worker import host_memory
 
 GIB = 2**30
 
