@@ -39,7 +39,9 @@ from typing import Any
 
 from harness import (
     BATCH_ENDED,
+    PostgresCluster,
     Process,
+    RedisServer,
     SeaweedFS,
     ensure_model,
     free_port,
@@ -49,10 +51,6 @@ from harness import (
     start_process,
     wait_until,
 )
-
-# The restartable PostgreSQL cluster and Redis server the tests' outage runs use.
-sys.path.insert(0, str(Path(__file__).resolve().parent.parent / "tests"))
-from restartable_services import PostgresCluster, RedisServer  # noqa: E402
 
 SERVED_NAME = "chaos"
 START_TIMEOUT_S = 120.0

@@ -4,7 +4,8 @@
 - the command line: --quick defaults, one JSON line of figures, a teardown however the run ends;
 - processes: each started in a session of its own and logging to a file, waited for, stopped;
 - ports, and the services a deployment runs on: a fresh PostgreSQL database and Redis database on
-  the machine's shared servers, and a SeaweedFS `weed mini` S3 server of its own;
+  the machine's shared servers, and a SeaweedFS `weed mini` S3 server, a PostgreSQL cluster and
+  a redis-server of its own, which an outage test or chaos run stops and starts again;
 - CPU accounting from /proc, the load average, and waiting for a quiet machine.
 
 The benchmarks import it as a sibling module; tests/services.py and tests/servers.py put this
@@ -571,6 +572,83 @@ class SeaweedFS:
     def stop(self) -> None:
         assert self._process is not None, "not started"
         stop_process(self._process)
+
+    def kill(self) -> None:
+        assert self._process is not None, "not started"
+        kill(self._process)
+
+
+# A PostgreSQL cluster and a Redis server of one's own, on free ports, to stop, kill and start
+# again as an outage would: unlike the machine's shared ones, which every other test and run uses.
+
+REDIS_START_TIMEOUT_S = 30.0
+
+
+class PostgresCluster:
+    """`initdb` into a temporary directory, served by `pg_ctl` on a free port, trust auth."""
+
+    def __init__(self) -> None:
+        bins = sorted(Path("/usr/lib/postgresql").glob("*/bin/initdb"))
+        if not bins:
+            raise RuntimeError("no PostgreSQL server binaries in /usr/lib/postgresql")
+        self._bin = bins[-1].parent
+        # PostgreSQL refuses to run as root: as root, the cluster belongs to `postgres`, in a
+        # directory of its own (pytest's are root's alone).
+        self._user = "postgres" if os.geteuid() == 0 else None
+        self.root = Path(tempfile.mkdtemp(prefix="pagedbatch-pg-"))
+        if self._user is not None:
+            shutil.chown(self.root, self._user)
+        self.port = free_port()
+        self.url = f"postgresql+psycopg://postgres@127.0.0.1:{self.port}/postgres"
+        self._run("initdb", "-D", str(self.root / "data"), "-U", "postgres", "--auth=trust")
+
+    def _run(self, tool: str, *args: str) -> None:
+        command = [str(self._bin / tool), *args]
+        if self._user is not None:
+            command = ["runuser", "-u", self._user, "--", *command]
+        subprocess.run(command, check=True, capture_output=True, cwd=self.root)
+
+    def start(self) -> None:
+        options = (
+            f"-p {self.port} -c listen_addresses=127.0.0.1 -k {self.root} -c fsync=off "
+            "-c max_connections=200"
+        )
+        log = str(self.root / "postgres.log")
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-o", options, "-l", log, "-w", "start")
+
+    def stop(self) -> None:
+        """A fast shutdown: clients are disconnected, as at a restart."""
+        self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "fast", "-w", "stop")
+
+    def remove(self) -> None:
+        if (self.root / "data" / "postmaster.pid").exists():
+            self._run("pg_ctl", "-D", str(self.root / "data"), "-m", "immediate", "-w", "stop")
+        shutil.rmtree(self.root, ignore_errors=True)
+
+
+class RedisServer:
+    """`redis-server` on a free port, keeping nothing on disk: a restart starts empty."""
+
+    def __init__(self, log_path: Path) -> None:
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.log_path = log_path
+        self._argv = [
+            "redis-server", "--port", str(self.port), "--bind", "127.0.0.1", "--save", "",
+            "--appendonly", "no",
+        ]  # fmt: skip
+        self._process: Process | None = None
+
+    def start(self) -> None:
+        """Starts the server and returns once its port is open."""
+        self._process = start_process(self._argv, dict(os.environ), self.log_path)
+        wait_until(
+            lambda: port_open(self.port),
+            self._process,
+            "redis-server",
+            self.log_path,
+            REDIS_START_TIMEOUT_S,
+        )
 
     def kill(self) -> None:
         assert self._process is not None, "not started"

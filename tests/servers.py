@@ -9,10 +9,12 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import subprocess
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -98,6 +100,33 @@ class Deployment:
         stop_processes(self.processes)
 
 
+@contextmanager
+def running_deployment(
+    tmp: Path, model: Path, database_url: str, broker_url: str, settings: dict[str, str]
+) -> Iterator[Deployment]:
+    """A deployment whose API is up on a free port, serving `model` as `tiny`, with `settings`
+    (PAGEDBATCH_* and other variables) on top of the shared environment; on exit every process
+    it started is stopped."""
+    port = free_port()
+    env = {
+        **os.environ,
+        "PAGEDBATCH_DATABASE_URL": database_url,
+        "PAGEDBATCH_BROKER_URL": broker_url,
+        "PAGEDBATCH_DATA_DIR": str(tmp / "data"),
+        "PAGEDBATCH_MODEL": str(model),
+        "PAGEDBATCH_SERVED_MODEL_NAME": "tiny",
+        "PAGEDBATCH_PORT": str(port),
+        "OMP_NUM_THREADS": "1",
+        **settings,
+    }
+    deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp)
+    try:
+        deployment.start_api()
+        yield deployment
+    finally:
+        deployment.stop()
+
+
 PROCESS_START_SECONDS = 60  # a process loads a model and migrates the database first
 
 
@@ -105,8 +134,9 @@ def wait_for_health(url: str, process: subprocess.Popen[bytes], log: Path) -> No
     wait_until(lambda: healthy(url), process, f"the server at {url}", log, PROCESS_START_SECONDS)
 
 
-def chat_lines(n: int, max_tokens: int) -> bytes:
-    """A batch input file of `n` chat lines, `r0`..., each generating `max_tokens` tokens."""
+def chat_lines(n: int, max_tokens: int, first_max_tokens: int | None = None) -> bytes:
+    """A batch input file of `n` chat lines, `r0`..., each generating `max_tokens` tokens (`r0`
+    `first_max_tokens`, where given: a line that ends at once shows the batch is running)."""
     return "\n".join(
         json.dumps(
             {
@@ -115,7 +145,7 @@ def chat_lines(n: int, max_tokens: int) -> bytes:
                 "url": "/v1/chat/completions",
                 "body": {
                     "model": "tiny",
-                    "max_tokens": max_tokens,
+                    "max_tokens": max_tokens if i or first_max_tokens is None else first_max_tokens,
                     "ignore_eos": True,
                     "messages": [{"role": "user", "content": f"Question {i}"}],
                 },

@@ -14,16 +14,21 @@ is busy, never hit it)."""
 
 from __future__ import annotations
 
-import json
-import os
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 import redis
-from restartable_services import RedisServer
-from servers import Deployment, eventually, free_port, output_ids, wait_for_batch
+from harness import RedisServer
+from servers import (
+    Deployment,
+    chat_lines,
+    eventually,
+    output_ids,
+    running_deployment,
+    wait_for_batch,
+)
 from services import postgres_schema
 
 from pagedbatch.settings import Settings
@@ -50,51 +55,25 @@ def broker(tmp_path: Path) -> Iterator[RedisServer]:
 def deployment(
     broker: RedisServer, tmp_path: Path, tiny_llama: Path, postgres_url: str, s3_settings_env: str
 ) -> Iterator[Deployment]:
-    with postgres_schema(postgres_url) as database_url:
-        port = free_port()
-        env = {
-            **os.environ,
-            "PAGEDBATCH_DATABASE_URL": database_url,
-            "PAGEDBATCH_BROKER_URL": broker.url,
-            "PAGEDBATCH_DATA_DIR": str(tmp_path / "data"),
-            "PAGEDBATCH_MODEL": str(tiny_llama),
-            "PAGEDBATCH_SERVED_MODEL_NAME": "tiny",
-            "PAGEDBATCH_PORT": str(port),
-            # A batch is one shard, and the worker runs one shard at a time: while it runs, the
-            # worker's other task slots are free and it waits on the broker for more.
-            "PAGEDBATCH_SHARD_SIZE": str(LINES),
-            "PAGEDBATCH_WORKER_CONCURRENCY": "1",
-            "PAGEDBATCH_UPKEEP_INTERVAL_SECONDS": "1",
-            "PAGEDBATCH_REAPER_INTERVAL_SECONDS": "2",
-            "PAGEDBATCH_WORKER_METRICS_PORT": "0",
-            "OMP_NUM_THREADS": "1",
-        }
-        deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp_path)
-        try:
-            deployment.start_api()
-            yield deployment
-        finally:
-            deployment.stop()
+    settings = {
+        # A batch is one shard, and the worker runs one shard at a time: while it runs, the
+        # worker's other task slots are free and it waits on the broker for more.
+        "PAGEDBATCH_SHARD_SIZE": str(LINES),
+        "PAGEDBATCH_WORKER_CONCURRENCY": "1",
+        "PAGEDBATCH_UPKEEP_INTERVAL_SECONDS": "1",
+        "PAGEDBATCH_REAPER_INTERVAL_SECONDS": "2",
+        "PAGEDBATCH_WORKER_METRICS_PORT": "0",
+    }
+    with (
+        postgres_schema(postgres_url) as database_url,
+        running_deployment(tmp_path, tiny_llama, database_url, broker.url, settings) as deployment,
+    ):
+        yield deployment
 
 
 def batch_lines() -> bytes:
     """`r0` ends at once (it shows the shard is running); the others run on for seconds."""
-    return "\n".join(
-        json.dumps(
-            {
-                "custom_id": f"r{i}",
-                "method": "POST",
-                "url": "/v1/chat/completions",
-                "body": {
-                    "model": "tiny",
-                    "max_tokens": 1 if i == 0 else LONG_LINE_TOKENS,
-                    "ignore_eos": True,
-                    "messages": [{"role": "user", "content": f"Question {i}"}],
-                },
-            }
-        )
-        for i in range(LINES)
-    ).encode()
+    return chat_lines(LINES, LONG_LINE_TOKENS, first_max_tokens=1)
 
 
 def waiting_on_the_queue(broker: RedisServer) -> bool:

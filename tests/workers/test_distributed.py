@@ -4,14 +4,13 @@ loses nothing and duplicates nothing."""
 
 from __future__ import annotations
 
-import os
 import random
 from collections.abc import Iterator
 
 import httpx
 import pytest
 import redis
-from servers import Deployment, chat_lines, free_port, kill, output_ids, wait_for_batch
+from servers import Deployment, chat_lines, kill, output_ids, running_deployment, wait_for_batch
 from services import postgres_schema
 from webhook_receiver import Receiver
 
@@ -23,30 +22,21 @@ def deployment(tmp_path, tiny_llama, postgres_url, s3_settings_env) -> Iterator[
     db_index = random.randrange(1, 16)  # a Redis database of our own: its queue, its keys
     broker = f"{REDIS}/{db_index}"
     redis.Redis.from_url(broker).flushdb()
-    with postgres_schema(postgres_url) as database_url:
-        port = free_port()
-        env = {
-            **os.environ,
-            "PAGEDBATCH_DATABASE_URL": database_url,
-            "PAGEDBATCH_BROKER_URL": broker,
-            "PAGEDBATCH_DATA_DIR": str(tmp_path / "data"),
-            "PAGEDBATCH_MODEL": str(tiny_llama),
-            "PAGEDBATCH_SERVED_MODEL_NAME": "tiny",
-            "PAGEDBATCH_PORT": str(port),
-            "PAGEDBATCH_SHARD_SIZE": "3",
-            "PAGEDBATCH_LEASE_SECONDS": "3",
-            "PAGEDBATCH_REAPER_INTERVAL_SECONDS": "1",
-            "PAGEDBATCH_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
-            "PAGEDBATCH_WEBHOOK_INITIAL_BACKOFF_SECONDS": "0.3",
-            "OMP_NUM_THREADS": "1",
-        }
-        deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp_path)
-        try:
-            deployment.start_api()
+    settings = {
+        "PAGEDBATCH_SHARD_SIZE": "3",
+        "PAGEDBATCH_LEASE_SECONDS": "3",
+        "PAGEDBATCH_REAPER_INTERVAL_SECONDS": "1",
+        "PAGEDBATCH_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
+        "PAGEDBATCH_WEBHOOK_INITIAL_BACKOFF_SECONDS": "0.3",
+    }
+    try:
+        with (
+            postgres_schema(postgres_url) as database_url,
+            running_deployment(tmp_path, tiny_llama, database_url, broker, settings) as deployment,
+        ):
             yield deployment
-        finally:
-            deployment.stop()
-            redis.Redis.from_url(broker).flushdb()
+    finally:
+        redis.Redis.from_url(broker).flushdb()
 
 
 def test_a_worker_process_runs_batches_from_the_api(deployment):

@@ -18,8 +18,16 @@ from pathlib import Path
 
 import httpx
 import pytest
-from restartable_services import PostgresCluster, RedisServer
-from servers import Deployment, chat_lines, eventually, free_port, kill, output_ids, wait_for_batch
+from harness import PostgresCluster, RedisServer
+from servers import (
+    Deployment,
+    chat_lines,
+    eventually,
+    kill,
+    output_ids,
+    running_deployment,
+    wait_for_batch,
+)
 from services import SeaweedFS
 from sqlalchemy import Select, func, select
 
@@ -57,21 +65,9 @@ def services(tmp_path: Path) -> Iterator[Services]:
 
 @pytest.fixture
 def deployment(services: Services, tmp_path: Path, tiny_llama: Path) -> Iterator[Deployment]:
-    port = free_port()
-    s3 = services.s3.server
-    env = {
-        **os.environ,
-        "PAGEDBATCH_DATABASE_URL": services.postgres.url,
-        "PAGEDBATCH_BROKER_URL": services.redis.url,
-        "PAGEDBATCH_S3_ENDPOINT_URL": s3.endpoint_url,
+    settings = {
+        **services.s3.server.env(),
         "PAGEDBATCH_S3_BUCKET": f"test-{uuid.uuid4().hex[:16]}",
-        "AWS_ACCESS_KEY_ID": s3.access_key,
-        "AWS_SECRET_ACCESS_KEY": s3.secret_key,
-        "AWS_DEFAULT_REGION": s3.region,
-        "PAGEDBATCH_DATA_DIR": str(tmp_path / "data"),
-        "PAGEDBATCH_MODEL": str(tiny_llama),
-        "PAGEDBATCH_SERVED_MODEL_NAME": "tiny",
-        "PAGEDBATCH_PORT": str(port),
         # A shard of 10 lines at a time: the batch moves in nine steps, and is still running when
         # the last outage is over, however fast the machine.
         "PAGEDBATCH_SHARD_SIZE": "10",
@@ -83,14 +79,11 @@ def deployment(services: Services, tmp_path: Path, tiny_llama: Path) -> Iterator
         "PAGEDBATCH_UPKEEP_INTERVAL_SECONDS": "1",
         "PAGEDBATCH_REAPER_INTERVAL_SECONDS": "2",
         "PAGEDBATCH_WORKER_METRICS_PORT": "0",
-        "OMP_NUM_THREADS": "1",
     }
-    deployment = Deployment(f"http://127.0.0.1:{port}", env, tmp_path)
-    try:
-        deployment.start_api()
+    with running_deployment(
+        tmp_path, tiny_llama, services.postgres.url, services.redis.url, settings
+    ) as deployment:
         yield deployment
-    finally:
-        deployment.stop()
 
 
 @dataclass
