@@ -23,6 +23,7 @@ import httpx
 import pytest
 import uvicorn
 from fastapi import FastAPI
+from playwright.sync_api import Browser, sync_playwright
 from servers import API_KEYS, START_SECONDS, BatchServer, Server, Storage
 from services import S3Server, postgres_schema
 
@@ -250,3 +251,31 @@ def serve_batches(storage: Storage, tiny_llama: Path) -> Iterator[Callable[..., 
             return BatchServer(url, config, storage.blob_keys, service)
 
         yield start
+
+
+CHROMIUM = "/usr/bin/chromium"
+# Debian's chromium, never a downloaded one: headless as root, and no background traffic into
+# the closed network.
+CHROMIUM_FLAGS = [
+    "--no-sandbox",
+    "--disable-gpu",
+    "--disable-quic",
+    "--no-first-run",
+    "--disable-background-networking",
+    "--disable-component-update",
+    "--disable-sync",
+]
+
+
+@pytest.fixture
+def browser() -> Iterator[Browser]:
+    """Debian's headless chromium through Playwright; the test is skipped where it is not
+    installed. Playwright gives each launch a fresh profile directory of its own."""
+    if not Path(CHROMIUM).exists():
+        pytest.skip("Debian's chromium is not installed (apt-get install chromium); .ci/run does")
+    with sync_playwright() as playwright:
+        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
+        try:
+            yield browser
+        finally:
+            browser.close()

@@ -9,44 +9,14 @@ from __future__ import annotations
 import json
 import os
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
-import pytest
-from playwright.sync_api import Browser, Page, expect, sync_playwright
+from playwright.sync_api import Page, expect
 
-CHROMIUM = "/usr/bin/chromium"
-# Debian's chromium, never a downloaded one: headless as root, and no background traffic into
-# the closed network.
-CHROMIUM_FLAGS = [
-    "--no-sandbox",
-    "--disable-gpu",
-    "--disable-quic",
-    "--no-first-run",
-    "--disable-background-networking",
-    "--disable-component-update",
-    "--disable-sync",
-]
 ARTIFACTS = Path(
     os.environ.get("PAGEDBATCH_TEST_ARTIFACTS", Path(__file__).parent.parent / "artifacts")
 )
 LINES = 60
-
-pytestmark = pytest.mark.skipif(
-    not Path(CHROMIUM).exists(),
-    reason="Debian's chromium is not installed (apt-get install chromium); .ci/run installs it",
-)
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    # Playwright gives each launch a fresh profile directory of its own.
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def batch_text() -> bytes:

@@ -11,8 +11,6 @@ from collections.abc import Iterator
 from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
-from playwright.sync_api import Browser, sync_playwright
-from test_ui_browser import CHROMIUM, CHROMIUM_FLAGS, pytestmark  # noqa: F401 - skipped alike
 
 ATTACK = """
 async (api) => {
@@ -59,16 +57,6 @@ def attacker_url() -> Iterator[str]:
     yield f"http://127.0.0.1:{server.server_address[1]}/"
     server.shutdown()
     server.server_close()
-
-
-@pytest.fixture
-def browser() -> Iterator[Browser]:
-    with sync_playwright() as playwright:
-        browser = playwright.chromium.launch(executable_path=CHROMIUM, args=CHROMIUM_FLAGS)
-        try:
-            yield browser
-        finally:
-            browser.close()
 
 
 def answered(metrics: str, path: str) -> int:
