@@ -10,14 +10,13 @@ from __future__ import annotations
 import json
 import os
 import re
-import subprocess
-import sys
 from pathlib import Path
 from typing import Any
 from urllib.parse import urlsplit
 
 import pytest
 import yaml
+from commands import python_output
 from sqlalchemy import make_url
 
 from pagedbatch.cli import build_parser, settings_from_args
@@ -51,14 +50,14 @@ def compose() -> dict[str, Any]:
 
 
 def test_it_is_valid_by_the_compose_specification() -> None:
-    result = subprocess.run(
-        [sys.executable, "-m", "check_jsonschema", "--builtin-schema", "vendor.compose-spec"]
-        + [str(COMPOSE)],
-        capture_output=True,
-        text=True,
+    python_output(
+        "-m",
+        "check_jsonschema",
+        "--builtin-schema",
+        "vendor.compose-spec",
+        str(COMPOSE),
         timeout=60,
     )
-    assert result.returncode == 0, result.stdout + result.stderr
 
 
 @pytest.mark.parametrize("path", [COMPOSE, DOCKERFILE], ids=lambda path: path.name)
@@ -151,13 +150,7 @@ def test_a_supervisor_restarts_every_long_running_process(compose: dict[str, Any
 
 
 def test_the_worker_command_asks_for_the_supervisor_compose_gives_it() -> None:
-    shown = subprocess.run(
-        [sys.executable, "-m", "pagedbatch.cli", "worker", "--help"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=60,
-    ).stdout
+    shown = python_output("-m", "pagedbatch.cli", "worker", "--help", timeout=60)
     assert "supervisor" in shown and "restart: unless-stopped" in " ".join(shown.split())
 
 

@@ -6,10 +6,10 @@ gets. After a deliberate change of versions, `make lock` writes the lock anew.""
 from __future__ import annotations
 
 import re
-import subprocess
-import sys
 from collections.abc import Iterable
 from pathlib import Path
+
+from commands import python_output
 
 ROOT = Path(__file__).resolve().parent.parent
 LOCK = ROOT / "constraints.txt"
@@ -30,13 +30,7 @@ def pins(lines: Iterable[str]) -> dict[str, str]:
 
 
 def test_the_virtual_environment_holds_exactly_the_locked_versions() -> None:
-    freeze = subprocess.run(
-        [sys.executable, "-m", "pip", "freeze", "--exclude-editable"],
-        capture_output=True,
-        text=True,
-        check=True,
-        timeout=120,
-    ).stdout
+    freeze = python_output("-m", "pip", "freeze", "--exclude-editable", timeout=120)
     installed = pins(freeze.splitlines())
     installed.pop("pagedbatch", None)  # the project itself, when installed as a wheel
     locked = pins(LOCK.read_text().splitlines())

@@ -5,13 +5,11 @@ too; and the size checked is the one the processor makes."""
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 from pathlib import Path
 
 import numpy as np
 import pytest
+from memory import peak_rss_growth
 from PIL import Image
 from vision_oracle import data_url
 
@@ -73,28 +71,21 @@ def test_the_size_checked_is_the_one_qwen2_vl_resizes_to(make_checkpoint):
 
 
 MEASURE = """
-import json, sys
-sys.path[:0] = [{tests!r}, {oracles!r}]
 from pagedbatch.engine.config import ModelConfig
-from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor
+from pagedbatch.engine.multimodal.images import ImageProcessor
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.images import decode_image_url, process_image
 from test_image_bounds import LIMITS, PARAM, STRIPS, strip
 processor = ImageProcessor(ModelConfig.load({checkpoint!r}), LIMITS)
 urls = [strip(width, height) for width, height in STRIPS]
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from the current RSS
-before = status("VmRSS")
-codes = []
-for url in urls:
-    try:
-        process_image(processor, decode_image_url(url, PARAM, LIMITS), PARAM)
-    except OpenAIError as e:
-        codes.append(e.body()["error"]["code"])
-print(json.dumps({{"codes": codes, "grown_kib": status("VmHWM") - before}}))
+def work():
+    codes = []
+    for url in urls:
+        try:
+            process_image(processor, decode_image_url(url, PARAM, LIMITS), PARAM)
+        except OpenAIError as e:
+            codes.append(e.body()["error"]["code"])
+    return codes
 """
 
 
@@ -102,11 +93,6 @@ def test_refusing_the_strips_takes_no_more_memory_than_decoding_them(llava):
     """Peak RSS of a process of its own (VmHWM, reset first): the strips decode to 50 MB of RGB
     each, within the pixel limit; resized by CLIP's processor, the first took 2.5 GB and the
     second raised MemoryError."""
-    here = Path(__file__).parent
-    script = MEASURE.format(tests=str(here), oracles=str(here.parent), checkpoint=str(llava))
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
-    )
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["codes"] == ["invalid_image_shape"] * 2
-    assert measured["grown_kib"] < 256 * 1024
+    codes, grown_kib = peak_rss_growth(MEASURE.format(checkpoint=str(llava)), __file__)
+    assert codes == ["invalid_image_shape"] * 2
+    assert grown_kib < 256 * 1024

@@ -5,15 +5,12 @@ and one token more than fits is still refused."""
 
 from __future__ import annotations
 
-import json
 import random
-import subprocess
-import sys
 from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import pytest
+from memory import peak_rss_growth
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from pagedbatch.protocol.errors import OpenAIError
@@ -134,39 +131,27 @@ def test_a_long_prompt_that_fits_gets_its_exact_ids_and_one_token_more_is_refuse
 
 
 MEASURE = """
-import json, sys
 from transformers import AutoTokenizer
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
-sys.path.insert(0, {tests!r})
 from test_prompt_length import Served, prose
 tokenizer = AutoTokenizer.from_pretrained({checkpoint!r})
 request = ChatCompletionRequest.model_validate(
     {{"model": "tiny", "messages": [{{"role": "user", "content": prose(65_000, seed)}}
                                     for seed in range(30)]}}
 )
-def status(field):
-    with open("/proc/self/status") as f:
-        return next(int(line.split()[1]) for line in f if line.startswith(field + ":"))
-with open("/proc/self/clear_refs", "w") as f:
-    f.write("5")  # the peak (VmHWM) starts again from the current RSS
-before = status("VmRSS")
-try:
-    prepare_chat(request, Served(tokenizer))
-except OpenAIError as e:
-    code = e.body()["error"]["code"]
-print(json.dumps({{"code": code, "grown_kib": status("VmHWM") - before}}))
+def work():
+    try:
+        prepare_chat(request, Served(tokenizer))
+    except OpenAIError as e:
+        return e.body()["error"]["code"]
 """
 
 
 def test_refusing_a_chat_far_past_the_context_takes_little_memory(tiny_llama):
     """The peak RSS (VmHWM, reset first) of a process of its own: tokenizing those 1.95 MB
     whole grows it by about 500 MB (and a 58 MB line by gigabytes); counting a piece, by a few."""
-    script = MEASURE.format(tests=str(Path(__file__).parent), checkpoint=str(tiny_llama))
-    done = subprocess.run(
-        [sys.executable, "-c", script], capture_output=True, text=True, timeout=300, check=True
-    )
-    measured = json.loads(done.stdout.strip().splitlines()[-1])
-    assert measured["code"] == "context_length_exceeded"
-    assert measured["grown_kib"] < 64 * 1024
+    code, grown_kib = peak_rss_growth(MEASURE.format(checkpoint=str(tiny_llama)), __file__)
+    assert code == "context_length_exceeded"
+    assert grown_kib < 64 * 1024
