@@ -116,6 +116,22 @@ def add_shard(ctx: WorkerContext, batch_id: str, index: int, **values: object) -
         session.add(Shard(batch_id=batch_id, owner="default", index=index, **values))
 
 
+def add_succeeded_lines(ctx: WorkerContext, batch_id: str, lines: int) -> None:
+    """`lines` lines of `batch_id` in its shard 0, `r0`..., each succeeded."""
+    with transaction(ctx.session_factory) as session:
+        session.add_all(
+            BatchRequest(
+                batch_id=batch_id,
+                line=line,
+                custom_id=f"r{line}",
+                shard_index=0,
+                body={},
+                status=RequestStatus.SUCCEEDED,
+            )
+            for line in range(lines)
+        )
+
+
 def shard_states(ctx: WorkerContext) -> dict[int, str]:
     with ctx.session_factory() as session:
         return dict(session.execute(select(Shard.index, Shard.status)).all())
@@ -273,44 +289,24 @@ def test_retention_deletes_old_data_and_keeps_the_rest(make_ctx):
     add_batch(ctx, "batch_old", BatchStatus.COMPLETED, completed_at=old)
     add_batch(ctx, "batch_recent", BatchStatus.COMPLETED, completed_at=recent)
     add_batch(ctx, "batch_running", BatchStatus.IN_PROGRESS, created_at=old)
+    for batch_id in ("batch_old", "batch_recent", "batch_running"):
+        add_succeeded_lines(ctx, batch_id, 3)
+    hooks = [
+        ("old", now() - 8 * DAY, WebhookMessageStatus.DELIVERED),
+        ("pending", now() - 8 * DAY, WebhookMessageStatus.PENDING),
+        ("recent", now() - 6 * DAY, WebhookMessageStatus.DELIVERED),
+    ]
+    for name, _, _ in hooks:
+        add_batch(ctx, f"batch_{name}_hook", BatchStatus.COMPLETED, completed_at=now())
     with transaction(ctx.session_factory) as session:
-        for batch_id in ("batch_old", "batch_recent", "batch_running"):
-            session.add_all(
-                BatchRequest(
-                    batch_id=batch_id,
-                    line=line,
-                    custom_id=f"r{line}",
-                    shard_index=0,
-                    body={},
-                    status=RequestStatus.SUCCEEDED,
-                )
-                for line in range(3)
-            )
         session.add(WebhookEndpoint(id="we_1", owner="default", url="https://x", secret="s"))
-        for name, created, status in [
-            ("old", now() - 8 * DAY, WebhookMessageStatus.DELIVERED),
-            ("pending", now() - 8 * DAY, WebhookMessageStatus.PENDING),
-            ("recent", now() - 6 * DAY, WebhookMessageStatus.DELIVERED),
-        ]:
-            batch_id = f"batch_{name}_hook"
-            session.add(
-                Batch(
-                    id=batch_id,
-                    owner="default",
-                    endpoint="/v1/completions",
-                    input_file_id="f",
-                    completion_window="24h",
-                    status=BatchStatus.COMPLETED,
-                    completed_at=now(),
-                )
-            )
-            session.flush()
+        for name, created, status in hooks:
             session.add(
                 WebhookEvent(
                     id=f"evt_{name}",
                     owner="default",
                     type="batch.completed",
-                    batch_id=batch_id,
+                    batch_id=f"batch_{name}_hook",
                     created_at=created,
                 )
             )
@@ -413,18 +409,7 @@ def test_retention_purges_batches_long_finished(make_ctx):
     add_batch(ctx, "batch_running", BatchStatus.IN_PROGRESS, created_at=ancient)
     for batch_id in ("batch_ancient", "batch_running"):
         add_shard(ctx, batch_id, 0, status=ShardStatus.DONE)
-    with transaction(ctx.session_factory) as session:
-        session.add_all(
-            BatchRequest(
-                batch_id="batch_ancient",
-                line=line,
-                custom_id=f"r{line}",
-                shard_index=0,
-                body={},
-                status=RequestStatus.SUCCEEDED,
-            )
-            for line in range(3)
-        )
+    add_succeeded_lines(ctx, "batch_ancient", 3)
 
     apply_retention(ctx)
 
