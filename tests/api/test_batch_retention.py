@@ -29,6 +29,8 @@ def test_outputs_expire_and_purged_batches_are_gone(serve_batches):
     batch = wait_for_batch(client, batch.id, lambda b: b.status == "completed")
     output = client.files.retrieve(batch.output_file_id)
     assert any(key.startswith(f"batches/{batch.id}/") for key in server.blob_keys())
+    # Shown from the moment the file is written, not from upkeep's next round.
+    assert output.expires_at == output.created_at + 30 * DAY
 
     apply_retention(ctx)
     assert client.files.retrieve(output.id).expires_at == output.created_at + 30 * DAY

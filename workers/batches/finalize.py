@@ -33,6 +33,7 @@ from pagedbatch.store.models import (
 )
 from pagedbatch.store.retry import is_transient, retrying
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.retention import DAY
 from pagedbatch.workers.webhooks import queue_batch_webhooks
 
 logger = logging.getLogger(__name__)
@@ -238,7 +239,11 @@ def _write_file(
     with transaction(ctx.session_factory) as session:
         batch = session.get(Batch, batch_id)
         created = now()
-        expires = batch.output_expires_after_seconds
+        # The batch's own expiry, else the service's retention (upkeep stamps files written
+        # before that was set); none when outputs are kept for good.
+        expires = batch.output_expires_after_seconds or round(
+            ctx.settings.batch_output_retention_days * DAY
+        )
         session.merge(
             File(
                 id=file_id,
