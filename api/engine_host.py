@@ -26,6 +26,7 @@ import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
+from urllib.parse import urlsplit
 
 import uvicorn
 from fastapi import APIRouter, Depends, FastAPI, Request
@@ -39,6 +40,7 @@ from pagedbatch.api.realtime import Admission
 from pagedbatch.api.routes import audio, chat, completions, moderations
 from pagedbatch.api.routes.engine import settings_in_force
 from pagedbatch.api.token_rate import TokenRate
+from pagedbatch.api.web_guard import WebGuardMiddleware
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.settings import Settings
 from pagedbatch.store.engine_registry import EngineRecord, publish, withdraw
@@ -185,6 +187,14 @@ def engine_host_app(
     async def load() -> EngineRecord:
         return await record()
 
+    # Only the API calls a host, by its address: a web page reaching it on loopback (DNS
+    # rebinding, a cross-site form) names another Host or sends an Origin, and gets nothing.
+    app.add_middleware(
+        WebGuardMiddleware,
+        bound_host=settings.engine_host,
+        allowed_hosts=[urlsplit(address).hostname or "", *settings.allowed_hosts],
+        cors_origins=[],
+    )
     install_error_handling(app, adopt_request_ids=True)  # the API's ids, whose lines match
     return app
 

@@ -6,6 +6,7 @@ The same with real worker processes is in test_distributed.py."""
 from __future__ import annotations
 
 import asyncio
+import json
 import random
 import threading
 import time
@@ -347,6 +348,19 @@ def test_with_a_secret_the_host_answers_only_the_api(settings, start_host):
     eventually(lambda: len(engine_records(settings.broker_url)) == 1)
     with serving(api_only(settings)) as url:
         assert client(url).completions.create(**completion(max_tokens=2)).choices
+
+
+def test_a_web_page_cannot_reach_a_host_on_loopback(settings, start_host):
+    # Without a secret (loopback only), a page the user visits could still reach the port: by
+    # DNS rebinding (its own name as Host) or a cross-site form (an Origin, a text/plain body).
+    host = start_host(settings)
+    url = f"{host.address}/v1/completions"
+    rebound = httpx.post(url, json=completion(max_tokens=2), headers={"host": "rebind.example"})
+    assert rebound.status_code == 400 and rebound.json()["error"]["code"] == "invalid_host"
+    page = {"origin": "http://evil.example", "content-type": "text/plain"}
+    cross_site = httpx.post(url, content=json.dumps(completion(max_tokens=2)), headers=page)
+    assert cross_site.status_code == 403
+    assert httpx.post(url, json=completion(max_tokens=2)).status_code == 200  # as the API calls
 
 
 def test_a_host_beyond_loopback_needs_a_secret(settings, engine):
