@@ -15,7 +15,9 @@ import contextlib
 from collections.abc import AsyncGenerator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from itertools import zip_longest
-from typing import Literal, TypeVar, cast
+from typing import Any, Literal, TypeVar, cast
+
+from pydantic import BaseModel
 
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.outputs import RequestOutput
@@ -88,7 +90,8 @@ class RequestContext:
 
 class RequestPipeline:
     """The steps of one prepared request on `engine`: `screen_input` first (before admission, or
-    before any engine work of a batch line), then `outputs` (or `final_outputs`), then `usage`."""
+    before any engine work of a batch line), then `outputs` (or `final_outputs`), then `usage`;
+    a batch line takes them all at once (`batch_line`)."""
 
     def __init__(self, engine: AsyncLLM, prepared: Prepared, context: RequestContext) -> None:
         self.engine = engine
@@ -135,6 +138,15 @@ class RequestPipeline:
         whole = await final_outputs(run(self.engine, self.prepared.inputs, self.context))
         screen = self._output_screen()
         return whole if screen is None else await screen.screened_final(whole)
+
+    async def batch_line(self) -> tuple[dict[str, Any], Usage | None]:
+        """A batch line's answer, as a shard and run-batch give it: its input screened, its
+        engine requests run to their end and their output screened once whole, then the
+        response body (JSON) and what it used."""
+        await self.screen_input()
+        outputs = await self.final_outputs(screen_at_end=True)
+        body = cast("BaseModel", self.prepared.response(outputs))  # batch endpoints answer JSON
+        return body.model_dump(mode="json"), self.usage(outputs)
 
     def usage(self, outputs: list[RequestOutput]) -> Usage | None:
         """What the request used, from its engine outputs (whole, not DELTA); None for the

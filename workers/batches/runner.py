@@ -134,13 +134,9 @@ class BatchRunner:
                 pool, prepare, request_line.body, self.engine.engine
             )
             context = replace(self.context, request_id=custom_id)
-            pipeline = RequestPipeline(self.engine, prepared, context)
-            await pipeline.screen_input()
-            outputs = await pipeline.final_outputs(screen_at_end=True)
-            body = prepared.response(outputs).model_dump(mode="json")
+            body, used = await RequestPipeline(self.engine, prepared, context).batch_line()
         except EngineDeadError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this line's failure
             return failed_line(custom_id, exc), 0
-        used = pipeline.usage(outputs)
         return response_line(custom_id, 200, body), used.completion_tokens if used else 0

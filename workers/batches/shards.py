@@ -404,19 +404,18 @@ class _ShardRun:
             if answered is None:
                 return  # stopped mid-way
             body, used = answered
-            details = used.prompt_tokens_details if used is not None else None
-            self.results.add(
-                LineResult(
-                    request.id,
-                    RequestStatus.SUCCEEDED,
-                    response_line(request.custom_id, 200, body).model_dump(mode="json"),
-                    prompt_tokens=used.prompt_tokens if used is not None else 0,
-                    cached_tokens=details.cached_tokens if details is not None else 0,
-                    completion_tokens=used.completion_tokens if used is not None else 0,
-                    image_tokens=details.image_tokens if details is not None else 0,
-                    audio_tokens=details.audio_tokens if details is not None else 0,
-                )
-            )
+            line = response_line(request.custom_id, 200, body).model_dump(mode="json")
+            tokens: dict[str, int] = {}  # the moderation engine's lines are free: none counted
+            if used is not None:
+                details = used.prompt_tokens_details
+                tokens = {
+                    "prompt_tokens": used.prompt_tokens,
+                    "cached_tokens": details.cached_tokens,
+                    "completion_tokens": used.completion_tokens,
+                    "image_tokens": details.image_tokens,
+                    "audio_tokens": details.audio_tokens,
+                }
+            self.results.add(LineResult(request.id, RequestStatus.SUCCEEDED, line, **tokens))
 
     async def _respond(self, request: BatchRequest) -> tuple[dict[str, Any], Usage | None] | None:
         """The line's response body and what it used; None if the shard was told to stop.
@@ -434,11 +433,7 @@ class _ShardRun:
         pipeline = RequestPipeline(
             self.engine, prepared, replace(self.context, request_id=request.custom_id)
         )
-        await pipeline.screen_input()
-        outputs = await unless(pipeline.final_outputs(screen_at_end=True), self.stop.wait())
-        if outputs is None:
-            return None
-        return prepared.response(outputs).model_dump(mode="json"), pipeline.usage(outputs)
+        return await unless(pipeline.batch_line(), self.stop.wait())
 
 
 class _ResultWriter:
