@@ -8,7 +8,18 @@ from __future__ import annotations
 import enum
 from typing import Any
 
-from sqlalchemy import JSON, BigInteger, Float, ForeignKey, Index, Integer, String, UniqueConstraint
+from sqlalchemy import (
+    JSON,
+    BigInteger,
+    Boolean,
+    CheckConstraint,
+    Float,
+    ForeignKey,
+    Index,
+    Integer,
+    String,
+    UniqueConstraint,
+)
 from sqlalchemy.orm import DeclarativeBase, Mapped, mapped_column
 
 from pagedbatch.ids import now
@@ -245,16 +256,67 @@ class WebhookEndpoint(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now, index=True)
 
 
+class ResponseStatus(enum.StrEnum):
+    QUEUED = "queued"
+    IN_PROGRESS = "in_progress"
+    COMPLETED = "completed"
+    INCOMPLETE = "incomplete"
+    FAILED = "failed"
+    CANCELLED = "cancelled"
+
+
+RESPONSE_TERMINAL = {
+    ResponseStatus.COMPLETED,
+    ResponseStatus.INCOMPLETE,
+    ResponseStatus.FAILED,
+    ResponseStatus.CANCELLED,
+}
+
+
+class StoredResponse(Base):
+    """A response of `/v1/responses` created with `store` (store/responses.py): what retrieve,
+    input_items and `previous_response_id` read, until `expires_at`. Its three documents (the
+    request less its input, the input items, the Response object) are JSON columns, or, when
+    one is large, a blob whose key `blob_keys` holds under the document's name."""
+
+    __tablename__ = "responses"
+
+    id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_...
+    owner: Mapped[str] = mapped_column(String(64), index=True)
+    status: Mapped[str] = mapped_column(String(16))
+    model: Mapped[str] = mapped_column(String(256))
+    background: Mapped[bool] = mapped_column(Boolean, default=False)
+    # Not a foreign key: the earlier response may be deleted or expire first.
+    previous_response_id: Mapped[str | None] = mapped_column(String(64))
+    request: Mapped[dict[str, Any] | None]  # the create request less its input
+    input_items: Mapped[list[Any] | None]
+    response: Mapped[dict[str, Any] | None]  # the Response object, as GET answers it
+    blob_keys: Mapped[dict[str, Any] | None]  # document name -> its blob's key
+    error: Mapped[dict[str, Any] | None]  # the Response's error, where it failed
+    created_at: Mapped[int] = mapped_column(BigInteger, default=now)
+    completed_at: Mapped[int | None] = mapped_column(BigInteger)  # when it reached its end
+    expires_at: Mapped[int | None] = mapped_column(BigInteger, index=True)  # None: kept for good
+
+
 class WebhookEvent(Base):
-    """Something that happened to a batch, recorded in the transaction that made it happen."""
+    """Something that happened to a batch or a background response, recorded in the transaction
+    that made it happen: exactly one of `batch_id` and `response_id` is set."""
 
     __tablename__ = "webhook_events"
+    __table_args__ = (
+        CheckConstraint("(batch_id IS NULL) <> (response_id IS NULL)", name="one_subject"),
+    )
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # evt_...
     owner: Mapped[str] = mapped_column(String(64), index=True)
-    type: Mapped[str] = mapped_column(String(32))  # batch.completed, ...
-    # A batch ends once, so it has one event.
-    batch_id: Mapped[str] = mapped_column(ForeignKey("batches.id", ondelete="CASCADE"), unique=True)
+    type: Mapped[str] = mapped_column(String(32))  # batch.completed, response.completed, ...
+    # A batch or a response ends once, so it has one event.
+    batch_id: Mapped[str | None] = mapped_column(
+        ForeignKey("batches.id", ondelete="CASCADE"), unique=True
+    )
+    response_id: Mapped[str | None] = mapped_column(
+        ForeignKey("responses.id", ondelete="CASCADE"), unique=True
+    )
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
 
 

@@ -1,7 +1,9 @@
-"""Webhook events: recorded with the batch transition that causes them, fanned out to endpoints.
+"""Webhook events: recorded with the batch or background response transition that causes them,
+fanned out to endpoints.
 
-An event and its messages are written in the transaction that ends the batch, so a batch that
-ended always has them, whatever crashes afterwards; delivery picks them up from the job store.
+An event and its messages are written in the transaction that ends the batch (or the response),
+so one that ended always has them, whatever crashes afterwards; delivery picks them up from the
+job store.
 """
 
 from __future__ import annotations
@@ -15,6 +17,8 @@ from pagedbatch.ids import new_id
 from pagedbatch.store.models import (
     Batch,
     BatchStatus,
+    ResponseStatus,
+    StoredResponse,
     WebhookEndpoint,
     WebhookEvent,
     WebhookMessage,
@@ -29,17 +33,48 @@ EVENT_TYPES: dict[BatchStatus, str] = {
 }
 
 
+RESPONSE_EVENT_TYPES: dict[ResponseStatus, str] = {
+    ResponseStatus.COMPLETED: "response.completed",
+    ResponseStatus.FAILED: "response.failed",
+    ResponseStatus.CANCELLED: "response.cancelled",
+    ResponseStatus.INCOMPLETE: "response.incomplete",
+}
+
+
 def record_batch_event(
     session: Session, batch_id: str, status: BatchStatus, created_at: int
 ) -> str:
     """Record that the batch reached `status` at `created_at` and queue a message to each of its
     owner's enabled endpoints that takes the event; returns the event's id."""
     owner = session.scalar(select(Batch.owner).where(Batch.id == batch_id))
+    return _record(session, owner, EVENT_TYPES[status], created_at, batch_id=batch_id)
+
+
+def record_response_event(
+    session: Session, response_id: str, status: ResponseStatus, created_at: int
+) -> str:
+    """Record that the background response reached `status` at `created_at` and queue a message
+    to each of its owner's enabled endpoints that takes the event; returns the event's id."""
+    owner = session.scalar(select(StoredResponse.owner).where(StoredResponse.id == response_id))
+    return _record(
+        session, owner, RESPONSE_EVENT_TYPES[status], created_at, response_id=response_id
+    )
+
+
+def _record(
+    session: Session,
+    owner: str,
+    event_type: str,
+    created_at: int,
+    batch_id: str | None = None,
+    response_id: str | None = None,
+) -> str:
     event = WebhookEvent(
         id=new_id("evt_"),
         owner=owner,
-        type=EVENT_TYPES[status],
+        type=event_type,
         batch_id=batch_id,
+        response_id=response_id,
         created_at=created_at,
     )
     session.add(event)

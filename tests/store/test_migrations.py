@@ -89,3 +89,41 @@ def test_processes_upgrading_postgresql_at_once_take_turns(empty_database_url: s
         assert run.returncode == 0, stderr.decode()
 
     assert schema_differences(empty_database_url) == []
+
+
+def test_adding_response_events_keeps_the_webhook_messages_and_deliveries_of_batches(
+    empty_database_url: str,
+) -> None:
+    # 0007 rebuilds webhook_events on SQLite, whose children's foreign keys cascade.
+    command.upgrade(alembic_config(empty_database_url), "0006")
+    engine = make_engine(empty_database_url)
+    rows = [
+        "INSERT INTO batches (id, owner, endpoint, input_file_id, completion_window, status, "
+        "created_at, request_total, request_completed, request_failed, input_tokens, "
+        "cached_tokens, output_tokens) VALUES ('batch_1', 'default', '/v1/completions', "
+        "'file-1', '24h', 'completed', 0, 0, 0, 0, 0, 0, 0)",
+        "INSERT INTO webhook_endpoints (id, owner, url, secret, created_at) "
+        "VALUES ('we_1', 'default', 'https://x', 's', 0)",
+        "INSERT INTO webhook_events (id, owner, type, batch_id, created_at) "
+        "VALUES ('evt_1', 'default', 'batch.completed', 'batch_1', 0)",
+        "INSERT INTO webhook_messages (id, event_id, endpoint_id, status, attempts, "
+        "next_attempt_at) VALUES ('wh_1', 'evt_1', 'we_1', 'pending', 1, 0)",
+        "INSERT INTO webhook_deliveries (id, message_id, endpoint_id, attempt, outcome, "
+        "created_at) VALUES ('whd_1', 'wh_1', 'we_1', 1, 'failed', 0)",
+    ]
+    try:
+        with engine.begin() as conn:
+            for row in rows:
+                conn.exec_driver_sql(row)
+
+        upgrade(empty_database_url)
+
+        with engine.connect() as conn:
+            kept = [
+                conn.exec_driver_sql(f"SELECT id FROM {table}").scalars().all()
+                for table in ("webhook_events", "webhook_messages", "webhook_deliveries")
+            ]
+    finally:
+        engine.dispose()
+    assert kept == [["evt_1"], ["wh_1"], ["whd_1"]]
+    assert schema_differences(empty_database_url) == []
