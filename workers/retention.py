@@ -10,7 +10,8 @@ shards and webhook events). Webhook events
 whose messages are all settled go after `webhook_retention_days`, with their messages and
 delivery logs, as do older delivery attempts of messages still pending. Idempotency keys go after
 `idempotency_key_retention_hours`, the usage ledger's records after `usage_retention_days`. A
-setting of 0 keeps that data for good.
+setting of 0 keeps that data for good. Stored responses go once past the expiry they were saved
+with (`response_retention_days` after they were created), rows and then their blobs.
 
 Each run deletes at most MAX_CHUNKS chunks of CHUNK rows per kind, in a transaction each, so
 neither a long lock nor a long run holds up the other upkeep jobs; the next run goes on.
@@ -30,12 +31,14 @@ from pagedbatch.store.models import (
     BatchRequest,
     File,
     IdempotencyKey,
+    StoredResponse,
     UsageRecord,
     WebhookDelivery,
     WebhookEvent,
     WebhookMessage,
     WebhookMessageStatus,
 )
+from pagedbatch.store.responses import expired
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import prune_heartbeats
 
@@ -85,6 +88,9 @@ def apply_retention(ctx: WorkerContext) -> None:
     if settings.usage_retention_days:
         cutoff = now() - settings.usage_retention_days * DAY
         _purge(ctx, "usage records", [UsageRecord.id], UsageRecord.finished_at < cutoff)
+    # Stamped with their expiry when saved, as output files are: a retention set to 0 later
+    # keeps the responses saved after, not those saved before.
+    _purge(ctx, "stored responses", [StoredResponse.id], expired(), StoredResponse.blob_keys)
     prune_heartbeats(ctx)
 
 
@@ -119,16 +125,30 @@ def _expire_batch_outputs(ctx: WorkerContext, seconds: int) -> None:
 
 
 def _purge(
-    ctx: WorkerContext, what: str, key: list[ColumnElement], condition: ColumnElement
+    ctx: WorkerContext,
+    what: str,
+    key: list[ColumnElement],
+    condition: ColumnElement,
+    blob_keys: ColumnElement | None = None,
 ) -> None:
     """Delete the rows matching `condition` of the table whose primary key is `key`, a chunk
-    per transaction."""
+    per transaction; where rows name blobs (`blob_keys`: a JSON object whose values are keys),
+    those blobs too, once the chunk's rows are gone, so that no row ever names a missing one."""
     table = key[0].table
     total = 0
     for _ in range(MAX_CHUNKS):
         chunk = select(*key).where(condition).limit(CHUNK)
+        statement = delete(table).where(tuple_(*key).in_(chunk))
+        named: list[str] = []
         with transaction(ctx.session_factory) as session:
-            deleted = session.execute(delete(table).where(tuple_(*key).in_(chunk))).rowcount
+            if blob_keys is None:
+                deleted = session.execute(statement).rowcount
+            else:
+                returned = session.scalars(statement.returning(blob_keys)).all()
+                deleted = len(returned)
+                named = [blob for keys in returned if keys for blob in keys.values()]
+        for blob in named:
+            ctx.blobs.delete(blob)
         total += deleted
         if deleted < CHUNK:
             break

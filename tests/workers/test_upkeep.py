@@ -28,6 +28,7 @@ from pagedbatch.store.models import (
     RequestStatus,
     Shard,
     ShardStatus,
+    StoredResponse,
     UsageRecord,
     WebhookDelivery,
     WebhookEndpoint,
@@ -37,6 +38,7 @@ from pagedbatch.store.models import (
     WorkerHeartbeat,
 )
 from pagedbatch.store.queue import InProcessQueue
+from pagedbatch.store.responses import INLINE_BYTES, ResponseRecord, save_response
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import heartbeat
 from pagedbatch.workers.periodic import delete_expired_files
@@ -430,6 +432,35 @@ def test_retention_set_to_zero_keeps_outputs_and_batches(make_ctx):
     with ctx.session_factory() as session:
         assert session.get(File, "file-old-output").expires_at is None
         assert session.get(Batch, "batch_ancient") is not None
+
+
+def test_retention_deletes_expired_responses_and_their_blobs(make_ctx):
+    ctx, _ = make_ctx()
+    large = [{"id": "msg_big", "type": "message", "role": "user", "content": "x" * INLINE_BYTES}]
+    for response_id, days_ago, retention in [
+        ("resp_old", 31, 30),
+        ("resp_recent", 29, 30),
+        ("resp_kept", 999, 0),
+    ]:
+        record = ResponseRecord(
+            id=response_id,
+            owner="default",
+            model="tiny",
+            created_at=now() - days_ago * DAY,
+            request={"model": "tiny"},
+            input_items=large,
+            body={"id": response_id, "status": "completed", "output": []},
+        )
+        save_response(ctx.session_factory, ctx.blobs, record, retention)
+    with ctx.session_factory() as session:
+        keys = dict(session.execute(select(StoredResponse.id, StoredResponse.blob_keys)).all())
+
+    apply_retention(ctx)
+
+    with ctx.session_factory() as session:
+        assert set(session.scalars(select(StoredResponse.id))) == {"resp_recent", "resp_kept"}
+    assert not ctx.blobs.exists(keys["resp_old"]["input_items"])
+    assert all(ctx.blobs.exists(keys[r]["input_items"]) for r in ("resp_recent", "resp_kept"))
 
 
 def running_tasks(ctx: WorkerContext) -> InProcessQueue:
