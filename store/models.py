@@ -283,7 +283,7 @@ class StoredResponse(Base):
 
     id: Mapped[str] = mapped_column(String(64), primary_key=True)  # resp_...
     owner: Mapped[str] = mapped_column(String(64), index=True)
-    status: Mapped[str] = mapped_column(String(16))
+    status: Mapped[str] = mapped_column(String(16), index=True)
     model: Mapped[str] = mapped_column(String(256))
     background: Mapped[bool] = mapped_column(Boolean, default=False)
     # Not a foreign key: the earlier response may be deleted or expire first.
@@ -296,6 +296,13 @@ class StoredResponse(Base):
     created_at: Mapped[int] = mapped_column(BigInteger, default=now)
     completed_at: Mapped[int | None] = mapped_column(BigInteger)  # when it reached its end
     expires_at: Mapped[int | None] = mapped_column(BigInteger, index=True)  # None: kept for good
+    # A background response's run (workers/responses.py): the lease of the worker running it
+    # (renewed while it runs; lapsed, another worker takes it over), how many times it was
+    # claimed, and when its task was last queued (time.time()).
+    lease_owner: Mapped[str | None] = mapped_column(String(128))
+    lease_expires_at: Mapped[float | None] = mapped_column(Float)
+    attempts: Mapped[int] = mapped_column(default=0, server_default="0")
+    queued_at: Mapped[float | None] = mapped_column(Float)
 
 
 class WebhookEvent(Base):
