@@ -13,6 +13,8 @@ _EXPORTS = {
     "CompletionOutput": "outputs",
     "EngineArgs": "config",
     "LLMEngine": "llm_engine",
+    "PoolingConfig": "config",
+    "PoolingParams": "pooling_params",
     "RequestOutput": "outputs",
     "RequestOutputKind": "sampling_params",
     "SamplingParams": "sampling_params",

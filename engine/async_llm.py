@@ -24,6 +24,7 @@ from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
 logger = logging.getLogger(__name__)
@@ -91,7 +92,7 @@ class AsyncLLM:
     async def generate(
         self,
         prompt: str | list[int],
-        sampling_params: SamplingParams | None = None,
+        sampling_params: SamplingParams | PoolingParams | None = None,
         request_id: str | None = None,
         priority: int = 0,
         timeout: float | None = None,
@@ -103,7 +104,8 @@ class AsyncLLM:
         cumulative output each step it moves), the last one finished; `final_only` makes it
         FINAL_ONLY, the last one alone (a batch line: its caller then sleeps, rather than wake
         every step, and the engine builds no output before). Prefix-cache blocks are shared only
-        with requests of the same `cache_salt` (see LLMEngine).
+        with requests of the same `cache_salt` (see LLMEngine). An embedding model takes
+        PoolingParams, and yields one output: the finished one, with its `embedding`.
 
         Bad input raises ValueError before anything is yielded. Leaving the generator early
         (a disconnected client) aborts the request.
@@ -112,7 +114,8 @@ class AsyncLLM:
         request_id = request_id or f"async-{next(self._ids)}"
         if final_only:
             final = RequestOutputKind.FINAL_ONLY
-            sampling_params = replace(sampling_params or SamplingParams(), output_kind=final)
+            params = sampling_params or self.engine.default_params()
+            sampling_params = replace(params, output_kind=final)
         stream = _Stream(asyncio.get_running_loop(), asyncio.Queue())
 
         def add() -> None:

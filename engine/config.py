@@ -15,6 +15,23 @@ from pagedbatch.engine.worker.gguf import find_gguf, metadata_dir
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("priority", "fcfs")
+# Bidirectional models: a sequence is encoded whole, in one step, and keeps no KV cache.
+ENCODER_ARCHITECTURES = ("BertModel",)
+# Decoders without a language-model head: pooling models even without a pooling config.
+BASE_DECODER_ARCHITECTURES = ("LlamaModel", "MistralModel", "Qwen2Model")
+POOLING_TYPES = ("mean", "cls", "last")
+# sentence-transformers' modes (pooling_mode, or its older pooling_mode_* flags) in ours.
+_ST_POOLING_MODES = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
+_ST_POOLING_FLAGS = {
+    "pooling_mode_mean_tokens": "mean",
+    "pooling_mode_cls_token": "cls",
+    "pooling_mode_lasttoken": "last",
+}
+_ST_UNSUPPORTED_FLAGS = (
+    "pooling_mode_max_tokens",
+    "pooling_mode_mean_sqrt_len_tokens",
+    "pooling_mode_weightedmean_tokens",
+)
 
 
 def arg(
@@ -232,6 +249,13 @@ class ModelConfig:
     # A vision- or audio-language model's whole config.json, whose text_config `raw` is; None
     # for text models.
     multimodal: dict[str, Any] | None = field(default=None, repr=False)
+    # An embedding model's pooling; None for a model that generates.
+    pooling: PoolingConfig | None = None
+
+    @property
+    def encoder_only(self) -> bool:
+        """Bidirectional attention: sequences run whole, in one step each, without a KV cache."""
+        return self.architecture in ENCODER_ARCHITECTURES
 
     @property
     def image_token_id(self) -> int | None:
@@ -298,6 +322,7 @@ class ModelConfig:
         dtype_name = top.get("dtype") or top.get("torch_dtype") or "float32"
         is_qwen2 = architectures[0] in (
             "Qwen2ForCausalLM",
+            "Qwen2Model",
             "Qwen2ForSequenceClassification",
             "Qwen2VLForConditionalGeneration",
             "Qwen2AudioForConditionalGeneration",
@@ -323,6 +348,7 @@ class ModelConfig:
             torch_dtype=DTYPES.get(dtype_name, torch.float32),
             raw=raw,
             multimodal=top if raw is not top else None,
+            pooling=PoolingConfig.load(meta, top),
         )
 
 
@@ -343,3 +369,107 @@ def default_model_name(model: str | Path) -> str:
     the suffix."""
     gguf_file = find_gguf(model)
     return gguf_file.stem if gguf_file else Path(model).resolve().name
+
+
+@dataclass
+class PoolingConfig:
+    """How an embedding model turns a sequence's hidden states into its vector, as its
+    sentence-transformers files say (modules.json, 1_Pooling/config.json, a Normalize module,
+    sentence_bert_config.json) or, without them, as its architecture implies."""
+
+    pooling_type: str  # "mean" | "cls" | "last": of all tokens, the first, the last
+    normalize: bool  # by default (PoolingParams.normalize may say otherwise)
+    dimensions: int  # the output's size
+    # Sizes it may be cut to: those listed, () any up to `dimensions`; None: only its own.
+    matryoshka_dimensions: tuple[int, ...] | None
+    max_seq_length: int | None = None  # sentence_bert_config.json's, where it says one
+
+    def check_dimensions(self, dimensions: int | None) -> int:
+        """The output size a request asking for `dimensions` gets; ValueError where the model
+        was not trained to be cut to it (its config.json says `matryoshka_dimensions` or
+        `is_matryoshka`)."""
+        if dimensions is None or dimensions == self.dimensions:
+            return self.dimensions
+        if self.matryoshka_dimensions is None:
+            raise ValueError(
+                f"this model does not support dimensions other than its {self.dimensions}"
+            )
+        if dimensions > self.dimensions:
+            raise ValueError(
+                f"dimensions {dimensions} exceeds this model's {self.dimensions} dimensions"
+            )
+        allowed = self.matryoshka_dimensions
+        if allowed and dimensions not in allowed:
+            raise ValueError(
+                f"dimensions must be one of {', '.join(map(str, allowed))}, got {dimensions}"
+            )
+        return dimensions
+
+    @classmethod
+    def load(cls, model_dir: Path, top: dict[str, Any]) -> PoolingConfig | None:
+        """The pooling of the model in `model_dir` (whose config.json is `top`); None for a
+        model that generates: a causal LM without a sentence-transformers Pooling module."""
+        architecture = (top.get("architectures") or [""])[0]
+        modules = _read_json(model_dir / "modules.json") or []
+        kinds = {str(m.get("type", "")).rsplit(".", 1)[-1]: m for m in modules}
+        hidden = top.get("hidden_size", 0)
+        if "Pooling" in kinds:
+            pooling_file = model_dir / kinds["Pooling"].get("path", "") / "config.json"
+            pooling_type, hidden = _st_pooling(_read_json(pooling_file) or {}, hidden)
+        elif architecture in ENCODER_ARCHITECTURES:
+            pooling_type = "cls"
+        elif architecture in BASE_DECODER_ARCHITECTURES:
+            pooling_type = "last"
+        else:
+            return None
+        if unknown := sorted(set(kinds) - {"Transformer", "Pooling", "Normalize"}):
+            raise ValueError(
+                f"{model_dir / 'modules.json'}: modules {', '.join(unknown)} are not supported"
+            )
+        matryoshka = top.get("matryoshka_dimensions")
+        if isinstance(matryoshka, list):
+            matryoshka = tuple(int(d) for d in matryoshka)
+        elif top.get("is_matryoshka"):
+            matryoshka = ()  # any size up to the full one
+        else:
+            matryoshka = None
+        st_config = _read_json(model_dir / "sentence_bert_config.json") or {}
+        return cls(
+            pooling_type=pooling_type,
+            # A model without sentence-transformers files: normalized, as vLLM's default.
+            normalize="Normalize" in kinds or not modules,
+            dimensions=hidden,
+            matryoshka_dimensions=matryoshka,
+            max_seq_length=st_config.get("max_seq_length"),
+        )
+
+
+def _st_pooling(config: dict[str, Any], hidden: int) -> tuple[str, int]:
+    """(pooling type, output size) from a sentence-transformers Pooling config, in either the
+    current form (pooling_mode) or the older one (pooling_mode_* flags)."""
+    modes = config.get("pooling_mode")
+    if modes is None:
+        if used := [flag for flag in _ST_UNSUPPORTED_FLAGS if config.get(flag)]:
+            raise ValueError(f"pooling {', '.join(used)} is not supported")
+        modes = [mode for flag, mode in _ST_POOLING_FLAGS.items() if config.get(flag)] or ["mean"]
+    else:
+        modes = [modes] if isinstance(modes, str) else list(modes)
+        if unknown := [mode for mode in modes if mode not in _ST_POOLING_MODES]:
+            raise ValueError(f"pooling mode {', '.join(unknown)} is not supported")
+        modes = [_ST_POOLING_MODES[mode] for mode in modes]
+    if len(modes) != 1:
+        raise ValueError(f"one pooling mode is supported, the model has {', '.join(modes)}")
+    if config.get("include_prompt") is False:
+        raise ValueError("pooling without the prompt (include_prompt: false) is not supported")
+    # sentence-transformers 6 names it embedding_dimension.
+    size = config.get("embedding_dimension", config.get("word_embedding_dimension", hidden))
+    return modes[0], size
+
+
+def _read_json(path: Path) -> Any:
+    if not path.is_file():
+        return None
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path} is not valid JSON: {e}") from e

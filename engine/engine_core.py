@@ -4,7 +4,9 @@ The core knows requests, not what callers asked to see of them: it appends each 
 (and its logprob) to its request and advances the request's grammar, and leaves detokenizing,
 stop checks and outputs to output processing. It ends a request itself only when the request
 cannot go on (its grammar or its sampling failed): that request ends alone, with an error, and
-is reported in the next `CoreOutput.failed`. Only the engine thread calls it.
+is reported in the next `CoreOutput.failed`; and an embedding model's request when its prompt
+has run: its vector is made and its KV blocks, if it had any, freed in that step. Only the
+engine thread calls it.
 """
 
 from __future__ import annotations
@@ -12,8 +14,9 @@ from __future__ import annotations
 import logging
 import time
 from concurrent.futures import FIRST_COMPLETED, Future, wait
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 from transformers import PreTrainedTokenizerBase
 
@@ -27,6 +30,7 @@ from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sample.sampler import Sampler, edits_logits
 from pagedbatch.engine.sample.structured_output import StructuredOutput
 from pagedbatch.engine.worker.model_runner import ModelRunner
+from pagedbatch.engine.worker.pooler import finish_embeddings
 from pagedbatch.engine.worker.ranks import start_runner
 
 logger = logging.getLogger(__name__)
@@ -58,6 +62,7 @@ class CoreOutput:
     run_started: float  # perf_counter when the model run began (after scheduling)
     media_encoded: int = 0  # images and clips the step gave the encoder
     encoder_cache_hits: int = 0  # items whose embeddings it found cached
+    pooled: list[Request] = field(default_factory=list)  # embedding requests it finished
 
 
 @dataclass
@@ -77,6 +82,8 @@ class EngineCore:
         eos_token_ids: frozenset[int],
     ):
         self.runner: ModelRunner = start_runner(model_config, args)
+        self.pooling = model_config.pooling  # an embedding model's; it samples nothing
+        self.encoder_only = model_config.encoder_only
         self.kv = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
@@ -96,6 +103,7 @@ class EngineCore:
             self.step_cost,
             self.encoder_cache,
             args.max_num_encoder_tokens,
+            model_config.encoder_only,
         )
         self.grammars = GrammarRuntime(
             tokenizer, model_config.vocab_size, eos_token_ids, args.grammar_compile_seconds
@@ -175,17 +183,25 @@ class EngineCore:
         out = self.scheduler.schedule()
         run_started = time.perf_counter()
         sampled: list[SampledToken] = []
+        pooled: list[Request] = []
         if out.scheduled:
-            block_tables = self.kv.block_table.gather([s.request.request_id for s in out.scheduled])
+            if self.encoder_only:
+                block_tables = np.zeros((len(out.scheduled), 0), dtype=np.int32)
+            else:
+                ids = [s.request.request_id for s in out.scheduled]
+                block_tables = self.kv.block_table.gather(ids)
             encoder = self.encoder_cache.take_work() if self.encoder_cache is not None else None
             logits = self.runner.execute(out.scheduled, block_tables, encoder)
-            sampling = [s.request for s in out.scheduled if s.samples]
-            _keep_scores(logits, sampling)
-            for request, (token, logprob) in zip(
-                sampling, self._sample(logits, sampling), strict=True
-            ):
-                if token is not None:
-                    sampled.append(self._append(request, token, logprob))
+            if self.pooling is not None:
+                pooled = self._pool(out.scheduled, logits)
+            else:
+                sampling = [s.request for s in out.scheduled if s.samples]
+                _keep_scores(logits, sampling)
+                for request, (token, logprob) in zip(
+                    sampling, self._sample(logits, sampling), strict=True
+                ):
+                    if token is not None:
+                        sampled.append(self._append(request, token, logprob))
             if self.step_cost is not None:
                 self.step_cost.observe(out.work, time.perf_counter() - run_started)
         failed, self._failed = self._failed, []
@@ -201,7 +217,35 @@ class EngineCore:
             run_started=run_started,
             media_encoded=encoded_after - encoded,
             encoder_cache_hits=cached_after - cached,
+            pooled=pooled,
         )
+
+    def _pool(self, scheduled: list[ScheduledRequest], rows: torch.Tensor) -> list[Request]:
+        """Fold each chunk's pooled row into its request; finish the requests whose prompts
+        have now run (their vectors made, their blocks freed). Returns those."""
+        pooling_type = self.pooling.pooling_type
+        done: list[Request] = []
+        for s, row in zip(scheduled, rows, strict=True):
+            request = s.request
+            if pooling_type == "mean":
+                request.pooled = row if request.pooled is None else request.pooled + row
+            elif pooling_type == "last" or s.start == 0:  # cls: the first chunk's first row
+                request.pooled = row
+            if s.end == request.num_tokens:
+                done.append(request)
+        if not done:
+            return done
+        vectors = finish_embeddings(
+            torch.stack([r.pooled for r in done]),
+            [r.num_prompt_tokens for r in done],
+            pooling_type == "mean",
+            [r.dimensions for r in done],
+            [_normalizes(r, self.pooling.normalize) for r in done],
+        )
+        for request, vector in zip(done, vectors, strict=True):
+            request.embedding, request.pooled = vector, None
+            self.scheduler.finish(request, RequestStatus.FINISHED_STOPPED)
+        return done
 
     def _encoder_counts(self) -> tuple[int, int]:
         """Images and clips encoded, and encoder-cache hits, so far."""
@@ -241,6 +285,11 @@ class EngineCore:
             self._fail_own(request, str(e), e)
             ended = False
         return SampledToken(request, token, ended)
+
+
+def _normalizes(request: Request, default: bool) -> bool:
+    asked = request.pooling_params.normalize
+    return default if asked is None else asked
 
 
 def _keep_scores(logits: torch.Tensor, requests: list[Request]) -> None:

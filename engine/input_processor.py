@@ -3,7 +3,8 @@
 Everything a caller can get wrong is refused here, with a ValueError naming the problem, before
 the engine holds anything of the request. What passes becomes `n` requests (one per completion)
 that share the prompt's token ids and can all run to their `max_tokens` within the model's
-context and the KV cache.
+context and the KV cache. An embedding model's request (PoolingParams) becomes one request whose
+prompt fits the context.
 """
 
 from __future__ import annotations
@@ -15,9 +16,11 @@ from dataclasses import replace
 
 from transformers import PreTrainedTokenizerBase
 
+from pagedbatch.engine.config import PoolingConfig
 from pagedbatch.engine.core.request import Request
 from pagedbatch.engine.multimodal.images import ImageSpec, mrope_positions
 from pagedbatch.engine.multimodal.inputs import MediaItem, MediaSpec
+from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sampling_params import SamplingParams
 
 
@@ -38,9 +41,12 @@ class InputProcessor:
         eos_token_ids: frozenset[int],
         media_specs: Sequence[MediaSpec] = (),
         max_media_tokens: int = 0,
+        pooling: PoolingConfig | None = None,
     ):
         """`media_specs` for a model that reads images or audio, each item of at most
-        `max_media_tokens` embeddings (what the encoder may do in a step and its cache hold)."""
+        `max_media_tokens` embeddings (what the encoder may do in a step and its cache hold);
+        `pooling` for an embedding model, which takes PoolingParams (and nothing else)."""
+        self.pooling = pooling
         self.tokenizer = tokenizer
         self.vocab_size = vocab_size
         self.max_model_len = max_model_len
@@ -52,7 +58,7 @@ class InputProcessor:
         self,
         request_id: str,
         prompt: str | list[int],
-        params: SamplingParams,
+        params: SamplingParams | PoolingParams,
         priority: int,
         timeout: float | None,
         cache_salt: str | None,
@@ -60,14 +66,18 @@ class InputProcessor:
     ) -> list[Request]:
         """The request's completions, `{request_id}#{i}` for i < n; a seeded request's i-th
         completion has seed + i, so that they differ yet each reproduces."""
+        self._check_params_kind(params)
         prompt_ids = self._encode(prompt)
+        if isinstance(params, PoolingParams):
+            return [
+                self._pooling_request(
+                    request_id, prompt_ids, params, priority, timeout, cache_salt, media
+                )
+            ]
         self._check_media(prompt_ids, media)
         max_tokens = self._resolve_max_tokens(len(prompt_ids), params)
         self._check_vocabulary(params)
-        if timeout is not None and timeout <= 0:
-            raise ValueError(f"timeout must be positive, got {timeout}")
-        if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
-            raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")
+        _check_timeout_and_salt(timeout, cache_salt)
         positions, delta = None, 0
         images = self.media_specs.get("image")
         if media and isinstance(images, ImageSpec) and images.mrope:  # once every check passed
@@ -95,6 +105,55 @@ class InputProcessor:
                 )
             )
         return children
+
+    def _check_params_kind(self, params: SamplingParams | PoolingParams) -> None:
+        """An embedding model takes PoolingParams; a model that generates, SamplingParams."""
+        if self.pooling is not None and not isinstance(params, PoolingParams):
+            raise ValueError(
+                "this is an embedding model: it takes PoolingParams, not "
+                f"{type(params).__name__} (it generates no text)"
+            )
+        if self.pooling is None and not isinstance(params, SamplingParams):
+            raise ValueError(
+                "this model generates text: it takes SamplingParams, not "
+                f"{type(params).__name__} (it is not an embedding model)"
+            )
+
+    def _pooling_request(
+        self,
+        request_id: str,
+        prompt_ids: list[int],
+        params: PoolingParams,
+        priority: int,
+        timeout: float | None,
+        cache_salt: str | None,
+        media: tuple[MediaItem, ...],
+    ) -> Request:
+        """An embedding request: its prompt within the context, the output size it asks for
+        one the model allows."""
+        assert self.pooling is not None
+        if media:
+            raise ValueError("an embedding model takes no images or audio")
+        if len(prompt_ids) > self.max_model_len:
+            raise ValueError(
+                f"this model's maximum context length is {self.max_model_len} tokens; the input "
+                f"has {len(prompt_ids)}"
+            )
+        dimensions = self.pooling.check_dimensions(params.dimensions)
+        _check_timeout_and_salt(timeout, cache_salt)
+        now = time.monotonic()
+        return Request(
+            request_id=f"{request_id}#0",
+            prompt_token_ids=prompt_ids,
+            sampling_params=None,
+            priority=priority,
+            arrival_time=now,
+            deadline=now + timeout if timeout is not None else None,
+            cache_salt=cache_salt,
+            pooling_params=params,
+            pooling_type=self.pooling.pooling_type,
+            dimensions=dimensions,
+        )
 
     def _check_media(self, prompt_ids: list[int], media: tuple[MediaItem, ...]) -> None:
         """Each image or clip fills a run of its modality's placeholder tokens of its own, in
@@ -168,3 +227,10 @@ class InputProcessor:
             )
         # max_model_len is at most what the KV cache holds: the request fits it whole.
         return params.max_tokens or self.max_model_len - prompt_len
+
+
+def _check_timeout_and_salt(timeout: float | None, cache_salt: str | None) -> None:
+    if timeout is not None and timeout <= 0:
+        raise ValueError(f"timeout must be positive, got {timeout}")
+    if cache_salt is not None and (not isinstance(cache_salt, str) or not cache_salt):
+        raise ValueError(f"cache_salt must be a non-empty string, got {cache_salt!r}")

@@ -1,4 +1,4 @@
-"""`LLM`: offline generation over a list of prompts."""
+"""`LLM`: offline generation, or embedding, over a list of prompts."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.multimodal.inputs import MediaItem, place
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 
 # Text or token ids; or, for a multimodal model, a dict of one of those ("prompt") and the
@@ -67,6 +68,39 @@ class LLM:
                         media=media,
                     )
                 )
+        except ValueError:
+            for request_id in ids:  # leave the engine as it was
+                self.engine.abort_request(request_id)
+            self.engine.step()
+            raise
+        return self._run(ids, use_tqdm)
+
+    def embed(
+        self,
+        prompts: str | list[int] | Sequence[str] | Sequence[list[int]],
+        params: PoolingParams | None = None,
+        priority: Sequence[int] | None = None,
+        use_tqdm: bool = False,
+    ) -> list[RequestOutput]:
+        """An embedding model's vectors (each output's `embedding`), in the prompts' order.
+        Texts are tokenized as sentence-transformers does, with the tokenizer's special tokens
+        ([CLS] ... [SEP] for BERT), all at once."""
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        if priority is not None and len(priority) != len(prompts):
+            raise ValueError("give one priority per prompt")
+        params = replace(params or PoolingParams(), output_kind=RequestOutputKind.FINAL_ONLY)
+        texts = [i for i, prompt in enumerate(prompts) if isinstance(prompt, str)]
+        token_ids = list(prompts)
+        if texts:  # one call: the fast tokenizer encodes a batch in parallel, in Rust
+            encoded = self.tokenizer([prompts[i] for i in texts], add_special_tokens=True)
+            for i, ids in zip(texts, encoded["input_ids"], strict=True):
+                token_ids[i] = ids
+        ids = []
+        try:
+            for i, prompt in enumerate(token_ids):
+                prio = priority[i] if priority is not None else 0
+                ids.append(self.engine.add_request(None, prompt, params, priority=prio))
         except ValueError:
             for request_id in ids:  # leave the engine as it was
                 self.engine.abort_request(request_id)

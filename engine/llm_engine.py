@@ -14,7 +14,7 @@ import time
 
 import torch
 
-from pagedbatch.engine.config import EngineArgs, ModelConfig, default_model_name
+from pagedbatch.engine.config import EngineArgs, ModelConfig, PoolingConfig, default_model_name
 from pagedbatch.engine.core.scheduler import Scheduler
 from pagedbatch.engine.engine_core import EngineCore
 from pagedbatch.engine.input_processor import InputProcessor
@@ -27,6 +27,7 @@ from pagedbatch.engine.multimodal.images import ImageLimits, ImageProcessor, ima
 from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.output_processor import OutputProcessor
 from pagedbatch.engine.outputs import RequestOutput
+from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
@@ -41,10 +42,16 @@ class LLMEngine:
         self.model_config = ModelConfig.load(args.model)
         self.model_name = args.served_model_name or default_model_name(args.model)
         self.labels = self.model_config.labels  # a sequence classifier's; None otherwise
+        # An embedding model's pooling (it takes PoolingParams only); None: a model that
+        # generates (SamplingParams only).
+        self.pooling: PoolingConfig | None = self.model_config.pooling
         meta = self.model_config.metadata_dir
         self.tokenizer = load_tokenizer(meta, args.chat_template)
         self.eos_token_ids = eos_token_ids(meta, self.tokenizer)
         limit = self.model_config.max_position_embeddings
+        if self.pooling is not None and self.pooling.max_seq_length:
+            # What sentence-transformers cuts inputs to: the length the model was trained on.
+            limit = min(limit, self.pooling.max_seq_length)
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
         self.core = EngineCore(self.model_config, args, self.tokenizer, self.eos_token_ids)
@@ -82,6 +89,7 @@ class LLMEngine:
             self.eos_token_ids,
             [p.spec for p in processors if p is not None],
             min(args.max_num_encoder_tokens, args.encoder_cache_size),
+            self.pooling,
         )
         self.outputs = OutputProcessor(self.tokenizer, self.core)
         self.stats = EngineStats()  # what get_stats() reports
@@ -96,7 +104,10 @@ class LLMEngine:
 
     def _max_model_len(self, model_len: int) -> int:
         """The longest context a request may have: the one asked for, which the KV cache must
-        hold whole, or else the model's, as far as the KV cache holds."""
+        hold whole, or else the model's, as far as the KV cache holds. An encoder keeps no KV
+        cache, but runs each sequence whole in one step: its context is what a step holds."""
+        if self.model_config.encoder_only:
+            return self._encoder_max_model_len(model_len)
         pool = self.core.kv.pool
         held = pool.num_blocks * self.args.block_size
         asked = self.args.max_model_len
@@ -115,6 +126,23 @@ class LLMEngine:
             )
         return asked or min(model_len, held)
 
+    def _encoder_max_model_len(self, model_len: int) -> int:
+        step = self.args.max_num_batched_tokens
+        asked = self.args.max_model_len
+        if asked is not None and asked > step:
+            raise ValueError(
+                f"max_model_len {asked} exceeds max_num_batched_tokens {step}: an encoder runs "
+                "each sequence whole in one step; raise max_num_batched_tokens"
+            )
+        if asked is None and step < model_len:
+            logger.warning(
+                "max_model_len is %d, max_num_batched_tokens, below the model's %d: an encoder "
+                "runs each sequence whole in one step",
+                step,
+                model_len,
+            )
+        return asked or min(model_len, step)
+
     # The core's parts that callers look at.
     @property
     def runner(self) -> ModelRunner:
@@ -132,20 +160,22 @@ class LLMEngine:
         self,
         request_id: str | None,
         prompt: str | list[int],
-        params: SamplingParams | None = None,
+        params: SamplingParams | PoolingParams | None = None,
         priority: int = 0,
         timeout: float | None = None,
         cache_salt: str | None = None,
         media: tuple[MediaItem, ...] = (),
     ) -> str:
-        """Queue a request; raises ValueError naming the problem if it cannot run.
+        """Queue a request; raises ValueError naming the problem if it cannot run. An embedding
+        model (`pooling`) takes PoolingParams, any other SamplingParams; None: the defaults of
+        the kind the model takes.
 
         Requests share prefix-cache blocks only when their `cache_salt`s are equal (None
         included): a tenant's salt keeps others from learning, through cached_tokens, what it sent.
         A multimodal model's `media` come from `image_processor` and `audio_processor`, placed
         in the prompt by `multimodal.place`.
         """
-        params = params or SamplingParams()
+        params = params or self.default_params()
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
@@ -153,8 +183,14 @@ class LLMEngine:
             request_id, prompt, params, priority, timeout, cache_salt, media
         )
         self.outputs.add(request_id, completions)
-        self.core.add(completions, params.structured)
+        self.core.add(
+            completions, params.structured if isinstance(params, SamplingParams) else None
+        )
         return request_id
+
+    def default_params(self) -> SamplingParams | PoolingParams:
+        """What a request without params runs with: PoolingParams() on an embedding model."""
+        return PoolingParams() if self.pooling is not None else SamplingParams()
 
     def abort_request(self, request_id: str) -> bool:
         """Abort a request (all its completions). Returns False if it is unknown or done."""

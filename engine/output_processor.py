@@ -14,7 +14,8 @@ added. What a moved state hands back follows its `RequestOutputKind`:
 - FINAL_ONLY: one output, once every completion has finished, as CUMULATIVE's last.
 
 The `finished` output is always the last of a request, and the request is then forgotten: its
-id may be used again.
+id may be used again. An embedding request (PoolingParams) has one output, whatever its kind:
+the finished one, with its vector and no completions.
 """
 
 from __future__ import annotations
@@ -49,7 +50,7 @@ class _Completion:
     state: _RequestState = field(repr=False)
     index: int
     request: Request
-    detokenizer: IncrementalDetokenizer
+    detokenizer: IncrementalDetokenizer | None  # None for an embedding request
     # DELTA: how much of the completion earlier outputs handed over.
     sent_tokens: int = 0  # token ids, and logprobs when asked for (one per token)
     sent_chars: int = 0
@@ -77,10 +78,14 @@ class OutputProcessor:
 
     def add(self, request_id: str, completions: list[Request]) -> None:
         """Follow a request's completions (all with the same params but for their seeds)."""
-        kind = completions[0].sampling_params.output_kind
+        first = completions[0]
+        pooling = first.pooling_params is not None
+        kind = first.pooling_params.output_kind if pooling else first.sampling_params.output_kind
         state = _RequestState(request_id, next(self._order), kind)
         for i, request in enumerate(completions):
-            detok = IncrementalDetokenizer(self.tokenizer, request.sampling_params)
+            detok = (
+                None if pooling else IncrementalDetokenizer(self.tokenizer, request.sampling_params)
+            )
             completion = _Completion(state, i, request, detok)
             state.completions.append(completion)
             self._completions[request.request_id] = completion
@@ -132,6 +137,8 @@ class OutputProcessor:
             self._mark_moved(request)
         for sampled in step.sampled:
             self._process_token(sampled, now, stats)
+        for request in step.pooled:
+            stats.prompt_tokens += request.num_prompt_tokens
         if step.scheduled:
             stats.busy_seconds = time.perf_counter() - step.run_started
         outputs = []
@@ -176,6 +183,8 @@ class OutputProcessor:
             self.core.finish(request, status)
 
     def _output(self, state: _RequestState) -> RequestOutput | None:
+        if state.completions[0].detokenizer is None:
+            return _pooling_output(state)
         finished, error = True, None
         for completion in state.completions:
             request, detok = completion.request, completion.detokenizer
@@ -216,6 +225,23 @@ class OutputProcessor:
             del self._completions[request.request_id]
             self.core.release(request)
             stats.finished.append(request)
+
+
+def _pooling_output(state: _RequestState) -> RequestOutput | None:
+    """An embedding request's one output, once it has finished."""
+    request = state.completions[0].request
+    if not request.finished:
+        return None
+    return RequestOutput(
+        request_id=state.request_id,
+        prompt_token_ids=request.prompt_token_ids,
+        outputs=[],
+        finished=True,
+        num_cached_tokens=request.num_cached_tokens,
+        error=request.error,
+        metrics=_metrics(request),
+        embedding=request.embedding,
+    )
 
 
 def _cumulative(completion: _Completion) -> CompletionOutput:

@@ -56,6 +56,10 @@ class RequestOutput:
     num_audio_tokens: int = 0  # prompt tokens that audio clips' embeddings fill
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # An embedding model's request: its vector (1-D float32, pooled, cut to the dimensions
+    # asked for and normalized as asked), and `outputs` is empty. None where it did not finish
+    # (aborted, timed out: `error` says which where it failed).
+    embedding: torch.Tensor | None = None
 
     def add(self, later: RequestOutput) -> None:
         """Fold `later`, the next DELTA output of the same request, into this one: for a caller

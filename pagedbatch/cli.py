@@ -15,7 +15,7 @@ from pagedbatch.addresses import is_loopback
 logger = logging.getLogger(__name__)
 
 NONE = type(None)
-ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava", "qwen2_vl", "qwen2_audio")
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava", "qwen2_vl", "qwen2_audio", "bert")
 SIZES = ("tiny", "small", "medium")
 
 
@@ -264,10 +264,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--task",
-        choices=("generate", "classify", "guard"),
+        choices=("generate", "classify", "guard", "embed"),
         default="generate",
         help="classify: a sequence classifier scoring OpenAI's 13 moderation categories; "
-        "guard: a causal LM with a Llama-Guard-shaped template (safe/unsafe, hazard codes)",
+        "guard: a causal LM with a Llama-Guard-shaped template (safe/unsafe, hazard codes); "
+        "embed: an embedding model in sentence-transformers' layout, last-token pooling "
+        "(llama, qwen2; --arch bert is always a mean-pooling one)",
     )
     p.add_argument(
         "--max-position-embeddings",

@@ -37,6 +37,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
+from tokenizers import Tokenizer, processors
 
 from pagedbatch.demo_tokenizer import (
     ENDOFTEXT,
@@ -56,6 +57,7 @@ ARCHITECTURES = {
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
+    "bert": "BertModel",
 }
 
 
@@ -77,8 +79,15 @@ SIZES = {
 
 
 ROPE_SCALINGS = ("yarn", "llama3", "linear")
-TASKS = ("generate", "classify", "guard")
+TASKS = ("generate", "classify", "guard", "embed")
 CLASSIFIER_ARCHS = ("llama", "qwen2", "mistral")
+# Decoders that --task embed makes embedding models of (without an LM head, last-token pooling).
+EMBED_DECODER_ARCHS = {"llama": "LlamaModel", "qwen2": "Qwen2Model"}
+# BERT's special tokens, after the demo tokenizer's own; sentences are encoded [CLS] ... [SEP].
+BERT_TOKENS = ("[CLS]", "[SEP]", "[PAD]", "[MASK]")
+BERT_MAX_POSITIONS = 512
+# What sentence-transformers cuts inputs to, below the position table as all-MiniLM-L6-v2's is.
+BERT_MAX_SEQ_LENGTH = 256
 # The score head's spread: label logits of a few units, so that sigmoid scores span (0, 1)
 # and move with the input.
 SCORE_SCALE = 3.0
@@ -187,6 +196,8 @@ def model_config(
         raise ValueError(f"size must be one of {sorted(SIZES)}, got {size!r}")
     if arch == "llava":
         return _llava_config(size) | (config_overrides or {})
+    if arch == "bert":
+        return _bert_config(size) | (config_overrides or {})
     if arch == "qwen2_vl":
         return _qwen2_vl_config(size) | (config_overrides or {})
     if arch == "qwen2_audio":
@@ -434,9 +445,12 @@ def make_model(
 ) -> Path:
     """Write a checkpoint that transformers and the engine load offline; return its directory.
     `task` "classify" makes it a moderation classifier, "guard" a Llama-Guard-shaped moderation
-    model (both: llama, qwen2 and mistral)."""
+    model (both: llama, qwen2 and mistral), "embed" an embedding model in sentence-transformers'
+    layout (llama and qwen2; bert is always one)."""
     if task not in TASKS:
         raise ValueError(f"task must be one of {TASKS}, got {task!r}")
+    if arch == "bert" or task == "embed":
+        return _make_embedding_model(Path(out_dir), arch, size, seed, config_overrides, task)
     if task != "generate" and arch not in CLASSIFIER_ARCHS:
         raise ValueError(f"a moderation model's arch is one of {CLASSIFIER_ARCHS}, got {arch!r}")
     config = model_config(arch, size, config_overrides)
@@ -476,6 +490,138 @@ def make_model(
         template = GUARD_TEMPLATE if task == "guard" else ""
         write_tokenizer(out, nfc=arch == "qwen2", template=template)
     return out
+
+
+def _bert_config(size: str) -> dict[str, Any]:
+    """BERT's config as transformers writes BertModel's, on the size's shape; its vocabulary
+    the demo tokenizer's and BERT's special tokens."""
+    shape = SIZES[size]
+    return {
+        "architectures": [ARCHITECTURES["bert"]],
+        "model_type": "bert",
+        "vocab_size": VOCAB_SIZE + len(BERT_TOKENS),
+        "hidden_size": shape.hidden_size,
+        "intermediate_size": shape.intermediate_size,
+        "num_hidden_layers": shape.num_layers,
+        "num_attention_heads": shape.num_heads,
+        "hidden_act": "gelu",
+        "hidden_dropout_prob": 0.0,
+        "attention_probs_dropout_prob": 0.0,
+        "max_position_embeddings": BERT_MAX_POSITIONS,
+        "type_vocab_size": 2,
+        "initializer_range": 0.02,
+        "layer_norm_eps": 1e-12,
+        "pad_token_id": VOCAB_SIZE + BERT_TOKENS.index("[PAD]"),
+        "position_embedding_type": "absolute",
+        "dtype": "float32",
+    }
+
+
+def init_bert_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
+    """BertModel's tensors, named as transformers saves them, scaled as the vision towers' are
+    (see `init_llava_weights`): attention sharp enough that each token's vector depends on its
+    context, and random LayerNorm scales and biases, which an engine that skips them misses."""
+    weights: dict[str, torch.Tensor] = {}
+    draw = _VisionWeights(weights, seed)
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    draw.normal("embeddings.word_embeddings.weight", (config["vocab_size"], hidden), 1.0)
+    positions = (config["max_position_embeddings"], hidden)
+    draw.normal("embeddings.position_embeddings.weight", positions, 0.5)
+    draw.normal("embeddings.token_type_embeddings.weight", (config["type_vocab_size"], hidden), 0.5)
+    draw.layer_norm("embeddings.LayerNorm", hidden)
+    for i in range(config["num_hidden_layers"]):
+        layer = f"encoder.layer.{i}."
+        draw.linear(f"{layer}attention.self.query", hidden, hidden, QK_SCALE)
+        draw.linear(f"{layer}attention.self.key", hidden, hidden, QK_SCALE)
+        draw.linear(f"{layer}attention.self.value", hidden, hidden)
+        draw.linear(f"{layer}attention.output.dense", hidden, hidden, O_SCALE)
+        draw.layer_norm(f"{layer}attention.output.LayerNorm", hidden)
+        draw.linear(f"{layer}intermediate.dense", inter, hidden)
+        # GELU passes about half of a unit-RMS input's energy: twice the usual scale restores it.
+        draw.linear(f"{layer}output.dense", hidden, inter, 2.0)
+        draw.layer_norm(f"{layer}output.LayerNorm", hidden)
+    draw.linear("pooler.dense", hidden, hidden)  # BertModel's; sentence-transformers skips it
+    return weights
+
+
+def _make_embedding_model(
+    out: Path,
+    arch: str,
+    size: str,
+    seed: int,
+    config_overrides: dict[str, Any] | None,
+    task: str,
+) -> Path:
+    """A BERT with mean pooling, or a decoder without its LM head with last-token pooling and
+    Matryoshka dimensions, both normalized, in sentence-transformers' layout (modules.json,
+    1_Pooling, 2_Normalize, sentence_bert_config.json): SentenceTransformer(out) loads it."""
+    if arch != "bert" and arch not in EMBED_DECODER_ARCHS:
+        archs = ", ".join(["bert", *EMBED_DECODER_ARCHS])
+        raise ValueError(f"an embedding model's arch is one of {archs}, got {arch!r}")
+    if arch == "bert" and task not in ("generate", "embed"):
+        raise ValueError(f"bert makes an embedding model only, not task {task!r}")
+    out.mkdir(parents=True, exist_ok=True)
+    config = model_config(arch, size, config_overrides)
+    hidden = config["hidden_size"]
+    if arch == "bert":
+        weights = init_bert_weights(config, seed)
+        _write_bert_tokenizer(out)
+        pooling, max_seq_length = "pooling_mode_mean_tokens", BERT_MAX_SEQ_LENGTH
+    else:
+        config["architectures"] = [EMBED_DECODER_ARCHS[arch]]
+        config["matryoshka_dimensions"] = [hidden, hidden // 2, hidden // 4]
+        weights = init_weights(config, seed)
+        del weights["lm_head.weight"]
+        write_tokenizer(out, nfc=arch == "qwen2")
+        pooling, max_seq_length = "pooling_mode_lasttoken", config["max_position_embeddings"]
+    save_file(weights, out / "model.safetensors", metadata={"format": "pt"})
+    _write_json(out / "config.json", config)
+    modules = [("Transformer", ""), ("Pooling", "1_Pooling"), ("Normalize", "2_Normalize")]
+    _write_json(
+        out / "modules.json",
+        [
+            {"idx": i, "name": str(i), "path": path, "type": f"sentence_transformers.models.{kind}"}
+            for i, (kind, path) in enumerate(modules)
+        ],
+    )
+    (out / "1_Pooling").mkdir(exist_ok=True)
+    (out / "2_Normalize").mkdir(exist_ok=True)
+    flags = ("pooling_mode_cls_token", "pooling_mode_mean_tokens", "pooling_mode_max_tokens")
+    flags += ("pooling_mode_mean_sqrt_len_tokens", "pooling_mode_weightedmean_tokens")
+    flags += ("pooling_mode_lasttoken",)
+    pooling_config = {"word_embedding_dimension": hidden}
+    pooling_config |= {flag: flag == pooling for flag in flags} | {"include_prompt": True}
+    _write_json(out / "1_Pooling" / "config.json", pooling_config)
+    _write_json(
+        out / "sentence_bert_config.json",
+        {"max_seq_length": max_seq_length, "do_lower_case": False},
+    )
+    return out
+
+
+def _write_bert_tokenizer(out: Path) -> None:
+    """The demo tokenizer with BERT's special tokens, which it wraps every text in:
+    [CLS] text [SEP] (and [CLS] a [SEP] b [SEP] for a pair), as BERT's own tokenizer does."""
+    write_tokenizer(out, extra_special=BERT_TOKENS)
+    tokenizer = Tokenizer.from_file(str(out / "tokenizer.json"))
+    ids = {token: VOCAB_SIZE + i for i, token in enumerate(BERT_TOKENS)}
+    tokenizer.post_processor = processors.TemplateProcessing(
+        single="[CLS] $A [SEP]",
+        pair="[CLS] $A [SEP] $B:1 [SEP]:1",
+        special_tokens=[("[CLS]", ids["[CLS]"]), ("[SEP]", ids["[SEP]"])],
+    )
+    tokenizer.save(str(out / "tokenizer.json"))
+    config = {
+        "tokenizer_class": "PreTrainedTokenizerFast",
+        "cls_token": "[CLS]",
+        "sep_token": "[SEP]",
+        "pad_token": "[PAD]",
+        "mask_token": "[MASK]",
+        "unk_token": None,
+        "clean_up_tokenization_spaces": False,
+        "model_max_length": BERT_MAX_SEQ_LENGTH,
+    }
+    _write_json(out / "tokenizer_config.json", config)
 
 
 def _write_llava_processor(out: Path, config: dict[str, Any]) -> None:
@@ -775,5 +921,5 @@ def _generator(seed: int, name: str) -> torch.Generator:
     return torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
 
 
-def _write_json(path: Path, data: dict[str, Any]) -> None:
+def _write_json(path: Path, data: Any) -> None:
     path.write_text(json.dumps(data, indent=2) + "\n", encoding="utf-8")

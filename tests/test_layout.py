@@ -106,7 +106,7 @@ def test_imports_point_one_way(module: str):
 # (LLM, AsyncLLM, LLMEngine, EngineCore) at the top, which assemble them. What each subpackage may
 # import besides itself; "plain" is the engine's plain-data modules at the top (settings, sampling
 # parameters, outputs). No subpackage imports a front door, nor metrics, which only watch.
-ENGINE_PLAIN = {"config", "sampling_params", "outputs"}
+ENGINE_PLAIN = {"config", "sampling_params", "pooling_params", "outputs"}
 ENGINE_MAY_IMPORT = {
     "core": {"multimodal", "plain"},
     "worker": {"core", "multimodal", "plain"},

@@ -55,8 +55,9 @@ class NoFreeBlocks(RuntimeError):
 
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True):
-        if num_blocks < 1:
-            raise ValueError(f"num_kv_blocks must be at least 1, got {num_blocks}")
+        # None for an encoder, which keeps no KV cache (see Scheduler.encoder_only).
+        if num_blocks < 0:
+            raise ValueError(f"num_kv_blocks must not be negative, got {num_blocks}")
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
         self.blocks = [Block(i) for i in range(num_blocks)]
@@ -76,7 +77,7 @@ class BlockPool:
 
     @property
     def usage(self) -> float:
-        return 1.0 - self.num_free_blocks / self.num_blocks
+        return 1.0 - self.num_free_blocks / self.num_blocks if self.num_blocks else 0.0
 
     def allocate(self, n: int) -> list[Block]:
         if n > len(self._free):

@@ -10,6 +10,7 @@ import numpy as np
 import torch
 
 from pagedbatch.engine.multimodal.inputs import MediaItem
+from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sampling_params import SamplingParams
 
 
@@ -88,11 +89,15 @@ class Request:
 
     Invariant: `all_token_ids == prompt_token_ids + output_token_ids`, kept by
     `append_output_token`, the only way output tokens are added, so that no step rebuilds it.
+
+    A pooling request (an embedding's) has `pooling_params` and no `sampling_params`: it is
+    prefill-only, never sampled, and finishes in the step that reaches its prompt's end, its
+    `embedding` set.
     """
 
     request_id: str
     prompt_token_ids: list[int]
-    sampling_params: SamplingParams
+    sampling_params: SamplingParams | None
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first
     arrival_time: float = field(default_factory=time.monotonic)
@@ -104,12 +109,20 @@ class Request:
     # make them other than the tokens' indices; later tokens sit at their index plus the delta.
     mrope_positions: np.ndarray | None = field(default=None, repr=False)
     mrope_delta: int = 0
+    pooling_params: PoolingParams | None = None
+    # A pooling request's: the model's pooling type ("mean", "cls", "last") and its output size.
+    pooling_type: str | None = None
+    dimensions: int = 0
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
     # The first token's raw logits row, float32, when `sampling_params.scores` asks for it.
     scores: torch.Tensor | None = field(default=None, repr=False)
+    # A pooling request's: what the chunks computed so far contributed (a mean's running sum,
+    # the first token's state), then its finished vector (1-D float32).
+    pooled: torch.Tensor | None = field(default=None, repr=False)
+    embedding: torch.Tensor | None = field(default=None, repr=False)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache at first schedule
     num_preemptions: int = 0
@@ -155,6 +168,12 @@ class Request:
     @property
     def finish_reason(self) -> str | None:
         return FINISH_REASONS.get(self.status)
+
+    @property
+    def reads_prefix_cache(self) -> bool:
+        """Whether cached KV may stand in for computing its prompt: not where pooling needs the
+        hidden states of every token (a mean) or of the first (CLS), which the cache lacks."""
+        return self.pooling_type is None or self.pooling_type == "last"
 
     @property
     def sort_key(self) -> tuple[int, float]:

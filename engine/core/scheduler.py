@@ -15,6 +15,10 @@ steps realtime requests wait on short. When the KV pool runs dry, the worst runn
 (lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
 mostly from the prefix cache.
 
+An encoder-only model's requests (bidirectional attention: an embedding model such as BERT) hold
+no KV blocks: each runs whole in one step, never in chunks, and finishes there. A decoder's
+pooling requests run through the paged path like any prefill and finish at its end.
+
 A request's images and audio clips are encoded in the step that first reaches their
 placeholders, within a per-step encoder budget and the encoder cache's room (`encoder_cache`): a
 chunk is cut before the first item whose embeddings cannot be had this step. A chunk may end
@@ -84,6 +88,7 @@ class Scheduler:
         step_cost: StepCostModel | None = None,
         encoder_cache: EncoderCache | None = None,
         max_num_encoder_tokens: int = 0,
+        encoder_only: bool = False,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -101,6 +106,8 @@ class Scheduler:
         # embeddings it may encode in one step.
         self.encoder_cache = encoder_cache
         self.max_num_encoder_tokens = max_num_encoder_tokens
+        # Requests run whole and without KV blocks (see the module docstring).
+        self.encoder_only = encoder_only
         self._encoder_budget = 0  # left in the step being scheduled
         # (request id, item hash) whose placeholders the last step finished: released next step,
         # once the runner has read them.
@@ -141,11 +148,14 @@ class Scheduler:
         self._release_media(request)
         request.transition(RequestStatus.PREEMPTED)
         request.num_computed_tokens = 0
+        request.pooled = None  # its chunks run again
         request.num_preemptions += 1
         self.num_preemptions += 1
         self.add(request)
 
     def _blocks_needed(self, request: Request) -> int:
+        if self.encoder_only:
+            return 0
         first_chunk = min(request.num_tokens, self.max_num_batched_tokens)
         return cdiv(first_chunk, self.kv.block_size)
 
@@ -294,7 +304,13 @@ class Scheduler:
                 break
             if request in out.preempted:
                 break  # preempted for lack of room this very step
-            cached = self.kv.find_cached_prefix(request)
+            if self.encoder_only:
+                if request.num_tokens > budget:
+                    break  # it runs whole: in a later step
+                self._start(out, request, request.num_tokens, 0)
+                budget -= request.num_tokens
+                continue
+            cached = self.kv.find_cached_prefix(request) if request.reads_prefix_cache else []
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
             if request.media:
@@ -302,14 +318,18 @@ class Scheduler:
             if num_new == 0 or not self.kv.allocate(request, num_new, cached):
                 self._release_media(request)
                 break
-            self.waiting.pop(0)
-            request.transition(RequestStatus.RUNNING)
-            if request.first_scheduled_time is None:
-                request.first_scheduled_time = time.monotonic()
-                request.num_cached_tokens = num_cached
-            request.num_computed_tokens = num_cached
-            out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
-            request.num_computed_tokens += num_new
+            self._start(out, request, num_new, num_cached)
             budget -= num_new
-            bisect.insort(self.running, request, key=self._key)
         return budget
+
+    def _start(self, out: SchedulerOutput, request: Request, num_new: int, num_cached: int) -> None:
+        """The first waiting request runs: its first `num_new` tokens after `num_cached`."""
+        self.waiting.pop(0)
+        request.transition(RequestStatus.RUNNING)
+        if request.first_scheduled_time is None:
+            request.first_scheduled_time = time.monotonic()
+            request.num_cached_tokens = num_cached
+        request.num_computed_tokens = num_cached
+        out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
+        request.num_computed_tokens += num_new
+        bisect.insort(self.running, request, key=self._key)

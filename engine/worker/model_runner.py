@@ -1,5 +1,8 @@
 """One tensor-parallel rank's model shard and KV cache; runs one flattened batch per step.
 
+An embedding model's step returns each scheduled chunk's pooled row (see `pooler`) where a
+language model's returns logits; an encoder (BERT) has no KV cache at all.
+
 Rank 0 (the engine's process) turns the scheduler's decisions into a `StepInput`; with more than
 one rank, `ranks.RankProcesses` hands the same input to every other rank, and all of them run it.
 """
@@ -24,6 +27,7 @@ from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed
 from pagedbatch.engine.worker.loader import iterate_weights
 from pagedbatch.engine.worker.models.registry import resolve_model_class
 from pagedbatch.engine.worker.parallel_layers import pack_weights
+from pagedbatch.engine.worker.pooler import pool_chunks
 from pagedbatch.kernels import native
 from pagedbatch.kernels.attention import prepare_attention
 
@@ -145,7 +149,10 @@ class ModelRunner:
         if self.device.type == "cpu":
             keep_freed_memory()
         started = time.perf_counter()
-        self.model = self._load_model(args.max_num_seqs)
+        # A step's matmuls have about as many rows as it has sequences when they decode, and as
+        # it has tokens when they are embedded (prefill only).
+        pooling = cfg.pooling is not None
+        self.model = self._load_model(args.max_num_batched_tokens if pooling else args.max_num_seqs)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(
@@ -159,10 +166,16 @@ class ModelRunner:
             )
         if self.device.type == "cpu":
             native.library()  # built (once per machine) or loaded now, not on the first request
-        blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
-        # Rank 0's block ids address every rank's cache: all hold as many blocks as the smallest.
-        self.num_blocks = tp.min(blocks, self.device)
-        self.kv_caches = [(self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)]
+        if cfg.encoder_only:  # sequences run whole, in one step: nothing is kept between steps
+            self.num_blocks = 0
+            self.kv_caches = []
+        else:
+            blocks = args.num_kv_blocks or self._blocks_for_budget(args.kv_cache_memory_gib)
+            # Rank 0's block ids address every rank's cache: all hold as many as the smallest.
+            self.num_blocks = tp.min(blocks, self.device)
+            self.kv_caches = [
+                (self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)
+            ]
         # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
         self.ranks: RankProcesses | None = None
         # Image and audio embeddings by content hash, as the engine's EncoderCache says (a
@@ -206,7 +219,8 @@ class ModelRunner:
         encoder: EncoderWork | None = None,
     ) -> torch.Tensor:
         """Run one step on every rank; returns float32 logits for the requests that sample, in
-        order. `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
+        order (an embedding model's: each scheduled chunk's pooled row, see `pooler`).
+        `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
         step = StepInput.build(scheduled, block_tables, encoder)
         if self.ranks is None:
             return self.run(step)
@@ -214,7 +228,9 @@ class ModelRunner:
 
     @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
-        """This rank's part of a step; every rank returns the same logits."""
+        """This rank's part of a step; every rank returns the same logits (or pooled rows)."""
+        if self.cfg.encoder_only:
+            return self._run_encoder(step)
         device = self.device
         meta = prepare_attention(
             query_start_loc=torch.tensor(step.query_start_loc, device=device),
@@ -233,8 +249,24 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta, rows, embeds)
         else:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
+        if self.cfg.pooling is not None:
+            return pool_chunks(hidden, step.query_start_loc, self.cfg.pooling.pooling_type)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
         return self.model.compute_logits(hidden[rows]).float()
+
+    def _run_encoder(self, step: StepInput) -> torch.Tensor:
+        """An encoder's step: whole sequences, packed, pooled."""
+        bounds = step.query_start_loc
+        starts = np.asarray(bounds[:-1])
+        lengths = np.diff(bounds)
+        # Each token's index in its sequence.
+        positions = np.arange(bounds[-1]) - np.repeat(starts, lengths)
+        hidden = self.model(
+            torch.tensor(step.input_ids, device=self.device),
+            torch.from_numpy(positions).to(self.device),
+            bounds,
+        )
+        return pool_chunks(hidden, bounds, self.cfg.pooling.pooling_type)
 
     def _encode(self, work: EncoderWork) -> None:
         """Drop what the cache evicted, then encode the new images or clips, all at once."""

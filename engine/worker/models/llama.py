@@ -149,7 +149,10 @@ class LlamaForCausalLM(nn.Module):
         self.norm = self.norm_class(cfg.hidden_size, cfg.rms_norm_eps)
         self.lm_head = self.output_head(cfg)
 
-    def output_head(self, cfg: ModelConfig) -> ParallelLMHead:
+    def output_head(self, cfg: ModelConfig) -> ParallelLMHead | None:
+        """None for an embedding model: its output is the hidden states, pooled."""
+        if cfg.pooling is not None:
+            return None
         head = ParallelLMHead(cfg.vocab_size, cfg.hidden_size)
         if cfg.tie_word_embeddings:
             head.weight = self.embed_tokens.weight
@@ -197,7 +200,9 @@ class LlamaForCausalLM(nn.Module):
                     name, shard = name.replace(part, fused), index
                     break
             if name not in params:
-                if name == "lm_head.weight" and self.cfg.tie_word_embeddings:
+                if name == "lm_head.weight" and (
+                    self.lm_head is None or self.cfg.tie_word_embeddings
+                ):
                     continue
                 raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
             param = params[name]

@@ -15,6 +15,7 @@ from importlib.metadata import entry_points
 
 import torch
 
+from pagedbatch.engine.worker.models.bert import BertModel
 from pagedbatch.engine.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.worker.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagedbatch.engine.worker.models.llava import LlavaForConditionalGeneration
@@ -27,6 +28,11 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "LlamaForCausalLM": LlamaForCausalLM,
     "MistralForCausalLM": LlamaForCausalLM,
     "Qwen2ForCausalLM": LlamaForCausalLM,
+    # Embedding models: an encoder, and decoders without their LM head (see ModelConfig.pooling).
+    "BertModel": BertModel,
+    "LlamaModel": LlamaForCausalLM,
+    "MistralModel": LlamaForCausalLM,
+    "Qwen2Model": LlamaForCausalLM,
     "LlamaForSequenceClassification": LlamaForSequenceClassification,
     "MistralForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
