@@ -223,13 +223,16 @@ class Settings(EngineSettings):
     # messages and every delivery attempt go after webhook_retention_days; idempotency keys
     # after idempotency_key_retention_hours (a retry comes within minutes; OpenAI keeps 24 h).
     # The usage ledger's records go after usage_retention_days (a year and a month of usage
-    # and costs to read back by default).
+    # and costs to read back by default). A stored response (`/v1/responses` with `store`)
+    # expires response_retention_days after it was created (OpenAI keeps them 30 days): then a
+    # 404, and deleted by upkeep with its blobs.
     batch_data_retention_days: float = Field(30.0, ge=0, le=3650)
     batch_output_retention_days: float = Field(30.0, ge=0, le=3650)
     batch_retention_days: float = Field(400.0, ge=0, le=3650)
     webhook_retention_days: float = Field(7.0, ge=0, le=3650)
     idempotency_key_retention_hours: float = Field(24.0, ge=0, le=24 * 3650)
     usage_retention_days: float = Field(400.0, ge=0, le=3650)
+    response_retention_days: float = Field(30.0, ge=0, le=3650)
 
     # Safety: a sequence classifier checkpoint (its labels OpenAI's moderation categories, as
     # `make-model --task classify` writes) serves /v1/moderations, on an engine of its own beside
