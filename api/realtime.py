@@ -33,6 +33,7 @@ from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from pydantic import BaseModel
 from starlette.types import Message, Receive, Scope, Send
 
 from pagedbatch.api.deps import Services, get_services
@@ -68,6 +69,8 @@ class RealtimeBody(Protocol):
 T = TypeVar("T")
 Body = TypeVar("Body", bound=RealtimeBody)
 P = TypeVar("P", bound=Prepared)
+# What an endpoint does with a request's final response object before the client gets it.
+Answered = Callable[[P, BaseModel], Awaitable[None]]
 
 # Retry-After before the engine has finished a request, and so has no run time to go by.
 RETRY_AFTER_SECONDS = 1
@@ -253,10 +256,13 @@ async def answer(
     prepare: Callable[[Body, ServedModel], P],
     chunks: Callable[[P], ChunkWriter] | None = None,
     engine_of: Callable[[Services, str], AsyncLLM] | None = None,
+    on_answered: Answered[P] | None = None,
 ) -> Response:
     """An endpoint's answer to the request: the whole response, or its events if streamed (for
     an endpoint with `chunks`; `prepare` refuses a stream for one without). `engine_of` finds
     the engine for the request's model (default: the main engine, for the models it serves).
+    `on_answered` gets the prepared request and its final response object before the client
+    does (the body, or the object a stream's last event tells in full), to keep it.
 
     The request is checked in full before it comes near the engine, then runs if admitted.
     """
@@ -276,7 +282,7 @@ async def answer(
     account = await _open_account(request, services, tenant, engine, prepared)
     try:
         response = await _admit_and_run(
-            request, services, params, prepared, engine, chunks, tenant, account
+            request, services, params, prepared, engine, chunks, tenant, account, on_answered
         )
     except BaseException:
         if account is not None:
@@ -315,6 +321,7 @@ async def _admit_and_run(
     chunks: Callable[[P], ChunkWriter] | None,
     tenant: str,
     account: Account | None,
+    on_answered: Answered[P] | None = None,
 ) -> Response:
     """The answer of a prepared request if it passes the content filter and is admitted; its
     usage goes to `account` (the stream's closes it)."""
@@ -356,8 +363,11 @@ async def _admit_and_run(
     used = pipeline.usage(outputs)
     if record is not None and used is not None:
         record(used)
-    body, media_type = await _off_loop(services, _rendered, prepared, outputs)
-    return Response(body, media_type=media_type)
+    body = await _off_loop(services, prepared.response, outputs)
+    if on_answered is not None and isinstance(body, BaseModel):
+        await on_answered(prepared, body)
+    content, media_type = await _off_loop(services, _rendered, body)
+    return Response(content, media_type=media_type)
 
 
 async def forward_to_any_host(request: Request, services: Services) -> Response:
@@ -377,13 +387,12 @@ async def forward_to_any_host(request: Request, services: Services) -> Response:
     )
 
 
-def json_of(schema: type[SamplingRequest]) -> Callable[[bytes], SamplingRequest]:
+def json_of(schema: type[Body]) -> Callable[[bytes], Body]:
     """The parser of a JSON body that `schema` validates."""
     return lambda raw: parse_request(schema, decode_json(raw))
 
 
-def _rendered(prepared: Prepared, outputs: list[RequestOutput]) -> tuple[str, str]:
-    body = prepared.response(outputs)
+def _rendered(body: BaseModel | str) -> tuple[str, str]:
     if isinstance(body, str):
         return body, "text/plain; charset=utf-8"
     return body.model_dump_json(), "application/json"

@@ -8,6 +8,7 @@ from pagedbatch.api.auth import get_owner
 from pagedbatch.api.batches import routes as batches
 from pagedbatch.api.files import routes as files
 from pagedbatch.api.organization import routes as organization
+from pagedbatch.api.responses import routes as responses
 from pagedbatch.api.routes import audio, chat, completions, engine, models, moderations
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.api.webhooks import routes as webhooks
@@ -38,6 +39,7 @@ api_router.include_router(completions.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)
 api_router.include_router(moderations.router)
+api_router.include_router(responses.router)
 api_router.include_router(webhooks.router)
 
 # Routes that take admin keys as well as tenants' keys (the admin API's usage, the engines'

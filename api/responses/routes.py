@@ -1,0 +1,37 @@
+"""`/v1/responses`: input items in, a Response out, whole or as its typed stream events.
+
+Create answers through the realtime door (api/realtime.py `answer`), as chat does: parsed and
+prepared off the event loop, the spend reserved, admitted, run through the request pipeline.
+"""
+
+from __future__ import annotations
+
+from fastapi import APIRouter, Request
+from fastapi import Response as HTTPResponse
+
+from pagedbatch.api.deps import ServicesDep
+from pagedbatch.api.realtime import answer, json_of
+from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
+from pagedbatch.protocol.schemas.responses import Response, ResponseCreateRequest
+from pagedbatch.protocol.serving.common import ServedModel, not_supported
+from pagedbatch.protocol.serving.responses import PreparedResponse, prepare_response
+
+router = APIRouter(prefix="/responses", tags=["responses"])
+
+
+@router.post(
+    "",
+    response_model=None,
+    responses={**streamed(Response), **error_responses(404)},
+    openapi_extra=json_body(ResponseCreateRequest),
+)
+async def create_response(request: Request, services: ServicesDep) -> HTTPResponse:
+    return await answer(request, services, json_of(ResponseCreateRequest), _prepare)
+
+
+def _prepare(request: ResponseCreateRequest, served: ServedModel) -> PreparedResponse:
+    if request.background:
+        raise not_supported("background", "background")
+    if request.stream:
+        raise not_supported("Streaming a response", "stream")
+    return prepare_response(request, served)
