@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import json
 import secrets
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -146,9 +146,14 @@ def save_response(
 
 
 def transition(
-    session: Session, response_id: str, target: ResponseStatus, **values: object
+    session: Session,
+    response_id: str,
+    target: ResponseStatus,
+    *conditions: ColumnElement[bool],
+    **values: object,
 ) -> bool:
-    """Move the response to `target` if its current state allows it; False if it did not.
+    """Move the response to `target` if its current state allows it (and `conditions` hold);
+    False if it did not.
 
     Entering an end records its webhook event in the same transaction."""
     if target in RESPONSE_TERMINAL:
@@ -158,6 +163,7 @@ def transition(
         .where(
             StoredResponse.id == response_id,
             StoredResponse.status.in_([s.value for s in SOURCES[target]]),
+            *conditions,
         )
         .values(status=target.value, **values)
     )
@@ -168,11 +174,18 @@ def transition(
 
 
 def finish_response(
-    factory: sessionmaker[Session], blobs: BlobStore, response_id: str, body: dict[str, Any]
+    factory: sessionmaker[Session],
+    blobs: BlobStore,
+    response_id: str,
+    body: dict[str, Any],
+    *conditions: ColumnElement[bool],
+    then: Callable[[Session], None] | None = None,
 ) -> bool:
     """End a background response with its Response object `body`, in the body's status
-    (completed, incomplete, failed); False if it had ended otherwise (cancelled, say) or is gone,
-    and then nothing changed."""
+    (completed, incomplete, failed), if `conditions` hold too (the runner still holds its
+    lease); False if it had ended otherwise (cancelled, say), is gone, or they did not hold, and
+    then nothing changed. `then` runs in the same transaction once it has ended so (its usage
+    recorded, its spend settled)."""
     inline, blob_keys = _put_documents(blobs, response_id, {"response": body})
     replaced: list[str] = []
     moved = committed = False
@@ -190,10 +203,13 @@ def finish_response(
                 session,
                 response_id,
                 ResponseStatus(body["status"]),
+                *conditions,
                 response=inline.get("response"),
                 blob_keys={**kept, **blob_keys} or None,
                 error=body.get("error"),
             )
+            if moved and then is not None:
+                then(session)
         committed = True
     finally:
         _delete_blobs(blobs, replaced if moved and committed else blob_keys.values())

@@ -100,3 +100,26 @@ def _record(
     if messages:
         session.execute(insert(WebhookMessage), messages)
     return event.id
+
+
+def new_messages(
+    session: Session, *, batch_id: str | None = None, response_id: str | None = None
+) -> list[str]:
+    """The messages of the batch's (or the response's) event not yet attempted: what the
+    transaction that recorded it leaves for delivery to start on."""
+    subject = (
+        WebhookEvent.batch_id == batch_id
+        if batch_id is not None
+        else WebhookEvent.response_id == response_id
+    )
+    return list(
+        session.scalars(
+            select(WebhookMessage.id)
+            .join(WebhookEvent, WebhookEvent.id == WebhookMessage.event_id)
+            .where(
+                subject,
+                WebhookMessage.status == WebhookMessageStatus.PENDING,
+                WebhookMessage.attempts == 0,
+            )
+        ).all()
+    )

@@ -41,6 +41,7 @@ from pagedbatch.store.models import (
     WebhookMessageStatus,
     WebhookOutcome,
 )
+from pagedbatch.store.webhooks import new_messages
 from pagedbatch.workers.context import WorkerContext
 
 logger = logging.getLogger(__name__)
@@ -84,13 +85,13 @@ class _Result:
 
 
 def event_body(event: WebhookEvent) -> bytes:
-    """OpenAI's thin payload: the receiver fetches the batch itself."""
+    """OpenAI's thin payload: the receiver fetches the batch (or the response) itself."""
     payload = {
         "id": event.id,
         "object": "event",
         "type": event.type,
         "created_at": event.created_at,
-        "data": {"id": event.batch_id},
+        "data": {"id": event.batch_id or event.response_id},
     }
     return json.dumps(payload, separators=(",", ":")).encode()
 
@@ -99,15 +100,15 @@ def queue_batch_webhooks(ctx: WorkerContext, batch_id: str) -> None:
     """Queue the first attempt of each message the batch's end created; call it once that
     transaction has committed. Anything missed here is found by `sweep_webhooks`."""
     with ctx.session_factory() as session:
-        message_ids = session.scalars(
-            select(WebhookMessage.id)
-            .join(WebhookEvent, WebhookEvent.id == WebhookMessage.event_id)
-            .where(
-                WebhookEvent.batch_id == batch_id,
-                WebhookMessage.status == WebhookMessageStatus.PENDING,
-                WebhookMessage.attempts == 0,
-            )
-        ).all()
+        message_ids = new_messages(session, batch_id=batch_id)
+    for message_id in message_ids:
+        ctx.queue.enqueue("deliver_webhook", message_id)
+
+
+def queue_response_webhooks(ctx: WorkerContext, response_id: str) -> None:
+    """As `queue_batch_webhooks`, for a background response's end."""
+    with ctx.session_factory() as session:
+        message_ids = new_messages(session, response_id=response_id)
     for message_id in message_ids:
         ctx.queue.enqueue("deliver_webhook", message_id)
 

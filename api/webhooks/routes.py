@@ -1,4 +1,5 @@
-"""Webhook endpoints: where a tenant hears of its batches' ends, and the log of each delivery.
+"""Webhook endpoints: where a tenant hears of its batches' and background responses' ends, and
+the log of each delivery.
 
 A URL is refused at registration if it leads anywhere but the public internet (see
 pagedbatch/egress.py); delivery checks it again, as names can be re-pointed.
@@ -162,7 +163,13 @@ def list_deliveries(
     """Every attempt to deliver an event to the endpoint, newest first."""
     endpoint = get_endpoint(session, owner, endpoint_id)
     query = (
-        select(WebhookDelivery, WebhookEvent.id, WebhookEvent.type, WebhookEvent.batch_id)
+        select(
+            WebhookDelivery,
+            WebhookEvent.id,
+            WebhookEvent.type,
+            WebhookEvent.batch_id,
+            WebhookEvent.response_id,
+        )
         .join(WebhookMessage, WebhookMessage.id == WebhookDelivery.message_id)
         .join(WebhookEvent, WebhookEvent.id == WebhookMessage.event_id)
         .where(WebhookDelivery.endpoint_id == endpoint.id)

@@ -12,8 +12,18 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from pagedbatch.store.models import WebhookDelivery, WebhookEndpoint
 
-# store/webhooks.py's EVENT_TYPES, spelled out for the OpenAPI document.
-EventType = Literal["batch.completed", "batch.failed", "batch.cancelled", "batch.expired"]
+# store/webhooks.py's EVENT_TYPES and RESPONSE_EVENT_TYPES (background responses' ends), spelled
+# out for the OpenAPI document.
+EventType = Literal[
+    "batch.completed",
+    "batch.failed",
+    "batch.cancelled",
+    "batch.expired",
+    "response.completed",
+    "response.failed",
+    "response.cancelled",
+    "response.incomplete",
+]
 
 MAX_URL_LENGTH = 2048  # WebhookEndpoint.url's column
 
@@ -79,7 +89,8 @@ class WebhookDeliveryObject(BaseModel):
     webhook_id: str  # the `webhook-id` header: the same on every attempt of one event
     event_id: str
     event_type: EventType
-    batch_id: str
+    batch_id: str | None  # the event's subject: a batch, or a background response
+    response_id: str | None
     attempt: int
     outcome: Literal["delivered", "failed", "disabled"]
     status_code: int | None
@@ -88,14 +99,17 @@ class WebhookDeliveryObject(BaseModel):
     created_at: int
 
     @classmethod
-    def from_row(cls, row: tuple[WebhookDelivery, str, str, str]) -> WebhookDeliveryObject:
-        delivery, event_id, event_type, batch_id = row
+    def from_row(
+        cls, row: tuple[WebhookDelivery, str, str, str | None, str | None]
+    ) -> WebhookDeliveryObject:
+        delivery, event_id, event_type, batch_id, response_id = row
         return cls(
             id=delivery.id,
             webhook_id=delivery.message_id,
             event_id=event_id,
             event_type=event_type,
             batch_id=batch_id,
+            response_id=response_id,
             attempt=delivery.attempt,
             outcome=delivery.outcome,
             status_code=delivery.status_code,
