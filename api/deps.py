@@ -35,6 +35,9 @@ class Services:
     engine: AsyncLLM | None = None  # serves the realtime endpoints; None in the distributed API
     engines: EngineProxy | None = None  # the distributed API's way to the workers' engines
     guard: AsyncLLM | None = None  # the moderation model's engine, where one is configured
+    embedder: AsyncLLM | None = None  # the embedding model's engine, where one is configured
+    # The name the embedding model is served under (the distributed API's: its workers run it).
+    embedding_model: str | None = None
     ledger: LedgerWriter | None = None  # records realtime requests' usage, where they run
     started_at: int = field(default_factory=now)  # reported as each served model's `created`
     # An upload holds a thread for as long as its client takes to send it, so uploads get threads
@@ -51,13 +54,20 @@ class Services:
     def __post_init__(self) -> None:
         if self.engine is not None and not self.served_models:
             self.served_models = [self.engine.engine.model_name]  # the model it serves
+        if self.embedder is not None:
+            self.embedding_model = self.embedder.engine.model_name
 
     async def models(self) -> list[str]:
-        """The served models: the configured ones, and those of the live engines."""
+        """The served models: the configured ones (the embedding model's among them), and
+        those of the live engines."""
+        configured = [
+            *self.served_models,
+            *([self.embedding_model] if self.embedding_model else []),
+        ]
         if self.engines is None:
-            return list(self.served_models)
+            return configured
         live = await self.engines.models()
-        return [*self.served_models, *sorted(set(live) - set(self.served_models))]
+        return [*configured, *sorted(set(live) - set(configured))]
 
 
 def get_services(request: Request) -> Services:

@@ -10,7 +10,7 @@ from tqdm import tqdm
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.protocol.batch_lines import BatchOutputLine
 from pagedbatch.protocol.pipeline import RequestContext
-from pagedbatch.service import start_guard
+from pagedbatch.service import start_embedder, start_guard
 from pagedbatch.settings import Settings
 from pagedbatch.store.models import DEFAULT_OWNER
 from pagedbatch.workers.batches.runner import BatchProgress, BatchRunner
@@ -33,21 +33,30 @@ def run_batch(
     With `show_progress`, a progress bar on stderr shows lines, tokens/s and the ETA. Lines are
     screened as the service's settings say (PAGEDBATCH_SAFETY_*; the moderation model of
     PAGEDBATCH_MODERATION_MODEL, where one is set), as the default tenant's batch lines.
+    `/v1/embeddings` lines run on the model of PAGEDBATCH_EMBEDDING_MODEL where one is set, else
+    on `model_dir`'s.
     """
     settings = Settings()
     engine = AsyncLLM(str(model_dir), **engine_args)
-    guard = None
+    guard = embedder = None
     try:
         guard = start_guard(settings)
+        embedder = start_embedder(settings)
         context = RequestContext.of(
             settings, DEFAULT_OWNER, door="batch", guard=guard, moderation=False
         )
-        runner = BatchRunner(engine, context, max_in_flight=2 * engine.engine.args.max_num_seqs)
+        runner = BatchRunner(
+            engine,
+            context,
+            max_in_flight=2 * engine.engine.args.max_num_seqs,
+            embedder=embedder,
+        )
         return _run(runner, input_path, output_path, show_progress)
     finally:
         engine.shutdown()
-        if guard is not None:
-            guard.shutdown()
+        for side in (guard, embedder):
+            if side is not None:
+                side.shutdown()
 
 
 def _run(

@@ -129,6 +129,36 @@ def start_guard(settings: Settings) -> AsyncLLM | None:
     )
 
 
+def embedding_model(settings: Settings) -> ServedModel | None:
+    """The embedding model `settings.embedding_model` names (a path, or a name of
+    `pagedbatch.pypi_models`), and its name in the API; None when none is set."""
+    if settings.embedding_model is None:
+        return None
+    path, name = _resolve(settings.embedding_model, settings.data_dir / "models")
+    return ServedModel(path, name)
+
+
+def start_embedder(settings: Settings) -> AsyncLLM | None:
+    """The embedding model's engine, beside the main one, with a KV budget and sequence limit of
+    its own; None when no embedding model is set."""
+    model = embedding_model(settings)
+    if model is None:
+        return None
+    return AsyncLLM(
+        **{
+            **settings.engine_args(),
+            "model": str(model.path),
+            "served_model_name": model.name,
+            "chat_template": None,  # the main model's overrides are not the embedder's
+            "max_model_len": None,
+            "max_num_seqs": settings.embedding_max_num_seqs,
+            "kv_cache_memory_gib": settings.embedding_kv_cache_memory_gib,
+            "num_kv_blocks": None,
+            "tensor_parallel_size": 1,
+        }
+    )
+
+
 def open_store(settings: Settings) -> tuple[sessionmaker[Session], BlobStore]:
     """The job store, migrated to the current schema, and blob storage."""
     settings.data_dir.mkdir(parents=True, exist_ok=True)
@@ -148,13 +178,18 @@ class Embedded:
     def guard(self) -> AsyncLLM | None:
         return self.services.guard
 
+    @property
+    def embedder(self) -> AsyncLLM | None:
+        return self.services.embedder
+
     def shutdown(self) -> None:
         self.context.stopping.set()
         self.queue.shutdown()
         if self.context.engine is not None:
             self.context.engine.shutdown()
-        if self.guard is not None:
-            self.guard.shutdown()
+        for side in (self.guard, self.embedder):
+            if side is not None:
+                side.shutdown()
         if self.services.ledger is not None:
             self.services.ledger.close()
 
@@ -163,7 +198,16 @@ def embedded(settings: Settings) -> Embedded:
     session_factory, blobs = open_store(settings)
     engine = start_engine(settings)
     guard = start_guard(settings)
-    ctx = WorkerContext(settings, session_factory, blobs, queue=None, engine=engine, guard=guard)
+    embedder = start_embedder(settings)
+    ctx = WorkerContext(
+        settings,
+        session_factory,
+        blobs,
+        queue=None,
+        engine=engine,
+        guard=guard,
+        embedder=embedder,
+    )
     queue = InProcessQueue(
         lambda name, args: run_task(ctx, name, args),
         # Webhook receivers can be slow: their deliveries must not hold up batch work.
@@ -179,6 +223,7 @@ def embedded(settings: Settings) -> Embedded:
         queue=queue,
         engine=engine,
         guard=guard,
+        embedder=embedder,
         ledger=LedgerWriter(session_factory),
     )
     return Embedded(create_app(settings, services), ctx, queue, services)
@@ -196,6 +241,7 @@ def api_only(settings: Settings) -> FastAPI:
         blobs=blobs,
         queue=queue,
         served_models=[served_model(settings).name],
+        embedding_model=None if (embedder := embedding_model(settings)) is None else embedder.name,
         engines=EngineProxy(
             settings.broker_url, settings.engine_secret, settings.engine_heartbeat_seconds
         ),
@@ -222,6 +268,7 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
         queue=None,
         engine=start_engine(settings),
         guard=start_guard(settings),
+        embedder=start_embedder(settings),
     )
 
     def run(name: str, args: tuple) -> None:
@@ -277,6 +324,7 @@ def engine_host_of(ctx: WorkerContext) -> EngineHost:
         blobs=ctx.blobs,
         engine=ctx.engine,
         guard=ctx.guard,  # screens the input of the requests it answers
+        embedder=ctx.embedder,
         ledger=LedgerWriter(ctx.session_factory),
     )
     return EngineHost(services, ctx.worker_id)

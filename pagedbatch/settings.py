@@ -241,6 +241,12 @@ class Settings(EngineSettings):
     moderation_kv_cache_memory_gib: float = Field(0.25, gt=0, le=1024)
     moderation_max_num_seqs: int = Field(32, ge=1, le=1024)
     max_moderation_inputs: int = Field(32, ge=1, le=1024)  # inputs in one moderation request
+    # An embedding model (a sentence-transformers folder, a decoder with a pooling config, or a
+    # name of pagedbatch.pypi_models) served under its own name beside the main one, for
+    # /v1/embeddings, on an engine of its own with a KV budget and sequence limit of its own.
+    embedding_model: str | None = None
+    embedding_kv_cache_memory_gib: float = Field(0.25, gt=0, le=1024)
+    embedding_max_num_seqs: int = Field(64, ge=1, le=1024)
     # The score from which a category counts as flagged: a number in [0, 1], or a level
     # (`pagedbatch.moderation.LEVELS`).
     safety_threshold: Annotated[float, BeforeValidator(threshold)] = LEVELS["medium"]

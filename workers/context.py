@@ -38,6 +38,7 @@ class WorkerContext:
     queue: TaskQueue
     engine: AsyncLLM | None = None  # only processes that run shards have one
     guard: AsyncLLM | None = None  # the moderation model's engine, where one is configured
+    embedder: AsyncLLM | None = None  # the embedding model's engine, where one is configured
     worker_id: str = field(default_factory=default_worker_id)
     shard_slots: threading.BoundedSemaphore = field(init=False)
     liveness: Liveness = field(default_factory=Liveness)

@@ -19,7 +19,7 @@ from pagedbatch.api.idempotency import IdempotencyKeyHeader, create_once, finger
 from pagedbatch.api.lists import ListPage, unknown_cursor
 from pagedbatch.api.routes.openapi import error_responses, json_body
 from pagedbatch.ids import new_id, now
-from pagedbatch.protocol.batch_lines import MODERATIONS
+from pagedbatch.protocol.batch_lines import EMBEDDINGS, MODERATIONS
 from pagedbatch.protocol.errors import OpenAIError, insufficient_quota
 from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.store.batches import transition
@@ -83,6 +83,13 @@ def create_batch(
             param="endpoint",
             code="invalid_value",
         )
+    if params.endpoint == EMBEDDINGS and not _embeds(services):
+        raise OpenAIError(
+            "This server runs no embedding model (set PAGEDBATCH_EMBEDDING_MODEL, or serve one "
+            "as the main model), so it takes no /v1/embeddings batches.",
+            param="endpoint",
+            code="invalid_value",
+        )
 
     def create(session: Session) -> str:
         input_file = get_file(session, owner, params.input_file_id, param="input_file_id")
@@ -120,6 +127,15 @@ def create_batch(
         create=create,
     )
     return answer_then_enqueue(services, owner, batch_id, "validate_batch" if created else None)
+
+
+def _embeds(services: Services) -> bool:
+    """Whether some engine may embed: the embedding model's, or a main model that is one. The
+    distributed API runs no engine, so it cannot tell of its workers' main model: a batch there
+    fails line by line if it is none."""
+    if services.embedding_model is not None or services.engine is None:
+        return True
+    return services.engine.engine.pooling is not None
 
 
 @router.get("/{batch_id}", responses=error_responses(404))

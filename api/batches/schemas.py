@@ -9,8 +9,14 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 from pagedbatch.api.files.schemas import ExpiresAfter
 from pagedbatch.store.models import Batch
 
-# `/v1/moderations` where a moderation model is configured.
-SUPPORTED_ENDPOINTS = ("/v1/chat/completions", "/v1/completions", "/v1/moderations")
+# `/v1/moderations` where a moderation model is configured; `/v1/embeddings` where an embedding
+# model is, or the main model is one.
+SUPPORTED_ENDPOINTS = (
+    "/v1/chat/completions",
+    "/v1/completions",
+    "/v1/embeddings",
+    "/v1/moderations",
+)
 
 
 class BatchCreate(BaseModel):

@@ -9,7 +9,15 @@ from pagedbatch.api.batches import routes as batches
 from pagedbatch.api.files import routes as files
 from pagedbatch.api.organization import routes as organization
 from pagedbatch.api.responses import routes as responses
-from pagedbatch.api.routes import audio, chat, completions, engine, models, moderations
+from pagedbatch.api.routes import (
+    audio,
+    chat,
+    completions,
+    embeddings,
+    engine,
+    models,
+    moderations,
+)
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.api.webhooks import routes as webhooks
 from pagedbatch.protocol.errors import OpenAIError
@@ -36,6 +44,7 @@ api_router.include_router(audio.router)
 api_router.include_router(batches.router)
 api_router.include_router(chat.router)
 api_router.include_router(completions.router)
+api_router.include_router(embeddings.router)
 api_router.include_router(files.router)
 api_router.include_router(models.router)
 api_router.include_router(moderations.router)

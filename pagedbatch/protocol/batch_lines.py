@@ -21,9 +21,11 @@ from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
 from pagedbatch.protocol.schemas.common import TOO_DEEP
 from pagedbatch.protocol.schemas.completions import CompletionRequest
+from pagedbatch.protocol.schemas.embeddings import EmbeddingRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
 from pagedbatch.protocol.serving.common import Prepared, ServedModel, parse_request
 from pagedbatch.protocol.serving.completions import prepare_completion
+from pagedbatch.protocol.serving.embeddings import prepare_embedding
 
 logger = logging.getLogger(__name__)
 
@@ -217,11 +219,18 @@ def _prepare_completion(body: Any, served: ServedModel) -> Prepared:
     return prepare_completion(parse_request(CompletionRequest, body), served)
 
 
+def _prepare_embedding(body: Any, served: ServedModel) -> Prepared:
+    return prepare_embedding(parse_request(EmbeddingRequest, body), served)
+
+
 MODERATIONS = "/v1/moderations"  # run on the moderation model, where one is configured
-# The endpoints the main model serves.
+EMBEDDINGS = "/v1/embeddings"  # run on the embedding model where one is configured, else the main
+# The endpoints a line may name, and how each prepares its body; each runs on the main model but
+# where workers/batches/endpoints.py picks another engine.
 ENDPOINTS: dict[str, Callable[[Any, ServedModel], Prepared]] = {
     "/v1/chat/completions": _prepare_chat,
     "/v1/completions": _prepare_completion,
+    EMBEDDINGS: _prepare_embedding,
 }
 
 

@@ -1,7 +1,9 @@
 """One request's way through the engine, the same at every door: its prompt screened by the
 content filter, its engine requests run, its output screened, an engine's refusal made an OpenAI
 error, and its usage counted from the engine's outputs. The moderation engine's requests are
-scores, not text a user reads: nothing of theirs is screened, and they are free.
+scores, not text a user reads: nothing of theirs is screened, and they are free. Nor is the output
+of a request that generates nothing (embeddings: no one reads what it produces) screened; its
+`input_texts` say what of its input is.
 
 The doors keep only what is theirs: the realtime door admission, the spend account, streaming
 and a client that leaves; a batch shard its lease, spend reservations, stopping and result
@@ -155,7 +157,8 @@ class RequestPipeline:
 
     def _output_screen(self) -> OutputScreen | None:
         context = self.context
-        if not context.screens_output:
+        generates = any(engine_input.generates for engine_input in self.prepared.inputs)
+        if not context.screens_output or not generates:
             return None
         return OutputScreen(
             context.guard,

@@ -7,6 +7,7 @@ import re
 from functools import partial
 from pathlib import Path
 
+import pytest
 from tqdm import tqdm
 
 import pagedbatch.run_batch
@@ -135,3 +136,33 @@ def test_run_batch_screens_lines_as_the_service_settings_say(tiny_llama, tmp_pat
     assert results["clean"]["status_code"] == 200
     refused = results["refused"]
     assert (refused["status_code"], refused["body"]["error"]["code"]) == (400, "content_filter")
+
+
+def test_run_batch_embeds_on_the_embedding_model_unscreened(
+    tiny_llama, make_checkpoint, tmp_path, monkeypatch
+):
+    bert = make_checkpoint("bert")
+    monkeypatch.setenv("PAGEDBATCH_EMBEDDING_MODEL", str(bert))
+    # Neither way is an embedding screened: nothing is generated for anyone to read.
+    monkeypatch.setenv("PAGEDBATCH_SAFETY_POLICY", "both")
+    monkeypatch.setenv("PAGEDBATCH_SAFETY_BLOCKLIST", '["forbidden"]')
+    texts = ["A first sentence.", "Something forbidden.", "Third."]
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    lines = [
+        {
+            "custom_id": f"e{i}",
+            "method": "POST",
+            "url": "/v1/embeddings",
+            "body": {"model": bert.name, "input": text, "encoding_format": "float"},
+        }
+        for i, text in enumerate(texts)
+    ]
+    source.write_text("".join(json.dumps(line) + "\n" for line in lines))
+    progress = run_batch(source, target, tiny_llama, show_progress=False, num_kv_blocks=64)
+    assert (progress.lines_done, progress.lines_failed, progress.generated_tokens) == (3, 0, 0)
+    bodies = {r["custom_id"]: r["response"]["body"] for r in map(json.loads, target.open())}
+    expected = LLM(str(bert)).embed(texts)
+    for i, output in enumerate(expected):
+        [item] = bodies[f"e{i}"]["data"]
+        assert item["embedding"] == pytest.approx(output.embedding.tolist(), abs=1e-5)
+        assert bodies[f"e{i}"]["usage"]["prompt_tokens"] == len(output.prompt_token_ids)

@@ -48,6 +48,7 @@ class Served:
     labels: list[str] | None = None
     image_processor: None = None
     audio_processor: None = None
+    pooling: None = None
 
 
 class CountingTokenizer:

@@ -1,5 +1,6 @@
-"""What a batch endpoint runs on in this worker: the engine its lines go to (the main one, or the
-moderation guard for `/v1/moderations`) and how a line's body becomes that engine's requests."""
+"""What a batch endpoint runs on in this worker: the engine its lines go to (the main one, the
+moderation guard for `/v1/moderations`, the embedding model's for `/v1/embeddings` where one is
+configured) and how a line's body becomes that engine's requests."""
 
 from __future__ import annotations
 
@@ -9,7 +10,7 @@ from functools import partial
 from typing import Any
 
 from pagedbatch.engine import AsyncLLM
-from pagedbatch.protocol.batch_lines import ENDPOINTS, MODERATIONS
+from pagedbatch.protocol.batch_lines import EMBEDDINGS, ENDPOINTS, MODERATIONS
 from pagedbatch.protocol.schemas.moderations import ModerationRequest
 from pagedbatch.protocol.serving.common import Prepared, ServedModel, parse_request
 from pagedbatch.protocol.serving.moderations import OPENAI_MODELS, prepare_moderation
@@ -38,6 +39,8 @@ def endpoint(ctx: WorkerContext, url: str) -> Endpoint | None:
             return None
         prepare = partial(_prepare_moderation, settings=ctx.settings)
         return Endpoint(ctx.guard, prepare, OPENAI_MODELS)
+    if url == EMBEDDINGS and ctx.embedder is not None:
+        return Endpoint(ctx.embedder, ENDPOINTS[url])
     if ctx.engine is None:
         return None
     return Endpoint(ctx.engine, ENDPOINTS[url])

@@ -20,6 +20,7 @@ from dataclasses import dataclass, replace
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.async_llm import EngineDeadError
 from pagedbatch.protocol.batch_lines import (
+    EMBEDDINGS,
     ENDPOINTS,
     BatchInputLine,
     BatchOutputLine,
@@ -44,9 +45,18 @@ class BatchProgress:
 
 
 class BatchRunner:
-    def __init__(self, engine: AsyncLLM, context: RequestContext, *, max_in_flight: int) -> None:
-        """`context`: how every line runs (batch priority, the content filter in force)."""
+    def __init__(
+        self,
+        engine: AsyncLLM,
+        context: RequestContext,
+        *,
+        max_in_flight: int,
+        embedder: AsyncLLM | None = None,
+    ) -> None:
+        """`context`: how every line runs (batch priority, the content filter in force).
+        `embedder`: the engine `/v1/embeddings` lines run on; None: `engine`."""
         self.engine = engine
+        self.embedder = embedder
         self.context = context
         self.max_in_flight = max_in_flight  # lines under way: prepared, screened or running
 
@@ -129,12 +139,13 @@ class BatchRunner:
         custom_id = request_line.custom_id
         try:
             prepare = ENDPOINTS[request_line.url]
+            engine = self.engine
+            if request_line.url == EMBEDDINGS and self.embedder is not None:
+                engine = self.embedder
             loop = asyncio.get_running_loop()
-            prepared = await loop.run_in_executor(
-                pool, prepare, request_line.body, self.engine.engine
-            )
+            prepared = await loop.run_in_executor(pool, prepare, request_line.body, engine.engine)
             context = replace(self.context, request_id=custom_id)
-            body, used = await RequestPipeline(self.engine, prepared, context).batch_line()
+            body, used = await RequestPipeline(engine, prepared, context).batch_line()
         except EngineDeadError:
             raise
         except Exception as exc:  # noqa: BLE001 - whatever it is, it is this line's failure

@@ -240,7 +240,7 @@ class _ShardRun:
             shard.owner,
             door="batch",
             guard=ctx.guard,
-            moderation=engine is not ctx.engine,
+            moderation=engine is ctx.guard,
         )
 
     async def run(self) -> None:

@@ -21,6 +21,7 @@ from pagedbatch.engine.multimodal.audio import AudioProcessor
 from pagedbatch.engine.multimodal.images import ImageProcessor
 from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sample.structured_output import StructuredOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
@@ -36,6 +37,16 @@ REALTIME_PRIORITY = 0
 BATCH_PRIORITY = 10
 
 
+class Pooling(Protocol):
+    """What serving reads of a pooling model's config."""
+
+    dimensions: int  # the size of its vectors
+
+    def check_dimensions(self, dimensions: int | None) -> int:
+        """The size of the vectors asked for (None: the full size); ValueError, saying why,
+        where the model cannot give vectors of `dimensions` values."""
+
+
 class ServedModel(Protocol):
     """What serving needs to know of the engine it prepares requests for."""
 
@@ -45,6 +56,7 @@ class ServedModel(Protocol):
     labels: list[str] | None  # a sequence classifier's labels; None: a language model
     image_processor: ImageProcessor | None  # None: the model takes no images
     audio_processor: AudioProcessor | None  # None: the model takes no audio
+    pooling: Pooling | None  # an embedding model's pooling; None: it generates
 
 
 @dataclass
@@ -54,8 +66,12 @@ class EngineInput:
 
     request_id: str
     prompt_token_ids: list[int]
-    params: SamplingParams
+    params: SamplingParams | PoolingParams  # PoolingParams: an embedding, nothing generated
     media: tuple[MediaItem, ...] = ()
+
+    @property
+    def generates(self) -> bool:
+        return isinstance(self.params, SamplingParams)
 
 
 class Prepared(Protocol):
@@ -74,11 +90,13 @@ class Prepared(Protocol):
 
 def worst_case_tokens(prepared: Prepared, max_model_len: int) -> tuple[int, int]:
     """The most tokens `prepared` can take: its prompts', and for each of their n choices
-    max_tokens, or without it the context its prompt leaves (what spend limits reserve)."""
+    max_tokens, or without it the context its prompt leaves (what spend limits reserve); an
+    embedding generates none."""
     prompt = sum(len(i.prompt_token_ids) for i in prepared.inputs)
     output = sum(
         i.params.n * (i.params.max_tokens or max(0, max_model_len - len(i.prompt_token_ids)))
         for i in prepared.inputs
+        if isinstance(i.params, SamplingParams)
     )
     return prompt, output
 
@@ -155,8 +173,17 @@ def _bad_text(where: _Where) -> None:
 
 
 def check_model(requested: str, served: ServedModel) -> None:
+    """A 404 unless `served` is the model requested; a 400 if it is an embedding model, which
+    generates nothing (the endpoints that call this generate)."""
     if requested != served.model_name:
         raise model_not_found(requested)
+    if served.pooling is not None:
+        raise OpenAIError(
+            f"The model `{requested}` is an embedding model: it serves /v1/embeddings only, and "
+            "generates no text.",
+            param="model",
+            code="model_not_supported",
+        )
 
 
 def model_not_found(requested: str) -> OpenAIError:
