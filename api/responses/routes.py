@@ -10,10 +10,13 @@ from fastapi import APIRouter, Request
 from fastapi import Response as HTTPResponse
 
 from pagedbatch.api.deps import ServicesDep
-from pagedbatch.api.realtime import answer, json_of
+from pagedbatch.api.realtime import answer, json_of, tenant_of
+from pagedbatch.api.responses import stored
+from pagedbatch.api.responses.stored import continuing, keeper
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
 from pagedbatch.protocol.schemas.responses import Response, ResponseCreateRequest
 from pagedbatch.protocol.serving.common import ServedModel, not_supported
+from pagedbatch.protocol.serving.response_stream import ResponseEvents
 from pagedbatch.protocol.serving.responses import PreparedResponse, prepare_response
 
 router = APIRouter(prefix="/responses", tags=["responses"])
@@ -26,12 +29,28 @@ router = APIRouter(prefix="/responses", tags=["responses"])
     openapi_extra=json_body(ResponseCreateRequest),
 )
 async def create_response(request: Request, services: ServicesDep) -> HTTPResponse:
-    return await answer(request, services, json_of(ResponseCreateRequest), _prepare)
+    owner = tenant_of(request)
+
+    def prepare(params: ResponseCreateRequest, served: ServedModel) -> PreparedResponse:
+        # On a preparation thread: the conversation is read from the job store.
+        return _prepare(params, served, continuing(services, owner, params))
+
+    return await answer(
+        request,
+        services,
+        json_of(ResponseCreateRequest),
+        prepare,
+        lambda prepared, _: ResponseEvents(prepared),
+        on_answered=keeper(services, owner),
+    )
 
 
-def _prepare(request: ResponseCreateRequest, served: ServedModel) -> PreparedResponse:
+def _prepare(
+    request: ResponseCreateRequest, served: ServedModel, history: list[dict]
+) -> PreparedResponse:
     if request.background:
         raise not_supported("background", "background")
-    if request.stream:
-        raise not_supported("Streaming a response", "stream")
-    return prepare_response(request, served)
+    return prepare_response(request, served, history)
+
+
+router.include_router(stored.router)

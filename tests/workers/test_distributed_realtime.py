@@ -18,8 +18,11 @@ from test_distributed import deployment  # noqa: F401 - a fixture
 
 from pagedbatch.engine import LLM, SamplingParams
 
-MESSAGES = [{"role": "user", "content": "Tell me a story."}]
+STORY = "Tell me a story."
+MESSAGES = [{"role": "user", "content": STORY}]
 LONG = {"max_tokens": 1500, "ignore_eos": True}  # still running when the test acts on it
+RESPONSE = {"model": "tiny", "temperature": 0, "max_output_tokens": 16}
+ROLES = ["user", "assistant", "user"]
 
 
 def engine_load(running: Deployment) -> dict[str, Any]:
@@ -80,6 +83,11 @@ def test_realtime_requests_reach_a_worker_engine_and_recover_after_it_dies(
     eventually(lambda: engine_load(deployment)["running"] == 0, timeout=2.0)
     assert engine_load(deployment)["kv_usage"] == 0.0 and engine_load(deployment)["admitted"] == 0
 
+    # A response is kept where it runs, on the engine host, in the job store the API reads.
+    first = client.responses.create(input=STORY, **RESPONSE)
+    assert client.responses.retrieve(first.id) == first
+    assert client.responses.input_items.list(first.id).data[0].content[0].text == STORY
+
     os.killpg(worker.pid, signal.SIGKILL)
     worker.wait()
     assert_unavailable(lambda: client.chat.completions.create(**greedy, stream=True))
@@ -88,3 +96,19 @@ def test_realtime_requests_reach_a_worker_engine_and_recover_after_it_dies(
     until_served(client)
     again = client.chat.completions.create(**greedy)
     assert again.choices[0].message.content == expected.text
+
+    # The next worker's host continues the first one's response, as if sent whole.
+    assert client.responses.retrieve(first.id) == first
+    second = client.responses.create(input="More.", previous_response_id=first.id, **RESPONSE)
+    turns = [STORY, first.output_text, "More."]
+    whole = client.responses.create(
+        input=[{"role": role, "content": text} for role, text in zip(ROLES, turns, strict=True)],
+        **RESPONSE,
+    )
+    assert (second.output_text, second.usage.input_tokens) == (
+        whole.output_text,
+        whole.usage.input_tokens,
+    )
+    client.responses.delete(first.id)
+    with pytest.raises(openai.NotFoundError):
+        client.responses.retrieve(first.id)

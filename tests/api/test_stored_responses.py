@@ -1,0 +1,94 @@
+"""Stored responses through the unmodified `openai` SDK against the embedded service: retrieve,
+input items in pages, delete, each tenant's own; `store=False` keeps nothing; and
+`previous_response_id` continues a conversation, which the model sees as if it had been sent
+whole."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import openai
+import pytest
+from servers import API_KEYS
+
+GREEDY = {"model": "tiny", "temperature": 0, "max_output_tokens": 16}
+TURNS = [
+    {"role": "user", "content": "Hi"},
+    {"role": "assistant", "content": "Hello!"},
+    {"type": "message", "role": "user", "content": [{"type": "input_text", "text": "Go on"}]},
+]
+
+
+def not_found(call: Any, param: str = "response_id") -> str:
+    with pytest.raises(openai.NotFoundError) as caught:
+        call()
+    assert caught.value.body["param"] == param
+    return caught.value.body["message"]
+
+
+def test_a_stored_response_is_its_tenants_to_retrieve_list_and_delete(serve_batches):
+    server = serve_batches(api_keys=API_KEYS)
+    mine, theirs = server.client(API_KEYS[0]), server.client(API_KEYS[1])
+    created = mine.responses.create(input=TURNS, **GREEDY)
+
+    assert mine.responses.retrieve(created.id) == created
+    items = list(mine.responses.input_items.list(created.id, limit=2))  # pages of 2
+    assert [item.role for item in items] == ["user", "assistant", "user"][::-1]
+    assert items[0].content[0].text == "Go on"
+    assert all(item.id for item in items) and len({item.id for item in items}) == 3
+    first = mine.responses.input_items.list(created.id, limit=2, order="asc")
+    assert [item.id for item in first.data] == [item.id for item in items[::-1][:2]]
+    assert first.has_more and first.first_id == items[-1].id
+    with pytest.raises(openai.BadRequestError) as caught:
+        mine.responses.input_items.list(created.id, after="msg_nope")
+    assert caught.value.body["param"] == "after"
+
+    # Another tenant's id is as missing as one that never was, everywhere.
+    assert not_found(lambda: theirs.responses.retrieve(created.id)) == (
+        f"Response with id '{created.id}' not found."
+    )
+    not_found(lambda: theirs.responses.input_items.list(created.id))
+    not_found(lambda: theirs.responses.delete(created.id))
+    assert "Previous response with id" in not_found(
+        lambda: theirs.responses.create(input="Hi", previous_response_id=created.id, **GREEDY),
+        param="previous_response_id",
+    )
+
+    unstored = mine.responses.create(input="Hi", store=False, **GREEDY)
+    assert unstored.store is False
+    not_found(lambda: mine.responses.retrieve(unstored.id))
+
+    with server.http(API_KEYS[0]) as http:
+        deleted = http.delete(f"/v1/responses/{created.id}")
+    assert deleted.json() == {"id": created.id, "object": "response", "deleted": True}
+    not_found(lambda: mine.responses.retrieve(created.id))
+    not_found(lambda: mine.responses.delete(created.id))
+    not_found(
+        lambda: mine.responses.create(input="Hi", previous_response_id=created.id, **GREEDY),
+        param="previous_response_id",
+    )
+
+
+def test_previous_response_id_continues_the_conversation_the_model_sees_whole(serve_batches):
+    client = serve_batches().client()
+    first = client.responses.create(input="Tell me a story.", instructions="Be brief.", **GREEDY)
+    second = client.responses.create(input="More.", previous_response_id=first.id, **GREEDY)
+    third = client.responses.create(input=TURNS, previous_response_id=second.id, **GREEDY)
+
+    # Greedy decoding: the same text and prompt as the conversation sent in full. Instructions
+    # are not carried over, as OpenAI's are not.
+    whole = client.responses.create(
+        input=[
+            {"role": "user", "content": "Tell me a story."},
+            {"role": "assistant", "content": first.output_text},
+            {"role": "user", "content": "More."},
+            {"role": "assistant", "content": second.output_text},
+            *TURNS,
+        ],
+        **GREEDY,
+    )
+    assert third.previous_response_id == second.id
+    assert third.output_text == whole.output_text
+    assert third.usage.input_tokens == whole.usage.input_tokens
+    # Its input items are its own, not the conversation's.
+    assert len(client.responses.input_items.list(third.id).data) == len(TURNS)
