@@ -1,13 +1,13 @@
 """A worker's engine host: its engine's realtime endpoints over HTTP, for the distributed API.
 
-It serves `/v1/chat/completions`, `/v1/completions`, `/v1/audio/transcriptions` and
-`/v1/moderations` with the embedded server's own code (api/realtime.py), so checks, admission
-(429 with Retry-After), spend reservations (store/spend.py), streaming and the abort of a request
-whose client left behave alike in both deployments; the API forwards requests here and
-passes the answers back unchanged (api/engine_proxy.py). `GET /internal/load` tells this engine's
-load. Every heartbeat the host writes its address and load into Redis (store/engine_registry.py),
-where the API finds it; the record lapses within seconds of the worker dying, and is deleted at
-the first heartbeat after its engine died.
+It serves `/v1/chat/completions`, `/v1/completions`, `/v1/audio/transcriptions`,
+`/v1/embeddings` and `/v1/moderations` with the embedded server's own code (api/realtime.py), so
+checks, admission (429 with Retry-After), spend reservations (store/spend.py), streaming and the
+abort of a request whose client left behave alike in both deployments; the API forwards requests
+here and passes the answers back unchanged (api/engine_proxy.py). `GET /internal/load` tells this
+engine's load. Every heartbeat the host writes its address and load into Redis
+(store/engine_registry.py), where the API finds it; the record lapses within seconds of the
+worker dying, and is deleted at the first heartbeat after its engine died.
 
 uvicorn runs it on an event loop of its own, in a thread of the worker process. When
 `engine_secret` is set, every request must bear it (`Authorization: Bearer <secret>`); a host
@@ -36,9 +36,10 @@ from redis.exceptions import RedisError
 from pagedbatch.addresses import is_loopback
 from pagedbatch.api.app import install_error_handling
 from pagedbatch.api.deps import Services
-from pagedbatch.api.realtime import Admission
+from pagedbatch.api.realtime import Admission, realtime_limit
 from pagedbatch.api.responses import routes as responses
-from pagedbatch.api.routes import audio, chat, completions, moderations
+from pagedbatch.api.responses import routes as responses
+from pagedbatch.api.routes import audio, chat, completions, embeddings, moderations
 from pagedbatch.api.routes.engine import settings_in_force
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.api.web_guard import WebGuardMiddleware
@@ -112,7 +113,9 @@ def engine_host_app(
 ) -> FastAPI:
     """The host's app; while it runs, it heartbeats its record into the broker's Redis."""
     assert services.engine is not None and settings.broker_url is not None
-    admission = Admission(settings.max_realtime_queue, settings.realtime_tenant_share)
+    admission = Admission(
+        realtime_limit(settings, services.engine.engine), settings.realtime_tenant_share
+    )
     engine = services.engine
     model = engine.engine.model_name
     figures: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
@@ -181,7 +184,9 @@ def engine_host_app(
     v1.include_router(audio.router)
     v1.include_router(chat.router)
     v1.include_router(completions.router)
+    v1.include_router(embeddings.router)  # on the worker's embedding model, or its own
     v1.include_router(moderations.router)  # on the worker's moderation model, where it has one
+    v1.include_router(responses.router)  # kept in the job store here, which the API reads
     v1.include_router(responses.router)  # kept in the job store here, which the API reads
     app.include_router(v1)
 

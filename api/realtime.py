@@ -46,6 +46,7 @@ from pagedbatch.logs import request_id as current_request_id
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline, final_outputs, unless
 from pagedbatch.protocol.schemas.common import SamplingRequest, Usage
+from pagedbatch.protocol.schemas.embeddings import MAX_EMBEDDING_INPUTS
 from pagedbatch.protocol.serving.common import (
     Prepared,
     ServedModel,
@@ -54,6 +55,7 @@ from pagedbatch.protocol.serving.common import (
 )
 from pagedbatch.protocol.serving.media import fetches_media
 from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
+from pagedbatch.settings import Settings
 from pagedbatch.store.models import DEFAULT_OWNER
 
 logger = logging.getLogger(__name__)
@@ -238,7 +240,11 @@ class Admission:
 
 
 def _engine_for(services: Services, model: str) -> AsyncLLM:
-    """The engine that serves `model` in this process."""
+    """The engine that serves `model` in this process: the embedding model's, or the main one.
+    Each endpoint's `prepare` refuses a model of the wrong kind (an embedding model asked to
+    generate, or a generating one for embeddings) with a 400."""
+    if services.embedder is not None and model == services.embedding_model:
+        return services.embedder
     if model not in services.served_models:
         raise model_not_found(model)
     if services.engine is None:
@@ -272,6 +278,8 @@ async def answer(
     params = await _off_loop(services, parse, raw)
     send_timeout = services.settings.stream_send_timeout_seconds
     if services.engines is not None:  # the distributed API: a worker's engine host runs it
+        if params.model == services.embedding_model:  # every worker runs it beside its own
+            return await forward_to_any_host(request, services)
         return await services.engines.forward(
             request, params.model, raw, services.served_models, tenant, send_timeout
         )
@@ -299,7 +307,7 @@ async def _open_account(
     """The request's account in the usage ledger, its worst case reserved against the spend
     limits (store/spend.py): a 429 `insufficient_quota`, before any engine work, if they cannot
     cover it. None where nothing is recorded: no ledger, or the moderation model (free)."""
-    if services.ledger is None or engine is not services.engine:
+    if services.ledger is None or engine is services.guard:
         return None
     return await _off_loop(
         services,
@@ -331,12 +339,12 @@ async def _admit_and_run(
         tenant,
         door="realtime",
         guard=services.guard,
-        moderation=engine is not services.engine,  # its scores are free, and not screened
+        moderation=engine is services.guard,  # its scores are free, and not screened
         request_id=current_request_id.get(),
     )
     pipeline = RequestPipeline(engine, prepared, context)
     await pipeline.screen_input()
-    admission = _admission(request, engine.engine.model_name)
+    admission = _admission(request, engine)
     sequences = sum(engine_input.params.n for engine_input in prepared.inputs)
     _check_size(sequences, params, admission.max_request)
     ticket = admission.enter(tenant, sequences)
@@ -372,7 +380,8 @@ async def _admit_and_run(
 
 async def forward_to_any_host(request: Request, services: Services) -> Response:
     """The distributed API's answer to a request for an engine every worker runs whatever its
-    main model (the moderation model): the least loaded host of a live model answers it."""
+    main model (the moderation and embedding models): the least loaded host of a live model
+    answers it."""
     assert services.engines is not None
     models = await services.engines.models()
     if not models:
@@ -422,7 +431,9 @@ def _check_size(sequences: int, params: SamplingRequest, most: int) -> None:
     """A 400 for a request too large ever to be admitted, rather than 429s for ever."""
     if sequences <= most:
         return
-    param = "n" if getattr(params, "n", 1) > most else "prompt"
+    param = (
+        "n" if getattr(params, "n", 1) > most else "input" if hasattr(params, "input") else "prompt"
+    )
     raise OpenAIError(
         f"This request needs {sequences} sequences (its prompts times n), and the realtime "
         f"endpoints run at most {most} of one client's at once. Send fewer prompts or choices, "
@@ -481,17 +492,28 @@ class EventStreamResponse(StreamingResponse):
             self._on_close()
 
 
-def _admission(request: Request, model: str) -> Admission:
-    """The admission of the engine serving `model` (the main one, or a guard)."""
+def _admission(request: Request, engine: AsyncLLM) -> Admission:
+    """The admission of `engine` (the main one, a guard or the embedder)."""
     state = request.app.state
+    model = engine.engine.model_name
     if not hasattr(state, "realtime_admissions"):
         state.realtime_admissions = {}
     if model not in state.realtime_admissions:  # made on first use: one per engine and app
         settings = get_services(request).settings
         state.realtime_admissions[model] = Admission(
-            settings.max_realtime_queue, settings.realtime_tenant_share
+            realtime_limit(settings, engine.engine), settings.realtime_tenant_share
         )
     return state.realtime_admissions[model]
+
+
+def realtime_limit(settings: Settings, served: ServedModel) -> int:
+    """The realtime sequences `served`'s engine holds at once: `max_realtime_queue`, and for an
+    embedding model at least one request of as many inputs as OpenAI allows, which must not
+    be a 400 however the queue is set. Its sequences hold no KV blocks past their one step (an
+    encoder's none at all), so a queued input costs its token ids, which the body bound bounds."""
+    if served.pooling is None:
+        return settings.max_realtime_queue
+    return max(settings.max_realtime_queue, MAX_EMBEDDING_INPUTS)
 
 
 def engine_unavailable(message: str, param: str | None = "model") -> OpenAIError:
