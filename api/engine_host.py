@@ -38,7 +38,6 @@ from pagedbatch.api.app import install_error_handling
 from pagedbatch.api.deps import Services
 from pagedbatch.api.realtime import Admission, realtime_limit
 from pagedbatch.api.responses import routes as responses
-from pagedbatch.api.responses import routes as responses
 from pagedbatch.api.routes import audio, chat, completions, embeddings, moderations
 from pagedbatch.api.routes.engine import settings_in_force
 from pagedbatch.api.token_rate import TokenRate
@@ -186,7 +185,6 @@ def engine_host_app(
     v1.include_router(completions.router)
     v1.include_router(embeddings.router)  # on the worker's embedding model, or its own
     v1.include_router(moderations.router)  # on the worker's moderation model, where it has one
-    v1.include_router(responses.router)  # kept in the job store here, which the API reads
     v1.include_router(responses.router)  # kept in the job store here, which the API reads
     app.include_router(v1)
 
