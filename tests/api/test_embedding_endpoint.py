@@ -179,3 +179,27 @@ def test_a_batch_of_embeddings_gives_the_realtime_vectors_and_is_charged_as_inpu
             f"{model}, input (batch)": batch_tokens * PRICE["input"] * 0.5 / 1e6,
         }
     )
+
+
+def test_the_main_model_may_be_the_embedding_model(serve_batches, bert):
+    server = serve_batches(model=str(bert), served_model_name="minilm")
+    client = server.client()
+    assert [m.id for m in client.models.list()] == ["minilm"]
+    [item] = client.embeddings.create(model="minilm", input="Hello").data
+    assert len(item.embedding) == server.embedded.context.engine.engine.pooling.dimensions
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "Hi"}])
+    assert caught.value.body["param"] == "model"
+    batch = create(client, [], endpoint="/v1/embeddings")  # accepted: it fails as empty
+    assert finished(client, batch.id).status == "failed"
+
+
+def test_without_an_embedding_model_embedding_batches_are_refused(serve_batches):
+    client = serve_batches().client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        create(client, [], endpoint="/v1/embeddings")
+    assert caught.value.body["param"] == "endpoint"
+    assert "PAGEDBATCH_EMBEDDING_MODEL" in caught.value.body["message"]
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model="tiny", input="Hello")
+    assert caught.value.body["param"] == "model"
