@@ -29,6 +29,7 @@ import time
 from collections import Counter
 from collections.abc import AsyncGenerator, Awaitable, Callable, Iterable
 from dataclasses import dataclass
+from functools import partial
 from typing import Any, Protocol, TypeVar
 
 from fastapi import Request
@@ -54,7 +55,7 @@ from pagedbatch.protocol.serving.common import (
     parse_request,
 )
 from pagedbatch.protocol.serving.media import fetches_media
-from pagedbatch.protocol.serving.streaming import ChunkWriter, StreamEncoder
+from pagedbatch.protocol.serving.streaming import EventStream
 from pagedbatch.settings import Settings
 from pagedbatch.store.models import DEFAULT_OWNER
 
@@ -260,12 +261,12 @@ async def answer(
     services: Services,
     parse: Callable[[bytes], Body],
     prepare: Callable[[Body, ServedModel], P],
-    chunks: Callable[[P], ChunkWriter] | None = None,
+    stream: Callable[[P, Body], EventStream] | None = None,
     engine_of: Callable[[Services, str], AsyncLLM] | None = None,
     on_answered: Answered[P] | None = None,
 ) -> Response:
     """An endpoint's answer to the request: the whole response, or its events if streamed (for
-    an endpoint with `chunks`; `prepare` refuses a stream for one without). `engine_of` finds
+    an endpoint with `stream`; `prepare` refuses a stream for one without). `engine_of` finds
     the engine for the request's model (default: the main engine, for the models it serves).
     `on_answered` gets the prepared request and its final response object before the client
     does (the body, or the object a stream's last event tells in full), to keep it.
@@ -290,7 +291,7 @@ async def answer(
     account = await _open_account(request, services, tenant, engine, prepared)
     try:
         response = await _admit_and_run(
-            request, services, params, prepared, engine, chunks, tenant, account, on_answered
+            request, services, params, prepared, engine, stream, tenant, account, on_answered
         )
     except BaseException:
         if account is not None:
@@ -326,7 +327,7 @@ async def _admit_and_run(
     params: RealtimeBody,
     prepared: P,
     engine: AsyncLLM,
-    chunks: Callable[[P], ChunkWriter] | None,
+    stream: Callable[[P, Body], EventStream] | None,
     tenant: str,
     account: Account | None,
     on_answered: Answered[P] | None = None,
@@ -353,8 +354,9 @@ async def _admit_and_run(
     running = pipeline.outputs(engine_done=ticket.release)
 
     record = account.record if account is not None else None
-    if chunks is not None and params.stream:
-        events = _events(running, StreamEncoder(chunks(prepared), params), record)
+    if stream is not None and params.stream:
+        answered = None if on_answered is None else partial(on_answered, prepared)
+        events = _events(running, stream(prepared, params), record, answered)
 
         def closed() -> None:
             ticket.release()
@@ -540,28 +542,37 @@ def too_busy(reason: str, retry_after: int = RETRY_AFTER_SECONDS) -> JSONRespons
 
 async def _events(
     running: AsyncGenerator[list[RequestOutput | None], None],
-    stream: StreamEncoder,
+    stream: EventStream,
     account: Callable[[Usage], None] | None = None,
+    answered: Callable[[BaseModel], Awaitable[None]] | None = None,
 ) -> AsyncGenerator[bytes, None]:
-    """The stream's events; however it ends, `account` gets the usage of what was streamed."""
+    """The stream's events; however it ends, `account` gets the usage of what was streamed. A
+    stream that ends, well or failed, with a whole response object (`stream.final`) gives it to
+    `answered` before its last event goes out."""
     try:
-        async with contextlib.aclosing(running):
-            async for outputs in running:
-                if events := stream.events(outputs):
-                    yield events
-        yield stream.end()
-    except OpenAIError as exc:
-        yield stream.error(exc)
-    except Exception:
-        # The status line has gone out, so the failure can only be told in the stream.
-        logger.exception("a realtime stream failed")
-        yield stream.error(
-            OpenAIError(
-                "The server had an error while processing your request.",
-                status_code=500,
-                type="server_error",
+        try:
+            if begun := stream.begin():
+                yield begun
+            async with contextlib.aclosing(running):
+                async for outputs in running:
+                    if events := stream.events(outputs):
+                        yield events
+            last = stream.end()
+        except OpenAIError as exc:
+            last = stream.error(exc)
+        except Exception:
+            # The status line has gone out, so the failure can only be told in the stream.
+            logger.exception("a realtime stream failed")
+            last = stream.error(
+                OpenAIError(
+                    "The server had an error while processing your request.",
+                    status_code=500,
+                    type="server_error",
+                )
             )
-        )
+        if answered is not None and stream.final is not None:
+            await answered(stream.final)
+        yield last
     finally:
         if account is not None:
             account(stream.usage())

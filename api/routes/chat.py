@@ -9,7 +9,7 @@ from pagedbatch.api.realtime import answer, json_of
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
 from pagedbatch.protocol.schemas.chat import ChatCompletion, ChatCompletionRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
-from pagedbatch.protocol.serving.streaming import ChatChunks
+from pagedbatch.protocol.serving.streaming import ChatChunks, chunked
 
 router = APIRouter(prefix="/chat", tags=["chat"])
 
@@ -21,4 +21,6 @@ router = APIRouter(prefix="/chat", tags=["chat"])
     openapi_extra=json_body(ChatCompletionRequest),
 )
 async def create_chat_completion(request: Request, services: ServicesDep) -> Response:
-    return await answer(request, services, json_of(ChatCompletionRequest), prepare_chat, ChatChunks)
+    return await answer(
+        request, services, json_of(ChatCompletionRequest), prepare_chat, chunked(ChatChunks)
+    )

@@ -9,7 +9,7 @@ from pagedbatch.api.realtime import answer, json_of
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
 from pagedbatch.protocol.schemas.completions import Completion, CompletionRequest
 from pagedbatch.protocol.serving.completions import prepare_completion
-from pagedbatch.protocol.serving.streaming import CompletionChunks
+from pagedbatch.protocol.serving.streaming import CompletionChunks, chunked
 
 router = APIRouter(prefix="/completions", tags=["completions"])
 
@@ -22,5 +22,5 @@ router = APIRouter(prefix="/completions", tags=["completions"])
 )
 async def create_completion(request: Request, services: ServicesDep) -> Response:
     return await answer(
-        request, services, json_of(CompletionRequest), prepare_completion, CompletionChunks
+        request, services, json_of(CompletionRequest), prepare_completion, chunked(CompletionChunks)
     )

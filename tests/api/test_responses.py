@@ -187,3 +187,67 @@ def test_bad_input_is_a_400_naming_the_field(serve_batches):
         assert caught.value.body["param"] == param, (body, caught.value.body)
     # Nothing else was disturbed: the next good request is answered.
     assert client.responses.create(model="tiny", input="Hi", **GREEDY).output_text
+
+
+def event_types(events: list[Any]) -> list[str]:
+    return [event.type for event in events]
+
+
+def test_a_stream_tells_the_response_in_typed_events(serve_batches):
+    client = serve_batches().client()
+    events = list(client.responses.create(model="tiny", input="Hello there", stream=True, **GREEDY))
+    assert [event.sequence_number for event in events] == list(range(len(events)))
+    types = event_types(events)
+    deltas = [event.delta for event in events if event.type == "response.output_text.delta"]
+    assert types == [
+        "response.created",
+        "response.in_progress",
+        "response.output_item.added",
+        "response.content_part.added",
+        *["response.output_text.delta"] * len(deltas),
+        "response.output_text.done",
+        "response.content_part.done",
+        "response.output_item.done",
+        "response.incomplete",  # cut at max_output_tokens
+    ]
+    assert events[0].response.status == "in_progress" and events[0].response.output == []
+    final = events[-1].response
+    whole = client.responses.create(model="tiny", input="Hello there", **GREEDY)
+    assert "".join(deltas) == final.output_text == whole.output_text
+    assert final.output[0].id == events[2].item.id == events[-2].item.id
+    assert final.usage.output_tokens == whole.usage.output_tokens == 16
+
+    # The SDK's stream helpers: a JSON answer that completes, parsed.
+    with client.responses.stream(
+        model="tiny", input="Who?", text_format=Person, max_output_tokens=200
+    ) as stream:
+        streamed = list(stream)
+        parsed = stream.get_final_response()
+    assert parsed.status == "completed" and isinstance(parsed.output_parsed, Person)
+    joined = "".join(e.delta for e in streamed if e.type == "response.output_text.delta")
+    assert joined == parsed.output_text
+    assert event_types(streamed)[-1] == "response.completed"
+
+    # Function calls: their own items and argument events, after the (empty) text.
+    with client.responses.stream(
+        model="tiny",
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **GREEDY | {"max_output_tokens": 64},
+    ) as stream:
+        called = list(stream)
+        final = stream.get_final_response()
+    types = event_types(called)
+    assert types[2:] == [
+        "response.output_item.added",
+        "response.function_call_arguments.delta",
+        "response.function_call_arguments.done",
+        "response.output_item.done",
+        "response.completed",
+    ]
+    (call,) = final.output
+    assert call.type == "function_call" and call.call_id == called[2].item.call_id
+    assert call.arguments == called[3].delta == called[4].arguments
+    json.loads(call.arguments)

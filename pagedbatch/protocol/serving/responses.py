@@ -199,9 +199,10 @@ class Answer:
     reason: str
 
     def message(self, item_id: str, status: Any) -> OutputMessage:
-        parts: list[OutputText | OutputRefusal] = []
-        if self.content or not self.refusal:
-            parts.append(OutputText(text=self.content or "", logprobs=self.logprobs))
+        # The text first, if only an empty one: a stream has opened it before it knows the end.
+        parts: list[OutputText | OutputRefusal] = [
+            OutputText(text=self.content or "", logprobs=self.logprobs)
+        ]
         if self.refusal:
             parts.append(OutputRefusal(refusal=self.refusal))
         return OutputMessage(id=item_id, status=status, content=parts)

@@ -1,4 +1,4 @@
-"""Streamed chat and completions: the server-sent events made from the engine's outputs.
+"""Streamed responses: the server-sent events made from the engine's outputs.
 
 The engine hands a stream DELTA outputs: what each choice gained since the last. Its text holds
 back an incomplete character, and anything that could still become a stop string, so the chunks
@@ -11,9 +11,9 @@ from __future__ import annotations
 
 import json
 from collections import defaultdict
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Protocol
+from typing import Any, Protocol
 
 from pydantic import BaseModel
 
@@ -48,12 +48,39 @@ class Delta:
     refusal: str | None = None  # why the content filter ended the choice
 
 
+class EventStream(Protocol):
+    """The events of one streamed response, as the realtime door sends them: `begin` first,
+    `events` whenever the engine's requests move, then `end` once all have finished, or `error`
+    for a failure once under way. `final` is the response object the stream has told in full
+    once it ended, where the endpoint has one (None for chat and completions chunks)."""
+
+    final: BaseModel | None
+
+    def begin(self) -> bytes: ...
+
+    def events(self, outputs: Sequence[RequestOutput | None]) -> bytes: ...
+
+    def end(self) -> bytes: ...
+
+    def error(self, error: OpenAIError) -> bytes: ...
+
+    def usage(self) -> Usage:
+        """The tokens of what has been streamed so far."""
+
+
 class ChunkWriter(Protocol):
     """An endpoint's chunk objects."""
 
     def chunk(self, delta: Delta) -> BaseModel: ...
 
     def usage_chunk(self, usage: Usage) -> BaseModel: ...
+
+
+def chunked(
+    writer: Callable[[Any], ChunkWriter],
+) -> Callable[[Any, SamplingRequest], StreamEncoder]:
+    """The event stream of an endpoint that answers in `writer`'s chunks, then [DONE]."""
+    return lambda prepared, request: StreamEncoder(writer(prepared), request)
 
 
 @dataclass
@@ -64,48 +91,27 @@ class _Sent:
     finished: bool = False
 
 
-class StreamEncoder:
-    """The events of one streamed response: chunks as the outputs come, then usage and [DONE]."""
+class DeltaReader:
+    """What each choice of a streamed request gained since the previous outputs, as Deltas, and
+    the tokens of what has been streamed so far. Choice `index` of engine request `position` is
+    the response's choice `position * n + index`, as in the non-streamed response."""
 
-    def __init__(self, writer: ChunkWriter, request: SamplingRequest) -> None:
-        self._writer = writer
-        self._n = request.n
-        options = request.stream_options
-        self._include_usage = options is not None and options.include_usage
+    def __init__(self, n: int) -> None:
+        self._n = n
         self._sent: defaultdict[int, _Sent] = defaultdict(_Sent)
-        # For the usage chunk, by engine request: its prompt's tokens (all, cached, image,
-        # audio), and the tokens its completions generated.
+        # For the usage, by engine request: its prompt's tokens (all, cached, image, audio), and
+        # the tokens its completions generated.
         self._prompt_tokens: dict[int, tuple[int, int, int, int]] = {}
         self._completion_tokens = 0
 
-    def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
-        """The events for `outputs`: what each engine request said since the previous call, as
-        a DELTA output (None if nothing). OpenAIError if a request was aborted or failed."""
-        return b"".join(self._event(self._writer.chunk(delta)) for delta in self._deltas(outputs))
-
-    def end(self) -> bytes:
-        """The events once every request has finished: usage if asked for, then [DONE]."""
-        if not self._include_usage:
-            return DONE
-        return self._event(self._writer.usage_chunk(self.usage())) + DONE
-
     def usage(self) -> Usage:
-        """The tokens of what has been streamed so far."""
         counts = self._prompt_tokens.values()
         prompt, cached, images, audio = (sum(c[i] for c in counts) for i in range(4))
         return counted_usage(prompt, self._completion_tokens, cached, images, audio)
 
-    @staticmethod
-    def error(error: OpenAIError) -> bytes:
-        """A failure once the response has begun: the SDK raises it as an APIError."""
-        return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
-
-    def _event(self, chunk: BaseModel) -> bytes:
-        # With include_usage every chunk says `"usage": null`; without it, none mentions usage.
-        exclude = None if self._include_usage else {"usage"}
-        return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
-
-    def _deltas(self, outputs: Sequence[RequestOutput | None]) -> Iterator[Delta]:
+    def deltas(self, outputs: Sequence[RequestOutput | None]) -> Iterator[Delta]:
+        """The deltas of `outputs`: what each engine request said since the previous call, as a
+        DELTA output (None if nothing). OpenAIError if a request was aborted or failed."""
         for position, output in enumerate(outputs):
             if output is None:
                 continue
@@ -117,7 +123,7 @@ class StreamEncoder:
             )
             for choice in output.outputs:
                 self._completion_tokens += len(choice.token_ids)
-                index = position * self._n + choice.index  # as in the non-streamed response
+                index = position * self._n + choice.index
                 sent = self._sent[index]
                 if sent.finished:
                     continue
@@ -134,6 +140,48 @@ class StreamEncoder:
                 sent.started = True
                 sent.finished = choice.finished
                 yield delta
+
+
+class StreamEncoder:
+    """The events of one streamed chat or completion: chunks as the outputs come, then usage
+    and [DONE]."""
+
+    final: BaseModel | None = None  # chunks tell no whole response
+
+    def __init__(self, writer: ChunkWriter, request: SamplingRequest) -> None:
+        self._writer = writer
+        options = request.stream_options
+        self._include_usage = options is not None and options.include_usage
+        self._reader = DeltaReader(request.n)
+
+    def begin(self) -> bytes:
+        return b""  # a chat's first chunk carries its first delta
+
+    def events(self, outputs: Sequence[RequestOutput | None]) -> bytes:
+        """The events for `outputs` (see DeltaReader.deltas)."""
+        return b"".join(
+            self._event(self._writer.chunk(delta)) for delta in self._reader.deltas(outputs)
+        )
+
+    def end(self) -> bytes:
+        """The events once every request has finished: usage if asked for, then [DONE]."""
+        if not self._include_usage:
+            return DONE
+        return self._event(self._writer.usage_chunk(self.usage())) + DONE
+
+    def usage(self) -> Usage:
+        """The tokens of what has been streamed so far."""
+        return self._reader.usage()
+
+    @staticmethod
+    def error(error: OpenAIError) -> bytes:
+        """A failure once the response has begun: the SDK raises it as an APIError."""
+        return b"data: " + json.dumps(error.body()).encode() + b"\n\n"
+
+    def _event(self, chunk: BaseModel) -> bytes:
+        # With include_usage every chunk says `"usage": null`; without it, none mentions usage.
+        exclude = None if self._include_usage else {"usage"}
+        return b"data: " + chunk.model_dump_json(exclude=exclude).encode() + b"\n\n"
 
 
 @dataclass
