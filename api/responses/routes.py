@@ -11,7 +11,6 @@ from fastapi import Response as HTTPResponse
 
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.realtime import answer, json_of, tenant_of
-from pagedbatch.api.responses import stored
 from pagedbatch.api.responses.stored import continuing, keeper
 from pagedbatch.api.routes.openapi import error_responses, json_body, streamed
 from pagedbatch.protocol.schemas.responses import Response, ResponseCreateRequest
@@ -51,6 +50,3 @@ def _prepare(
     if request.background:
         raise not_supported("background", "background")
     return prepare_response(request, served, history)
-
-
-router.include_router(stored.router)

@@ -36,7 +36,8 @@ from pagedbatch.store.responses import (
     save_response,
 )
 
-router = APIRouter()
+# The API's alone: an engine host serves create, never these (it has no tenants' keys).
+router = APIRouter(prefix="/responses", tags=["responses"])
 
 
 class InputItem(BaseModel):
