@@ -13,6 +13,7 @@ from pagedbatch.workers.batches.shards import run_shard
 from pagedbatch.workers.batches.validation import validate_batch
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import heartbeat
+from pagedbatch.workers.responses import run_response
 from pagedbatch.workers.upkeep import tick_seconds, upkeep
 from pagedbatch.workers.webhooks import deliver_webhook
 
@@ -20,6 +21,7 @@ TASKS: dict[str, Callable[..., None]] = {
     "validate_batch": validate_batch,
     "run_shard": run_shard,
     "finalize_batch": finalize_batch,
+    "run_response": run_response,
     "deliver_webhook": deliver_webhook,
     # Run by each process's own timers (start_timers), never sent through a broker.
     "heartbeat": heartbeat,

@@ -32,6 +32,7 @@ from pagedbatch.workers.recovery import (
     redrive_validation,
     requeue_pending_shards,
 )
+from pagedbatch.workers.responses import requeue_lost_responses
 from pagedbatch.workers.retention import apply_retention
 from pagedbatch.workers.webhooks import sweep_webhooks
 
@@ -56,6 +57,7 @@ def tick_seconds(settings: Settings) -> float:
 JOBS = (
     Job("reap_leases", reap_leases, tick_seconds),
     Job("requeue_pending_shards", requeue_pending_shards, tick_seconds),
+    Job("requeue_lost_responses", requeue_lost_responses, tick_seconds),
     # A dead process's spend reservations go back to their budgets.
     Job("release_reservations", lambda ctx: release_lapsed(ctx.session_factory), tick_seconds),
     Job("expire_batches", expire_batches, lambda s: s.reaper_interval_seconds),
