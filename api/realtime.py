@@ -58,6 +58,7 @@ from pagedbatch.protocol.serving.media import fetches_media
 from pagedbatch.protocol.serving.streaming import EventStream
 from pagedbatch.settings import Settings
 from pagedbatch.store.models import DEFAULT_OWNER
+from pagedbatch.store.usage import usage_kind
 
 logger = logging.getLogger(__name__)
 
@@ -307,7 +308,8 @@ async def _open_account(
 ) -> Account | None:
     """The request's account in the usage ledger, its worst case reserved against the spend
     limits (store/spend.py): a 429 `insufficient_quota`, before any engine work, if they cannot
-    cover it. None where nothing is recorded: no ledger, or the moderation model (free)."""
+    cover it. None where nothing is recorded: no ledger, or the moderation model (free). Its
+    usage counts as its endpoint says (an embedding's as embeddings, store/usage.py)."""
     if services.ledger is None or engine is services.guard:
         return None
     return await _off_loop(
@@ -318,6 +320,7 @@ async def _open_account(
         tenant,
         engine.engine,
         prepared,
+        usage_kind(request.url.path),
     )
 
 

@@ -9,21 +9,27 @@ from pagedbatch.protocol.schemas.common import Usage
 from pagedbatch.protocol.serving.common import Prepared, ServedModel, worst_case_tokens
 from pagedbatch.store.reservations import Reservation, Settlement
 from pagedbatch.store.spend import SpendGuard, SpendRefused
-from pagedbatch.store.usage import LedgerWriter
+from pagedbatch.store.usage import COMPLETIONS, LedgerWriter
 from pagedbatch.store.usage import Usage as LedgerUsage
 
 
 def open_account(
-    guard: SpendGuard, ledger: LedgerWriter, owner: str, served: ServedModel, prepared: Prepared
+    guard: SpendGuard,
+    ledger: LedgerWriter,
+    owner: str,
+    served: ServedModel,
+    prepared: Prepared,
+    kind: str = COMPLETIONS,
 ) -> Account:
     """A realtime request's account, its worst case reserved: a 429 `insufficient_quota` if
-    its key's or the service's budget cannot hold it."""
+    its key's or the service's budget cannot hold it. `kind`: what its usage counts as
+    (store/usage.py)."""
     try:
         tokens = worst_case_tokens(prepared, served.max_model_len)
         reservation = guard.reserve(owner, served.model_name, False, *tokens)
     except SpendRefused as refused:
         raise insufficient_quota(str(refused)) from None
-    return Account(guard, ledger, owner, served.model_name, reservation)
+    return Account(guard, ledger, owner, served.model_name, reservation, kind)
 
 
 class Account:
@@ -39,12 +45,14 @@ class Account:
         owner: str,
         model: str,
         reservation: Reservation | None,
+        kind: str = COMPLETIONS,
     ) -> None:
         self._guard = guard
         self._ledger = ledger
         self._owner = owner
         self._model = model
         self._reservation = reservation
+        self._kind = kind
         self._done = False
 
     def record(self, used: Usage) -> None:
@@ -60,6 +68,7 @@ class Account:
             cached_tokens=details.cached_tokens,
             image_tokens=details.image_tokens or 0,
             audio_tokens=details.audio_tokens or 0,
+            kind=self._kind,
         )
         settlement = None
         if self._reservation is not None:

@@ -23,7 +23,7 @@ from pagedbatch.store.models import (
     ShardStatus,
     UsageRecord,
 )
-from pagedbatch.store.usage import Usage
+from pagedbatch.store.usage import Usage, usage_kind
 from pagedbatch.store.webhooks import record_batch_event
 
 S = BatchStatus
@@ -164,14 +164,15 @@ def _record_usage(
     ran = [r for r in written if r.prompt_tokens or r.completion_tokens]
     if not ran:
         return
-    owner, model = session.execute(
-        select(Batch.owner, Batch.model).where(Batch.id == batch_id)
+    owner, model, endpoint = session.execute(
+        select(Batch.owner, Batch.model, Batch.endpoint).where(Batch.id == batch_id)
     ).one()
     records = [
         Usage(
             owner=owner,
             model=model,
             batch_id=batch_id,
+            kind=usage_kind(endpoint),
             input_tokens=r.prompt_tokens,
             cached_tokens=r.cached_tokens,
             output_tokens=r.completion_tokens,

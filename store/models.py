@@ -170,6 +170,10 @@ class UsageRecord(Base):
     owner: Mapped[str] = mapped_column(String(64))  # the tenant: its API key's id
     model: Mapped[str] = mapped_column(String(256))
     batch_id: Mapped[str | None] = mapped_column(String(64))  # None: a realtime request
+    # Which of OpenAI's usage endpoints counts it: "completions" or "embeddings" (store/usage.py).
+    kind: Mapped[str] = mapped_column(
+        String(16), default="completions", server_default="completions"
+    )
     input_tokens: Mapped[int] = mapped_column(default=0)  # cached, image and audio ones included
     cached_tokens: Mapped[int] = mapped_column(default=0)
     output_tokens: Mapped[int] = mapped_column(default=0)

@@ -31,6 +31,15 @@ FLUSH_SECONDS = 1.0
 # a long outage must not grow the server's memory without bound.
 MAX_WAITING = 100_000
 ALL_TIME = 2**40  # a bucket width that holds every record in one bucket
+# Which of OpenAI's usage endpoints counts a record (`/v1/organization/usage/<kind>`): every
+# request that runs a generating model is a completion, whatever its endpoint.
+COMPLETIONS = "completions"
+EMBEDDINGS = "embeddings"
+
+
+def usage_kind(endpoint: str) -> str:
+    """The kind of usage a request to `endpoint` (`/v1/embeddings`, ...) is counted as."""
+    return EMBEDDINGS if endpoint == "/v1/embeddings" else COMPLETIONS
 
 
 @dataclass(frozen=True)
@@ -45,6 +54,7 @@ class Usage:
     image_tokens: int = 0
     audio_tokens: int = 0
     batch_id: str | None = None
+    kind: str = COMPLETIONS
 
 
 class LedgerWriter:
@@ -130,6 +140,7 @@ class UsageQuery:
     owners: frozenset[str] | None = None  # None: every tenant's
     models: frozenset[str] | None = None
     batch: bool | None = None  # True: batch lines only; False: realtime only
+    kind: str | None = None  # COMPLETIONS or EMBEDDINGS only; None: every kind
 
 
 @dataclass(frozen=True)
@@ -183,6 +194,8 @@ def usage_sums(session: Session, query: UsageQuery) -> list[UsageSums]:
         statement = statement.where(record.model.in_(query.models))
     if query.batch is not None:
         statement = statement.where(groups["batch"] if query.batch else record.batch_id.is_(None))
+    if query.kind is not None:
+        statement = statement.where(record.kind == query.kind)
     sums = []
     for row in session.execute(statement):
         named = dict(zip(sorted(query.group_by), row[1 : 1 + len(keys)], strict=True))

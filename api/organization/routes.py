@@ -22,6 +22,8 @@ from pagedbatch.api.organization.schemas import (
     CompletionsUsageResult,
     CostResult,
     CostsPage,
+    EmbeddingsUsagePage,
+    EmbeddingsUsageResult,
     SpendLimitDeleted,
     SpendLimitObject,
     SpendLimitUpdate,
@@ -34,15 +36,16 @@ from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.store.models import SpendLimit
 from pagedbatch.store.reservations import ORGANIZATION
 from pagedbatch.store.spend import SpendGuard
-from pagedbatch.store.usage import UsageQuery, UsageSums, usage_sums
+from pagedbatch.store.usage import COMPLETIONS, EMBEDDINGS, UsageQuery, UsageSums, usage_sums
 
 router = APIRouter(prefix="/organization", tags=["organization"])
-Page = TypeVar("Page", UsagePage, CostsPage)
+Page = TypeVar("Page", UsagePage, EmbeddingsUsagePage, CostsPage)
 
 # Bucket width: (seconds, buckets a page holds by default, at most), as OpenAI has them.
 WIDTHS = {"1m": (60, 60, 1440), "1h": (3600, 24, 168), "1d": (86400, 7, 31)}
 COST_WIDTHS = {"1d": (86400, 7, 180)}
 GROUPS = ("model", "batch", "api_key_id")
+EMBEDDING_GROUPS = ("model", "api_key_id")  # OpenAI's embeddings usage has no batch field
 COST_GROUPS = ("line_item", "api_key_id")
 MAX_FILTER_VALUES = 100
 
@@ -124,7 +127,8 @@ def _group_by(params: _Params, allowed: tuple[str, ...]) -> frozenset[str]:
     responses=error_responses(400, 401),
 )
 def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDep) -> UsagePage:
-    """Tokens and requests of chat and completions, realtime and batch, in time buckets."""
+    """Tokens and requests of the models that generate (chat, completions, responses,
+    transcriptions), realtime and batch, in time buckets."""
     params = _Params(request)
     window = _window(params, WIDTHS)
     query = window.records(
@@ -132,11 +136,42 @@ def completions_usage(request: Request, scope: UsageScopeDep, session: SessionDe
         owners=_owners(params, scope),
         models=frozenset(models) if (models := params.values("models")) else None,
         batch=params.boolean("batch"),
+        kind=COMPLETIONS,
     )
     by_bucket: dict[int, list[CompletionsUsageResult]] = {}
     for sums in usage_sums(session, query):
         by_bucket.setdefault(sums.bucket, []).append(_result(sums))
     return window.page(UsagePage, by_bucket)
+
+
+@router.get(
+    "/usage/embeddings",
+    response_model=EmbeddingsUsagePage,
+    responses=error_responses(400, 401),
+)
+def embeddings_usage(
+    request: Request, scope: UsageScopeDep, session: SessionDep
+) -> EmbeddingsUsagePage:
+    """Input tokens and requests of embeddings, realtime and batch together, in time buckets."""
+    params = _Params(request)
+    window = _window(params, WIDTHS)
+    query = window.records(
+        group_by=_group_by(params, EMBEDDING_GROUPS),
+        owners=_owners(params, scope),
+        models=frozenset(models) if (models := params.values("models")) else None,
+        kind=EMBEDDINGS,
+    )
+    by_bucket: dict[int, list[EmbeddingsUsageResult]] = {}
+    for sums in usage_sums(session, query):
+        by_bucket.setdefault(sums.bucket, []).append(
+            EmbeddingsUsageResult(
+                input_tokens=sums.input_tokens,
+                num_model_requests=sums.requests,
+                api_key_id=sums.api_key_id,
+                model=sums.model,
+            )
+        )
+    return window.page(EmbeddingsUsagePage, by_bucket)
 
 
 @router.get("/costs", response_model=CostsPage, responses=error_responses(400, 401))

@@ -28,6 +28,16 @@ class CompletionsUsageResult(BaseModel):
     service_tier: str | None = None
 
 
+class EmbeddingsUsageResult(BaseModel):
+    object: Literal["organization.usage.embeddings.result"] = "organization.usage.embeddings.result"
+    input_tokens: int
+    num_model_requests: int
+    project_id: str | None = None
+    user_id: str | None = None
+    api_key_id: str | None = None  # set when grouped by it, as model
+    model: str | None = None
+
+
 class Amount(BaseModel):
     value: float
     currency: Literal["usd"] = "usd"
@@ -58,6 +68,7 @@ class Page(BaseModel, Generic[Result]):
 
 
 UsagePage = Page[CompletionsUsageResult]
+EmbeddingsUsagePage = Page[EmbeddingsUsageResult]
 CostsPage = Page[CostResult]
 
 

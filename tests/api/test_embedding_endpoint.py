@@ -153,24 +153,27 @@ def test_a_batch_of_embeddings_gives_the_realtime_vectors_and_is_charged_as_inpu
     batch_tokens = sum(by_id[f"e{i}"]["usage"]["prompt_tokens"] for i in range(len(TEXTS)))
     assert batch.usage.input_tokens == batch_tokens and batch.usage.output_tokens == 0
 
-    # The ledger: the inputs' tokens under the embedding model, none out; priced as input, the
-    # batch's at the discount.
+    # The ledger: the inputs' tokens under the embedding model, as embeddings usage (none of it
+    # in completions usage); priced as input, the batch's at the discount.
     admin = openai.OpenAI(
         base_url=f"{server.url}/v1", api_key="unused", admin_api_key=ADMIN, max_retries=0
     )
     usage = admin.admin.organization.usage
 
-    def counted() -> dict:
-        page = usage.completions(start_time=began, group_by=["model", "batch"], models=[model])
-        return {
-            r.batch: (r.input_tokens, r.output_tokens, r.num_model_requests)
-            for b in page.data
-            for r in b.results
-        }
+    def counted() -> list:
+        page = usage.embeddings(start_time=began, group_by=["model"])
+        return [
+            (r.model, r.input_tokens, r.num_model_requests) for b in page.data for r in b.results
+        ]
 
     # A realtime request is one record, whatever its inputs; each batch line is one.
-    expected = {False: (realtime.usage.prompt_tokens, 0, 1), True: (batch_tokens, 0, 3)}
-    eventually(lambda: counted() == expected, timeout=10)
+    tokens = realtime.usage.prompt_tokens + batch_tokens
+    eventually(lambda: counted() == [(model, tokens, 1 + 3)], timeout=10)
+    [result] = [r for b in usage.embeddings(start_time=began).data for r in b.results]
+    assert result.object == "organization.usage.embeddings.result"
+    assert (result.input_tokens, result.model) == (tokens, None)
+    completions = usage.completions(start_time=began, models=[model])
+    assert [r for b in completions.data for r in b.results] == []
     page = usage.costs(start_time=began, group_by=["line_item"])
     items = {r.line_item: r.amount.value for b in page.data for r in b.results}
     assert items == pytest.approx(
