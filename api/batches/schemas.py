@@ -16,6 +16,7 @@ SUPPORTED_ENDPOINTS = (
     "/v1/completions",
     "/v1/embeddings",
     "/v1/moderations",
+    "/v1/responses",
 )
 
 

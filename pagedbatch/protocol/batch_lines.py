@@ -22,10 +22,17 @@ from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
 from pagedbatch.protocol.schemas.common import TOO_DEEP
 from pagedbatch.protocol.schemas.completions import CompletionRequest
 from pagedbatch.protocol.schemas.embeddings import EmbeddingRequest
+from pagedbatch.protocol.schemas.responses import ResponseCreateRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
-from pagedbatch.protocol.serving.common import Prepared, ServedModel, parse_request
+from pagedbatch.protocol.serving.common import (
+    Prepared,
+    ServedModel,
+    not_supported,
+    parse_request,
+)
 from pagedbatch.protocol.serving.completions import prepare_completion
 from pagedbatch.protocol.serving.embeddings import prepare_embedding
+from pagedbatch.protocol.serving.responses import prepare_response
 
 logger = logging.getLogger(__name__)
 
@@ -219,6 +226,16 @@ def _prepare_completion(body: Any, served: ServedModel) -> Prepared:
     return prepare_completion(parse_request(CompletionRequest, body), served)
 
 
+def _prepare_response(body: Any, served: ServedModel) -> Prepared:
+    # A line is answered once and written to the output file: nothing to run in the
+    # background, and no stored response for previous_response_id to find (prepare_response
+    # refuses one it is given no history for).
+    request = parse_request(ResponseCreateRequest, body)
+    if request.background:
+        raise not_supported("background in a batch line", "background")
+    return prepare_response(request, served)
+
+
 def _prepare_embedding(body: Any, served: ServedModel) -> Prepared:
     return prepare_embedding(parse_request(EmbeddingRequest, body), served)
 
@@ -230,6 +247,7 @@ EMBEDDINGS = "/v1/embeddings"  # run on the embedding model where one is configu
 ENDPOINTS: dict[str, Callable[[Any, ServedModel], Prepared]] = {
     "/v1/chat/completions": _prepare_chat,
     "/v1/completions": _prepare_completion,
+    "/v1/responses": _prepare_response,
     EMBEDDINGS: _prepare_embedding,
 }
 

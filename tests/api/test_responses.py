@@ -13,6 +13,9 @@ from typing import Any
 import openai
 import pytest
 from pydantic import BaseModel, Field
+from test_batches import create, finished, read_lines
+
+from pagedbatch.run_batch import run_batch
 
 WEATHER = {
     "type": "function",
@@ -251,3 +254,76 @@ def test_a_stream_tells_the_response_in_typed_events(serve_batches):
     assert call.type == "function_call" and call.call_id == called[2].item.call_id
     assert call.arguments == called[3].delta == called[4].arguments
     json.loads(call.arguments)
+
+
+RESPONSE_BODIES = {
+    "plain": {"input": "Hello there"},
+    "instructed": {"instructions": "Be terse.", "input": [{"role": "user", "content": "Hi"}]},
+    "called": {
+        "input": "Weather in Oslo?",
+        "tools": [WEATHER],
+        "tool_choice": "required",
+        "parallel_tool_calls": False,
+        "max_output_tokens": 64,
+    },
+    "refused": {"input": "Search", "tools": [{"type": "web_search"}]},
+}
+
+
+def response_lines() -> list[dict[str, Any]]:
+    return [
+        {
+            "custom_id": name,
+            "method": "POST",
+            "url": "/v1/responses",
+            "body": {"model": "tiny", **GREEDY | body},
+        }
+        for name, body in RESPONSE_BODIES.items()
+    ]
+
+
+def said(response: dict[str, Any]) -> list[tuple[str, str]]:
+    """What a Response's output says, less its fresh ids."""
+    return [
+        (item["type"], item["content"][0]["text"] if item["type"] == "message" else item["name"])
+        for item in response["output"]
+    ] + [(item["name"], item["arguments"]) for item in response["output"] if "arguments" in item]
+
+
+def test_a_batch_of_responses_lines_equals_the_requests_one_by_one(
+    serve_batches, tiny_llama, tmp_path
+):
+    server = serve_batches()
+    client = server.client()
+    batch = finished(client, create(client, response_lines(), endpoint="/v1/responses").id)
+    assert batch.status == "completed", batch.errors
+    written = read_lines(client, batch.output_file_id) + read_lines(client, batch.error_file_id)
+    lines = {line["custom_id"]: line for line in written}
+
+    refused = lines.pop("refused")["response"]
+    assert refused["status_code"] == 400 and refused["body"]["error"]["param"] == "tools[0]"
+    for name, line in lines.items():
+        body = line["response"]["body"]
+        assert line["response"]["status_code"] == 200 and body["object"] == "response"
+        one = client.responses.create(model="tiny", **GREEDY | RESPONSE_BODIES[name])
+        assert said(body) == said(one.model_dump()), name
+        # Cached tokens may differ: the prefix cache holds what ran before.
+        used = body["usage"]
+        assert (used["input_tokens"], used["output_tokens"], used["total_tokens"]) == (
+            one.usage.input_tokens,
+            one.usage.output_tokens,
+            one.usage.total_tokens,
+        )
+    assert lines["called"]["response"]["body"]["output"][0]["type"] == "function_call"
+
+    # run-batch takes the same lines.
+    source, target = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    source.write_text("\n".join(json.dumps(line) for line in response_lines()) + "\n")
+    run_batch(source, target, tiny_llama, show_progress=False, served_model_name="tiny")
+    offline = {
+        line["custom_id"]: line["response"]
+        for line in map(json.loads, target.read_text().splitlines())
+    }
+    assert offline.pop("refused")["status_code"] == 400
+    for name, line in lines.items():
+        assert said(offline[name]["body"]) == said(line["response"]["body"]), name
