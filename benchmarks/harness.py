@@ -343,23 +343,29 @@ def run_worker_child(
     worker_argv: list[str],
     env: dict[str, str] | None = None,
 ) -> dict[str, Any]:
-    """`python script *worker_argv --spawn-time T`: a benchmark's worker, one engine in a process
-    of its own. Returns the last JSON line it printed (which must name its "worker"; that key is
-    dropped) plus `peak_rss_tree_mib`, its peak RSS with the subprocesses it reaped; or an error
-    entry with the tail of its stdout."""
+    """`python script *worker_argv --spawn-time T`: a benchmark's worker, one engine in a session
+    of its own (which the processes it starts, vllm's engine, join: the worker can account for
+    their CPU by its session, and none outlives it). Returns the last JSON line it printed (which
+    must name its "worker"; that key is dropped) plus `peak_rss_tree_mib`, its peak RSS with the
+    subprocesses it reaped; or an error entry with the tail of its stdout."""
     log(f"running {label}")
     spawn_time = time.time()
     argv = [python, str(script), *worker_argv, "--spawn-time", repr(spawn_time)]
     # stderr passes through, so progress and tracebacks show as they happen.
-    proc = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True, env=env)
+    proc = subprocess.Popen(
+        argv, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
+    )
     try:
         stdout = proc.stdout.read() if proc.stdout else ""
         # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
         _, status, usage = os.wait4(proc.pid, 0)
     except BaseException:  # interrupted: leave no engine running on the two cores
-        proc.kill()
-        proc.wait()
+        kill(proc)
         raise
+    finally:
+        # What the worker left behind (an engine process it did not stop) must not run on into
+        # the next engine's timing.
+        _signal_session(proc, signal.SIGKILL)
     proc.returncode = os.waitstatus_to_exitcode(status)
     result = last_json_line(stdout)
     if proc.returncode != 0 or result is None or "worker" not in result:
