@@ -1,7 +1,7 @@
 """Stored responses through the unmodified `openai` SDK against the embedded service: retrieve,
-input items in pages, delete, each tenant's own; `store=False` keeps nothing; and
-`previous_response_id` continues a conversation, which the model sees as if it had been sent
-whole."""
+input items in pages, delete, each tenant's own; `store=False` keeps nothing; a streamed response
+is kept too; and `previous_response_id` continues a conversation, which the model sees as if it
+had been sent whole."""
 
 from __future__ import annotations
 
@@ -71,7 +71,14 @@ def test_a_stored_response_is_its_tenants_to_retrieve_list_and_delete(serve_batc
 
 def test_previous_response_id_continues_the_conversation_the_model_sees_whole(serve_batches):
     client = serve_batches().client()
-    first = client.responses.create(input="Tell me a story.", instructions="Be brief.", **GREEDY)
+    # A streamed response is stored as its last event tells it.
+    events = list(
+        client.responses.create(
+            input="Tell me a story.", instructions="Be brief.", stream=True, **GREEDY
+        )
+    )
+    first = events[-1].response
+    assert client.responses.retrieve(first.id) == first
     second = client.responses.create(input="More.", previous_response_id=first.id, **GREEDY)
     third = client.responses.create(input=TURNS, previous_response_id=second.id, **GREEDY)
 
