@@ -11,6 +11,10 @@ import openai
 import pytest
 from servers import API_KEYS
 
+from pagedbatch.api.auth import key_owner
+from pagedbatch.ids import now
+from pagedbatch.store.responses import ResponseRecord, save_response
+
 GREEDY = {"model": "tiny", "temperature": 0, "max_output_tokens": 16}
 TURNS = [
     {"role": "user", "content": "Hi"},
@@ -53,6 +57,24 @@ def test_a_stored_response_is_its_tenants_to_retrieve_list_and_delete(serve_batc
         lambda: theirs.responses.create(input="Hi", previous_response_id=created.id, **GREEDY),
         param="previous_response_id",
     )
+
+    # A conversation continues only from a response that has ended.
+    services = server.embedded.services
+    queued = ResponseRecord(
+        id="resp_queued",
+        owner=key_owner(API_KEYS[0]),
+        model="tiny",
+        created_at=now(),
+        request={"model": "tiny"},
+        input_items=[],
+        body={"id": "resp_queued", "status": "queued", "output": []},
+        background=True,
+    )
+    save_response(services.session_factory, services.blobs, queued, retention_days=1)
+    with pytest.raises(openai.BadRequestError) as caught:
+        mine.responses.create(input="Hi", previous_response_id="resp_queued", **GREEDY)
+    assert caught.value.body["param"] == "previous_response_id"
+    assert "is still queued" in caught.value.body["message"]
 
     unstored = mine.responses.create(input="Hi", store=False, **GREEDY)
     assert unstored.store is False
