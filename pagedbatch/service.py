@@ -38,6 +38,7 @@ from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import declare_dead
 from pagedbatch.workers.metrics import serve_metrics
 from pagedbatch.workers.recovery import resume_work
+from pagedbatch.workers.responses import RESPONSE_THREADS
 from pagedbatch.workers.tasks import run_task, start_timers
 from pagedbatch.workers.webhooks import DELIVERY_THREADS
 
@@ -211,7 +212,11 @@ def embedded(settings: Settings) -> Embedded:
     queue = InProcessQueue(
         lambda name, args: run_task(ctx, name, args),
         # Webhook receivers can be slow: their deliveries must not hold up batch work.
-        lanes={"run_shard": settings.worker_concurrency, "deliver_webhook": DELIVERY_THREADS},
+        lanes={
+            "run_shard": settings.worker_concurrency,
+            "run_response": RESPONSE_THREADS,
+            "deliver_webhook": DELIVERY_THREADS,
+        },
     )
     ctx.queue = queue
     start_timers(queue, settings)
@@ -297,8 +302,9 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
     argv = [
         "worker",
         "--pool=threads",
-        # Threads beyond the shard slots keep validation and finalization moving.
-        f"--concurrency={settings.worker_concurrency + 2}",
+        # Threads beyond the shard and background-response slots keep validation and
+        # finalization moving.
+        f"--concurrency={settings.worker_concurrency + RESPONSE_THREADS + 2}",
         "--loglevel=INFO",
         f"--hostname=pagedbatch-{os.getpid()}@%h",
         "--without-gossip",
@@ -317,11 +323,13 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
 
 
 def engine_host_of(ctx: WorkerContext) -> EngineHost:
-    """The engine host of a worker with an engine: its realtime door, on the worker's store."""
+    """The engine host of a worker with an engine: its realtime door, on the worker's store and
+    queue (where a background response it prepares goes)."""
     services = Services(
         settings=ctx.settings,
         session_factory=ctx.session_factory,
         blobs=ctx.blobs,
+        queue=ctx.queue,
         engine=ctx.engine,
         guard=ctx.guard,  # screens the input of the requests it answers
         embedder=ctx.embedder,

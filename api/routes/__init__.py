@@ -8,6 +8,7 @@ from pagedbatch.api.auth import get_owner
 from pagedbatch.api.batches import routes as batches
 from pagedbatch.api.files import routes as files
 from pagedbatch.api.organization import routes as organization
+from pagedbatch.api.responses import background as background_responses
 from pagedbatch.api.responses import routes as responses
 from pagedbatch.api.responses import stored as stored_responses
 from pagedbatch.api.routes import (
@@ -51,6 +52,7 @@ api_router.include_router(models.router)
 api_router.include_router(moderations.router)
 api_router.include_router(responses.router)
 api_router.include_router(stored_responses.router)
+api_router.include_router(background_responses.router)  # cancel
 api_router.include_router(webhooks.router)
 
 # Routes that take admin keys as well as tenants' keys (the admin API's usage, the engines'
