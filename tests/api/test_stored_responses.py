@@ -16,6 +16,17 @@ from pagedbatch.ids import now
 from pagedbatch.store.responses import ResponseRecord, save_response
 
 GREEDY = {"model": "tiny", "temperature": 0, "max_output_tokens": 16}
+WEATHER = {
+    "type": "function",
+    "name": "get_weather",
+    "parameters": {
+        "type": "object",
+        "properties": {"city": {"type": "string", "maxLength": 12}},
+        "required": ["city"],
+        "additionalProperties": False,
+    },
+    "strict": True,
+}
 TURNS = [
     {"role": "user", "content": "Hi"},
     {"role": "assistant", "content": "Hello!"},
@@ -121,3 +132,28 @@ def test_previous_response_id_continues_the_conversation_the_model_sees_whole(se
     assert third.usage.input_tokens == whole.usage.input_tokens
     # Its input items are its own, not the conversation's.
     assert len(client.responses.input_items.list(third.id).data) == len(TURNS)
+
+    # A tool's output answers the call of the response it continues.
+    called = client.responses.create(
+        input="Weather in Paris?",
+        tools=[WEATHER],
+        tool_choice="required",
+        parallel_tool_calls=False,
+        **GREEDY | {"max_output_tokens": 64},
+    )
+    (call,) = called.output
+    result = {"type": "function_call_output", "call_id": call.call_id, "output": "Sunny"}
+    answered = client.responses.create(
+        input=[result], previous_response_id=called.id, tools=[WEATHER], **GREEDY
+    )
+    sent_whole = client.responses.create(
+        input=[
+            {"role": "user", "content": "Weather in Paris?"},
+            call.model_dump(exclude_none=True),
+            result,
+        ],
+        tools=[WEATHER],
+        **GREEDY,
+    )
+    assert answered.output_text == sent_whole.output_text
+    assert answered.usage.input_tokens == sent_whole.usage.input_tokens
