@@ -1,16 +1,18 @@
 """Hostile requests against a live embedded server: nothing may get a 5xx or break the service.
 
-Every field of `POST /v1/chat/completions` and `POST /v1/completions` (whole and streamed), of
-`POST /v1/files` uploads (the multipart envelope and the batch lines inside) and of `POST
-/v1/batches`, and the lines of batches run to the end, get values a careless parser trips on:
-integers past 64 bits, strings of hundreds of KB, nesting hundreds to thousands deep, lone
-surrogates, NUL, overlong and invalid UTF-8, NaN and Infinity literals, wrong types, thousands of
-stop strings, `n` 128 over many prompts. Each response must be an OpenAI-shaped error with a 4xx
-status (a 503 only with a code docs/api.md documents) or a success that parses as the documented
-object, within a minute (the tiny model answers any of these in seconds); a stream must end in
-`[DONE]` or a client error event; a batch must end, and no line of its output or error file may
-hold a 5xx. Afterwards the same server must still answer a plain
-chat request, `/health` and a plain batch.
+Every field of `POST /v1/chat/completions`, `POST /v1/completions` and `POST /v1/responses`
+(whole and streamed), of `POST /v1/files` uploads (the multipart envelope and the batch lines
+inside) and of `POST /v1/batches`, and the lines of batches run to the end, get values a careless
+parser trips on: integers past 64 bits, strings of hundreds of KB, nesting hundreds to thousands
+deep, lone surrogates, NUL, overlong and invalid UTF-8, NaN and Infinity literals, wrong types,
+thousands of stop strings, `n` 128 over many prompts. Each response must be an OpenAI-shaped
+error with a 4xx status (a 503 only with a code docs/api.md documents) or a success that parses
+as the documented object, within a minute (the tiny model answers any of these in seconds); a
+stream must end in `[DONE]` or a client error event, a Responses stream in
+`response.completed`, `.incomplete` or `.failed`, its typed events numbered in order and no error
+the server's; a batch must end, and no line of its output or error file may hold a 5xx.
+Afterwards the same server must still answer a plain chat request, a response, `/health` and a
+plain batch.
 
 Values are hand-written Hypothesis strategies set into an otherwise valid body, one or two fields
 at a time, so that each reaches the check it targets instead of an earlier one; schemathesis'
@@ -54,6 +56,7 @@ from pagedbatch.protocol.schemas.chat import (
     ChatCompletionRequest,
 )
 from pagedbatch.protocol.schemas.completions import Completion, CompletionRequest
+from pagedbatch.protocol.schemas.responses import Response, ResponseCreateRequest
 
 MODEL = "tiny"
 REQUEST_TIMEOUT_SECONDS = 60.0  # a request the tiny model cannot answer in this is a hang
@@ -64,6 +67,7 @@ TERMINAL = {"completed", "failed", "cancelled", "expired"}
 
 # Examples per area, sized so that the whole module runs in about 1-2 minutes on two cores.
 REALTIME_EXAMPLES = 250
+RESPONSES_EXAMPLES = 120
 SCHEMA_EXAMPLES = 40
 UPLOAD_EXAMPLES = 60
 BATCH_CREATE_EXAMPLES = 50
@@ -237,7 +241,14 @@ schema_values: SearchStrategy[Any] = st.one_of(st.sampled_from(HOSTILE_SCHEMAS),
 # ---------------------------------------------------------------------------------------------
 # Bodies: a valid base with hostile values set at one or two paths.
 
-GENERATION_FIELDS = ("n", "best_of", "max_tokens", "max_completion_tokens", "min_tokens")
+GENERATION_FIELDS = (
+    "n",
+    "best_of",
+    "max_tokens",
+    "max_completion_tokens",
+    "max_output_tokens",
+    "min_tokens",
+)
 
 Path = tuple[str | int, ...]
 
@@ -313,6 +324,37 @@ COMPLETION_TARGETS = [
     Target(("prompt",), st.sampled_from([[2**63], [-1], [10**30], [[0] * 5_000], [[]], [""]])),
     Target(("echo",), base={"logprobs": 5}),
 ]
+RESPONSE_TOOL = {"type": "function", "name": "f", "parameters": {"type": "object"}}
+RESPONSE_FORMAT = {"format": {"type": "json_schema", "name": "out", "schema": {"type": "object"}}}
+RESPONSE_ITEMS = {"input": [{"role": "user", "content": [{"type": "input_text", "text": "Hi"}]}]}
+RESPONSE_TARGETS = [
+    *top_level_targets(ResponseCreateRequest),
+    Target(("input", 0, "type"), base=RESPONSE_ITEMS),
+    Target(("input", 0, "role"), base=RESPONSE_ITEMS),
+    Target(("input", 0, "content"), base=RESPONSE_ITEMS),
+    Target(("input", 0, "content", 0, "type"), base=RESPONSE_ITEMS),
+    Target(("input", 0, "content", 0, "text"), base=RESPONSE_ITEMS),
+    Target(("input", 0, "content", 0, "image_url"), base=RESPONSE_ITEMS),
+    Target(("input", 0, "content", 0, "file_data"), base=RESPONSE_ITEMS),
+    Target(("input", 1), base=RESPONSE_ITEMS),
+    Target(
+        ("input", 0, "output"), base={"input": [{"type": "function_call_output", "call_id": "c"}]}
+    ),
+    Target(("input", 0, "arguments"), base={"input": [{"type": "function_call", "call_id": "c"}]}),
+    Target(("input",), st.sampled_from([[{"role": "user", "content": "x"}] * 5_000])),
+    Target(("tools", 0, "parameters"), schema_values, {"tools": [RESPONSE_TOOL]}),
+    Target(("tools", 0, "type"), base={"tools": [RESPONSE_TOOL]}),
+    Target(("tools", 0, "name"), base={"tools": [RESPONSE_TOOL]}),
+    Target(("tool_choice",), base={"tools": [RESPONSE_TOOL]}),
+    Target(("tool_choice", "name"), base={"tools": [RESPONSE_TOOL]}),
+    Target(("text", "format", "schema"), schema_values, {"text": RESPONSE_FORMAT}),
+    Target(("text", "format", "name"), base={"text": RESPONSE_FORMAT}),
+    Target(("text", "format", "type")),
+    Target(("metadata",), st.builds(lambda k, v: {k: v}, hostile_keys, hostile_values)),
+    Target(("include", 0)),
+    Target(("reasoning", "effort")),
+]
+RESPONSES_BASE = {"model": MODEL, "input": "Hi", "max_output_tokens": 16}
 CHAT_BASE = {
     "model": MODEL,
     "messages": [{"role": "user", "content": [{"type": "text", "text": "Hi"}]}],
@@ -609,10 +651,16 @@ def stream_problem(body: bytes, chunk: type[BaseModel]) -> str | None:
     if not events:
         return "an empty stream"
     for i, event in enumerate(events):
+        last = i == len(events) - 1
+        if event.startswith(b"event: "):  # a Responses stream's typed event
+            if problem := response_event_problem(event, i):
+                return f"event {i}: {problem}"
+            if event.split(b"\n")[0].removeprefix(b"event: ") in RESPONSE_ENDS:
+                return None if last else f"events after the end at {i}"
+            continue
         if not event.startswith(b"data: "):
             return f"event {i} is not a data event: {event[:200]!r}"
         data = event.removeprefix(b"data: ")
-        last = i == len(events) - 1
         if data == b"[DONE]":
             return None if last else f"[DONE] at event {i} of {len(events)}"
         if b'"error"' in data[:20]:
@@ -622,7 +670,27 @@ def stream_problem(body: bytes, chunk: type[BaseModel]) -> str | None:
             return problem or (None if last else f"events after an error at {i}")
         if problem := model_problem(chunk, data):
             return f"event {i}: {problem}"
-    return "the stream ended without [DONE]"
+    return "the stream ended without [DONE] or the response's end"
+
+
+RESPONSE_ENDS = {b"response.completed", b"response.incomplete", b"response.failed"}
+
+
+def response_event_problem(event: bytes, number: int) -> str | None:
+    """Why a Responses event breaks the rules: an `event:` line naming its type, data of that
+    type numbered `number`, no server error, and a whole Response in the ones that carry it."""
+    head, _, data = event.partition(b"\n")
+    kind = head.removeprefix(b"event: ").decode()
+    if not data.startswith(b"data: "):
+        return f"no data line: {event[:200]!r}"
+    fields = json.loads(data.removeprefix(b"data: "))
+    if fields.get("type") != kind or fields.get("sequence_number") != number:
+        return f"type or sequence_number do not match: {data[:200]!r}"
+    if kind == "error" and fields.get("code") == "server_error":
+        return f"a server error in the stream: {data[:300]!r}"
+    if "response" in fields:
+        return model_problem(Response, json.dumps(fields["response"]).encode())
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -773,6 +841,7 @@ def test_hostile_requests_get_client_errors_and_leave_the_service_working(
             ("fixed cases", fuzz_fixed_cases),
             ("chat completions", fuzz_chat),
             ("completions", fuzz_completions),
+            ("responses", fuzz_responses),
             ("whole bodies", fuzz_whole_bodies),
             ("schema-driven bodies", fuzz_schema_driven),
             ("file uploads", fuzz_uploads),
@@ -799,6 +868,7 @@ REALTIME_MODELS: dict[str, tuple[type[BaseModel], type[BaseModel]]] = {
     # (the whole response, one streamed chunk)
     "/v1/chat/completions": (ChatCompletion, ChatCompletionChunk),
     "/v1/completions": (Completion, Completion),
+    "/v1/responses": (Response, Response),  # streamed: typed events (response_event_problem)
 }
 
 
@@ -813,10 +883,10 @@ def fuzz_fixed_cases(judge: Judge, _server: BatchServer) -> None:
 
 
 def realtime_area(
-    path: str, base: dict[str, Any], targets: list[Target]
+    path: str, base: dict[str, Any], targets: list[Target], examples: int = REALTIME_EXAMPLES
 ) -> Callable[[Judge, BatchServer], None]:
     def area(judge: Judge, _server: BatchServer) -> None:
-        @settings(FUZZ, max_examples=REALTIME_EXAMPLES)
+        @settings(FUZZ, max_examples=examples)
         @given(body=hostile_bodies(base, targets), stream=st.booleans())
         def check(body: dict[str, Any], stream: bool) -> None:
             send_realtime(judge, path, {"stream": stream, **body})
@@ -828,6 +898,9 @@ def realtime_area(
 
 fuzz_chat = realtime_area("/v1/chat/completions", CHAT_BASE, CHAT_TARGETS)
 fuzz_completions = realtime_area("/v1/completions", COMPLETION_BASE, COMPLETION_TARGETS)
+fuzz_responses = realtime_area(
+    "/v1/responses", RESPONSES_BASE, RESPONSE_TARGETS, RESPONSES_EXAMPLES
+)
 
 
 def fuzz_whole_bodies(judge: Judge, _server: BatchServer) -> None:
@@ -1024,6 +1097,8 @@ def assert_still_serving(server: BatchServer, http: httpx.Client) -> None:
         model=MODEL, messages=[{"role": "user", "content": "Hello"}], max_completion_tokens=4
     )
     assert chat.choices[0].finish_reason in ("stop", "length")
+    answer = client.responses.create(model=MODEL, input="Hello", max_output_tokens=16)
+    assert answer.status in ("completed", "incomplete")
     stream = client.completions.create(model=MODEL, prompt="Hello", max_tokens=4, stream=True)
     assert [chunk for chunk in stream if chunk.choices], "the stream carried no choices"
 
