@@ -4,9 +4,11 @@ and its pooled vector one `data` item, in the order the inputs came.
 Texts are tokenized as sentence-transformers tokenizes them, with the model's special tokens
 (`[CLS] ... [SEP]` for BERT). Every input must fit the model's context whole: a longer one is a
 400 `context_length_exceeded` naming it (`input`, or `input[3]` among several), as OpenAI
-answers, rather than silently cut as sentence-transformers would. Tokenizing costs at most about
-a context's worth of each input however long it is (`encode_prompt`), and the tokens of all the
-inputs are bounded too (MAX_EMBEDDING_TOKENS, OpenAI's), so that one request's engine work is.
+answers, rather than silently cut as sentence-transformers would. A text longer than PIECE_CHARS
+characters is counted a piece at a time and refused once past the context (`encode_prompt`), so
+no input costs much more tokenizing than the larger of a context and PIECE_CHARS characters; the
+texts are tokenized one at a time, stopping at the first refused; and the tokens of all the
+inputs are bounded (MAX_EMBEDDING_TOKENS, OpenAI's), so that one request's engine work is.
 
 `dimensions` asks for shorter vectors: a Matryoshka model's allowed sizes (the first values,
 renormalized), or the model's full size; anything else is a 400 naming `dimensions`. Usage is
@@ -31,7 +33,6 @@ from pagedbatch.protocol.schemas.embeddings import (
     EmbeddingUsage,
 )
 from pagedbatch.protocol.serving.common import (
-    PIECE_CHARS,
     EngineInput,
     ServedModel,
     check_context_length,
@@ -115,23 +116,15 @@ def _token_ids(request: EmbeddingRequest, served: ServedModel) -> list[list[int]
     inputs: list[str | list[int]] = list(given) if several else [given]  # type: ignore[list-item]
     params = [f"input[{i}]" if several else "input" for i in range(len(inputs))]
     tokenizer = served.tokenizer
-    # Texts of a usual length are tokenized together (the tokenizer's batch is faster); a long
-    # one alone, counted a piece at a time so that one far past the context costs little.
-    short = [
-        i for i, given in enumerate(inputs) if isinstance(given, str) and len(given) <= PIECE_CHARS
-    ]
-    encoded = (
-        tokenizer([inputs[i] for i in short], add_special_tokens=True)["input_ids"] if short else []
-    )
-    ids_of = dict(zip(short, encoded, strict=True))
     token_ids, total = [], 0
-    for i, (given, param) in enumerate(zip(inputs, params, strict=True)):
-        if isinstance(given, str):
-            ids = ids_of.get(i)
-            if ids is None:
-                ids = encode_prompt(given, 0, served, param=param, add_special_tokens=True)
+    for item, param in zip(inputs, params, strict=True):
+        # One text at a time, on this thread: a batch call would tokenize on every core, outside
+        # the tenant's share of the preparation threads, and all of the texts before the first
+        # that is refused.
+        if isinstance(item, str):
+            ids = encode_prompt(item, 0, served, param=param, add_special_tokens=True)
         else:
-            ids = given
+            ids = item
             check_vocabulary(ids, len(tokenizer), param=param)
         check_context_length(len(ids), 0, served, param=param)
         total += len(ids)
