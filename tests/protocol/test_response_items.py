@@ -17,6 +17,7 @@ from pagedbatch.protocol.schemas.chat import ChatCompletionRequest
 from pagedbatch.protocol.schemas.responses import ResponseCreateRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
 from pagedbatch.protocol.serving.common import parse_request
+from pagedbatch.protocol.serving.media import fetches_media
 from pagedbatch.protocol.serving.responses import prepare_response
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
@@ -196,3 +197,14 @@ def test_an_input_file_of_text_is_read_as_text(served):
     assert prepared.inputs[0].prompt_token_ids == chat_prompt(
         served, [{"role": "user", "content": [{"type": "text", "text": "Hello file"}]}]
     )
+
+
+def test_an_input_image_by_url_is_prepared_on_the_fetching_threads():
+    def request(url: str) -> ResponseCreateRequest:
+        part = {"type": "input_image", "image_url": url}
+        items = [{"role": "user", "content": [part]}]
+        return parse_request(ResponseCreateRequest, {"model": "m", "input": items})
+
+    assert fetches_media(request("https://example.com/cat.png"))
+    assert not fetches_media(request("data:image/png;base64,AAAA"))
+    assert not fetches_media(parse_request(ResponseCreateRequest, {"model": "m", "input": "x"}))

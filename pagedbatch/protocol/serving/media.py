@@ -17,6 +17,7 @@ from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.images import decode_image_url, open_image, process_image
 from pagedbatch.protocol.media_fetch import fetch_all, is_remote
 from pagedbatch.protocol.schemas.chat import AudioPart, ChatMessage, ImagePart
+from pagedbatch.protocol.schemas.responses import InputImagePart
 from pagedbatch.protocol.serving.common import ServedModel
 
 PART_MODALITY: dict[type, Modality] = {ImagePart: "image", AudioPart: "audio"}
@@ -45,14 +46,22 @@ def place_media(
 
 
 def fetches_media(request: object) -> bool:
-    """Whether preparing the request fetches anything: a chat request with an http(s) image URL
-    (which the doors prepare on threads of their own, as it waits on other hosts)."""
+    """Whether preparing the request fetches anything: a chat request, or a Responses request's
+    input, with an http(s) image URL (which the doors prepare on threads of their own, as it
+    waits on other hosts). The earlier turns a `previous_response_id` continues are not seen
+    here: an image URL of theirs is fetched on the ordinary preparation threads."""
     messages: Sequence[ChatMessage] = getattr(request, "messages", None) or ()
+    items = getattr(request, "input", None)
     return any(
         isinstance(part, ImagePart) and is_remote(part.image_url.url)
         for message in messages
         if isinstance(message.content, list)
         for part in message.content
+    ) or any(
+        isinstance(part, InputImagePart) and is_remote(part.image_url or "")
+        for item in (items if isinstance(items, list) else ())
+        if isinstance(getattr(item, "content", None), list)
+        for part in item.content
     )
 
 
