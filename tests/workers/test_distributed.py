@@ -10,11 +10,22 @@ from collections.abc import Iterator
 import httpx
 import pytest
 import redis
-from servers import Deployment, chat_lines, kill, output_ids, running_deployment, wait_for_batch
+from servers import (
+    PROCESS_START_SECONDS,
+    Deployment,
+    chat_lines,
+    engine_records,
+    eventually,
+    kill,
+    output_ids,
+    running_deployment,
+    wait_for_batch,
+)
 from services import postgres_schema
 from webhook_receiver import Receiver
 
 REDIS = "redis://127.0.0.1:6379"
+RESPONSE_TOKENS = 600  # the background response outlasts the moment its worker is killed
 
 
 @pytest.fixture
@@ -87,3 +98,32 @@ def test_killing_a_worker_mid_batch_loses_and_duplicates_nothing(deployment):
     ids = output_ids(client, batch.output_file_id)
     assert sorted(ids) == sorted(f"r{i}" for i in range(30))  # each exactly once
     assert batch.request_counts.completed == 30 and batch.request_counts.failed == 0
+
+
+def test_killing_a_worker_mid_background_response_loses_nothing(deployment):
+    workers = {name: deployment.start_worker(name) for name in ("one", "two")}
+    client = deployment.client()
+    broker = deployment.env["PAGEDBATCH_BROKER_URL"]
+    # The API forwards a background create to an engine host, which saves and queues it.
+    eventually(lambda: len(engine_records(broker)) == 2, timeout=PROCESS_START_SECONDS)
+    created = client.responses.create(
+        background=True, model="tiny", input="Go on.", max_output_tokens=RESPONSE_TOKENS
+    )
+    assert created.status == "queued"
+
+    def running_on(attempt: int) -> list[str]:
+        line = f"running background response {created.id} (attempt {attempt})"
+        return [name for name in workers if line in deployment.log(name)]
+
+    eventually(lambda: running_on(1), timeout=30)
+    [runner] = running_on(1)
+    kill(workers[runner])
+    assert client.responses.retrieve(created.id).status == "in_progress", "make it longer"
+
+    eventually(
+        lambda: client.responses.retrieve(created.id).status not in ("queued", "in_progress"),
+        timeout=120,
+    )
+    done = client.responses.retrieve(created.id)
+    assert done.status == "incomplete" and done.usage.output_tokens == RESPONSE_TOKENS
+    assert running_on(2) == [name for name in workers if name != runner]  # taken over
