@@ -208,3 +208,26 @@ def test_an_input_image_by_url_is_prepared_on_the_fetching_threads():
     assert fetches_media(request("https://example.com/cat.png"))
     assert not fetches_media(request("data:image/png;base64,AAAA"))
     assert not fetches_media(parse_request(ResponseCreateRequest, {"model": "m", "input": "x"}))
+
+
+def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(served):
+    # Each item about a fifth of the context: all twelve cannot fit.
+    text = " ".join(["word"] * (served.max_model_len // 5))
+    items = [{"role": "user", "content": f"{i} {text}"} for i in range(12)] + [
+        {"role": "user", "content": "last"}
+    ]
+    body = {"input": items, "instructions": "Be brief.", "max_output_tokens": 16}
+    with pytest.raises(OpenAIError) as refused:
+        responses(served, **body)
+    assert refused.value.detail.code == "context_length_exceeded"
+    assert refused.value.detail.param == "input"
+
+    prompt = responses(served, **body, truncation="auto").inputs[0].prompt_token_ids
+    assert len(prompt) + 16 <= served.max_model_len
+    system = [{"role": "system", "content": "Be brief."}]
+    kept = len(items) - 1
+    while chat_prompt(served, system + items[kept:]) != prompt:
+        kept -= 1
+    assert 0 < kept < len(items) - 1
+    with pytest.raises(OpenAIError):  # one item more would not have fit
+        chat_prompt(served, system + items[kept - 1 :], max_completion_tokens=16)

@@ -266,24 +266,17 @@ def prepare_response(
     conversation `previous_response_id` names, as JSON items (that response's input items,
     then its output items, oldest first). OpenAIError 400 naming the field at fault."""
     _refuse_unsupported(request, history)
-    earlier = _ITEMS.validate_python(list(history))
     own = _own_items(request)
-    messages: list[dict[str, Any]] = []
-    sources: list[str] = []  # for each message, the Responses field it came from
-    if request.instructions is not None:
-        messages.append({"role": "system", "content": request.instructions})
-        sources.append("instructions")
-    for item in earlier:
-        _add_item(messages, sources, item, HISTORY)
-    for i, item in enumerate(own):
-        where = "input" if isinstance(request.input, str) else f"input[{i}]"
-        _add_item(messages, sources, item, where)
+    where = (
+        ["input"] if isinstance(request.input, str) else [f"input[{i}]" for i in range(len(own))]
+    )
+    conversation = [(item, HISTORY) for item in _ITEMS.validate_python(list(history))]
+    conversation += zip(own, where, strict=True)
+    if request.truncation == "auto":
+        chat = _fitted(request, served, conversation)
+    else:
+        chat = _prepared_chat(request, served, conversation)
     response_id = new_id("resp_")
-    try:
-        chat_request = parse_request(ChatCompletionRequest, _chat_body(request, messages))
-        chat = prepare_chat(chat_request, served)
-    except OpenAIError as error:
-        raise _blamed(error, sources) from None
     chat.id = response_id
     chat.inputs = [
         EngineInput(response_id, i.prompt_token_ids, i.params, i.media) for i in chat.inputs
@@ -296,6 +289,64 @@ def prepare_response(
         chat=chat,
         items=[_listed(item) for item in own],
     )
+
+
+Conversation = list[tuple[Any, str]]  # items, each with the Responses field it came from
+
+
+def _prepared_chat(
+    request: ResponseCreateRequest, served: ServedModel, conversation: Conversation
+) -> PreparedChat:
+    """The chat request `request` amounts to with `conversation`'s items, prepared; a refusal
+    names the Responses field at fault."""
+    messages: list[dict[str, Any]] = []
+    sources: list[str] = []  # for each message, the Responses field it came from
+    if request.instructions is not None:
+        messages.append({"role": "system", "content": request.instructions})
+        sources.append("instructions")
+    for item, where in conversation:
+        _add_item(messages, sources, item, where)
+    try:
+        chat_request = parse_request(ChatCompletionRequest, _chat_body(request, messages))
+        return prepare_chat(chat_request, served)
+    except OpenAIError as error:
+        raise _blamed(error, sources) from None
+
+
+def _fitted(
+    request: ResponseCreateRequest, served: ServedModel, conversation: Conversation
+) -> PreparedChat:
+    """`truncation: auto`: the conversation less as few of its oldest items as leave room in
+    the context (the instructions and the last item always stay, and a tool's output never
+    outlives the call it answers). Fewer items never take more tokens, so the fewest to drop
+    is found by bisection, a prompt tokenized for each try."""
+
+    def attempt(dropped: int) -> PreparedChat | OpenAIError:
+        kept = conversation[dropped:]
+        while len(kept) > 1 and isinstance(kept[0][0], FunctionCallOutputItem):
+            kept = kept[1:]
+        try:
+            return _prepared_chat(request, served, kept)
+        except OpenAIError as error:
+            if error.detail.code != "context_length_exceeded":
+                raise
+            return error
+
+    whole = attempt(0)
+    if not isinstance(whole, OpenAIError):
+        return whole
+    low, high = 0, len(conversation) - 1  # dropping `low` does not fit; `high` is the most
+    best = attempt(high)
+    if isinstance(best, OpenAIError):
+        raise best
+    while high - low > 1:
+        middle = (low + high) // 2
+        tried = attempt(middle)
+        if isinstance(tried, OpenAIError):
+            low = middle
+        else:
+            high, best = middle, tried
+    return best
 
 
 def _refuse_unsupported(request: ResponseCreateRequest, history: Sequence[Any]) -> None:
