@@ -27,7 +27,7 @@ router = APIRouter(prefix="/responses", tags=["responses"])
 @router.post(
     "",
     response_model=None,
-    responses={**streamed(Response), **error_responses(404)},
+    responses={**streamed(Response, typed=True), **error_responses(404)},
     openapi_extra=json_body(ResponseCreateRequest),
 )
 async def create_response(request: Request, services: ServicesDep) -> HTTPResponse:

@@ -44,10 +44,26 @@ _SSE_EVENT = {
 }
 
 
-def streamed(model: type[BaseModel]) -> dict[int | str, dict[str, Any]]:
-    """The 200 of a route that answers `model` as JSON, or as server-sent events of chunks when
-    the request asks to stream."""
-    return {200: {"model": model, "content": {"text/event-stream": {"schema": _SSE_EVENT}}}}
+# A Responses stream's event: its type named on an `event:` line, and no [DONE].
+_TYPED_EVENT = {
+    "type": "object",
+    "required": ["event", "data"],
+    "properties": {
+        "event": {"type": "string", "description": "The event's type, e.g. response.created."},
+        "data": {
+            "type": "string",
+            "description": "The event object as JSON, with its `type` and `sequence_number`; "
+            "the last is response.completed, response.incomplete or response.failed.",
+        },
+    },
+}
+
+
+def streamed(model: type[BaseModel], typed: bool = False) -> dict[int | str, dict[str, Any]]:
+    """The 200 of a route that answers `model` as JSON, or as server-sent events when the
+    request asks to stream: chunks then [DONE], or (`typed`) the Responses API's typed events."""
+    event = _TYPED_EVENT if typed else _SSE_EVENT
+    return {200: {"model": model, "content": {"text/event-stream": {"schema": event}}}}
 
 
 def json_body(model: type[BaseModel]) -> dict[str, Any]:
