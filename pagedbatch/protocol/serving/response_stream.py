@@ -26,7 +26,7 @@ from pydantic import BaseModel
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.common import Usage
-from pagedbatch.protocol.schemas.responses import Logprob, OutputText, Response
+from pagedbatch.protocol.schemas.responses import ItemStatus, Logprob, OutputText, Response
 from pagedbatch.protocol.serving.responses import (
     Answer,
     OutputIds,
@@ -156,7 +156,8 @@ class ResponseEvents:
 
     def _close_message(self) -> bytes:
         events = b"" if self._opened else self._open_message()
-        status = "completed" if self._reason not in ("length", "content_filter") else "incomplete"
+        cut = self._reason in ("length", "content_filter")
+        status: ItemStatus = "incomplete" if cut else "completed"
         answer = Answer(self._sent, [], self._logprobs, self._refusal, self._reason or "stop")
         message = answer.message(self._ids.message, status)
         where = {"item_id": self._ids.message, "output_index": 0, "content_index": 0}

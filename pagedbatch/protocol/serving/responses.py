@@ -39,6 +39,7 @@ from pagedbatch.protocol.schemas.responses import (
     InputItem,
     InputTextPart,
     InputTokensDetails,
+    ItemStatus,
     JSONSchemaFormat,
     Logprob,
     MessageItem,
@@ -162,12 +163,8 @@ class PreparedResponse:
             output=[],
             parallel_tool_calls=request.parallel_tool_calls,
             previous_response_id=request.previous_response_id,
-            reasoning=ResponseReasoning(
-                **(
-                    request.reasoning.model_dump(include={"effort", "summary"})
-                    if request.reasoning
-                    else {}
-                )
+            reasoning=ResponseReasoning.model_validate(
+                request.reasoning.model_dump() if request.reasoning else {}
             ),
             store=request.store,
             temperature=request.temperature,
@@ -198,7 +195,7 @@ class Answer:
     refusal: str | None
     reason: str
 
-    def message(self, item_id: str, status: Any) -> OutputMessage:
+    def message(self, item_id: str, status: ItemStatus) -> OutputMessage:
         # The text first, if only an empty one: a stream has opened it before it knows the end.
         parts: list[OutputText | OutputRefusal] = [
             OutputText(text=self.content or "", logprobs=self.logprobs)
@@ -208,7 +205,9 @@ class Answer:
         return OutputMessage(id=item_id, status=status, content=parts)
 
     @staticmethod
-    def call(call: ToolCallText, item_id: str, call_id: str, status: Any) -> OutputFunctionCall:
+    def call(
+        call: ToolCallText, item_id: str, call_id: str, status: ItemStatus
+    ) -> OutputFunctionCall:
         return OutputFunctionCall(
             id=item_id, call_id=call_id, name=call.name, arguments=call.arguments, status=status
         )
@@ -247,14 +246,9 @@ def output_logprobs(tokens: Sequence[ChatCompletionTokenLogprob]) -> list[Logpro
 def error_code(error: OpenAIError) -> str:
     """The Response `error.code` of a failure (OpenAI's few: the server's, a rate limit, or a
     prompt it would not take)."""
-    status = error.status_code
-    return (
-        "server_error"
-        if status >= 500
-        else "rate_limit_exceeded"
-        if status == 429
-        else ("invalid_prompt")
-    )
+    if error.status_code >= 500:
+        return "server_error"
+    return "rate_limit_exceeded" if error.status_code == 429 else "invalid_prompt"
 
 
 def prepare_response(
