@@ -2,11 +2,14 @@
 process was running when it died.
 
 Results already recorded are never redone (shards skip them), finalization and validation check
-the batch's state first, and a `run_shard` task with nothing to claim returns: so resuming more
-than needed is harmless; resuming less would strand a batch.
+the batch's state first, and a `run_shard` or `run_response` task with nothing to claim
+returns: so resuming more than needed is harmless; resuming less would strand a batch or a
+background response.
 """
 
 from __future__ import annotations
+
+import time
 
 from sqlalchemy import and_, func, or_, select
 from sqlalchemy.orm import Session
@@ -14,6 +17,7 @@ from sqlalchemy.orm import Session
 from pagedbatch.ids import now
 from pagedbatch.store.models import Batch, BatchStatus, Shard, ShardStatus
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.responses import requeue_lost_responses
 
 
 def resume_work(ctx: WorkerContext) -> None:
@@ -24,6 +28,8 @@ def resume_work(ctx: WorkerContext) -> None:
         ctx.queue.enqueue("validate_batch", batch_id)
     requeue_pending_shards(ctx)
     redrive_finalization(ctx)
+    # The embedded server's queue kept its tasks in memory: every queued response's is lost.
+    requeue_lost_responses(ctx, queued_before=time.time())
 
 
 def requeue_pending_shards(ctx: WorkerContext) -> None:

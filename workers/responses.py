@@ -106,13 +106,15 @@ def run_response(ctx: WorkerContext, response_id: str) -> None:
         asyncio.run(_ResponseRun(ctx, claimed).run())
 
 
-def requeue_lost_responses(ctx: WorkerContext) -> None:
+def requeue_lost_responses(ctx: WorkerContext, queued_before: float | None = None) -> None:
     """Queue again the background responses whose task or run was lost: queued with no task
-    started within `lease_seconds` (a broker restart lost it), or in progress with no live
-    lease (their worker died). An extra task finds nothing to claim and returns."""
+    queued since `queued_before` (by default `lease_seconds` ago: a broker restart lost it), or
+    in progress with no live lease (their worker died). An extra task finds nothing to claim
+    and returns."""
     dead = dead_workers(ctx.settings) if trusts_heartbeats(ctx) else None
-    cutoff = time.time() - ctx.settings.lease_seconds
-    lost = lost_runs(ctx.session_factory, cutoff, dead, REQUEUE_LIMIT)
+    if queued_before is None:
+        queued_before = time.time() - ctx.settings.lease_seconds
+    lost = lost_runs(ctx.session_factory, queued_before, dead, REQUEUE_LIMIT)
     if lost:
         logger.warning("queueing %d background response(s) again: their run was lost", len(lost))
     for response_id in lost:

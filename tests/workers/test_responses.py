@@ -29,6 +29,7 @@ from pagedbatch.store.models import (
 )
 from pagedbatch.store.response_runs import claim
 from pagedbatch.store.responses import ResponseRecord, load_response, save_response, transition
+from pagedbatch.workers.recovery import resume_work
 from pagedbatch.workers.responses import requeue_lost_responses, run_response
 
 GREEDY = {"model": "tiny", "input": "Question?", "temperature": 0, "max_output_tokens": 16}
@@ -87,6 +88,13 @@ def engine_holds(worker: Worker) -> int:
     return stats["running"] + stats["waiting"]
 
 
+def queued_now(worker: Worker) -> list[tuple[str, tuple[Any, ...]]]:
+    """What the worker has queued, once what it just asked for has reached the queue (whose
+    threads record it)."""
+    time.sleep(0.2)
+    return worker.queued
+
+
 def run_in_thread(worker: Worker, response_id: str) -> threading.Thread:
     thread = threading.Thread(target=run_response, args=(worker.ctx, response_id))
     thread.start()
@@ -116,7 +124,7 @@ def test_a_background_response_ends_as_the_same_request_in_the_foreground(make_b
     assert (usage.batch_id, usage.output_tokens) == (None, 16)
     assert usage.input_tokens == body["usage"]["input_tokens"]
     assert events(worker) == [("response.incomplete", response_id)]
-    assert [name for name, _ in worker.queued] == ["deliver_webhook"]
+    eventually(lambda: [name for name, _ in worker.queued] == ["deliver_webhook"])
 
     # A second delivery of its task finds nothing to do.
     run_response(worker.ctx, response_id)
@@ -149,18 +157,39 @@ def test_a_response_whose_worker_died_is_queued_again_and_taken_over(make_batch_
     # A worker took it and died: its lease lapses, with nothing written.
     assert claim(worker.ctx.session_factory, response_id, "dead:1", 30) is not None
     requeue_lost_responses(worker.ctx)
-    assert worker.queued == []  # still leased
+    assert queued_now(worker) == []  # still leased
     with transaction(worker.ctx.session_factory) as session:
         session.execute(update(StoredResponse).values(lease_expires_at=time.time() - 1))
 
     requeue_lost_responses(worker.ctx)
-    assert worker.queued == [("run_response", (response_id,))]
+    eventually(lambda: worker.queued == [("run_response", (response_id,))])
     run_response(worker.ctx, *worker.queued.pop()[1])
 
     assert stored(worker, response_id)["status"] == "incomplete"
     assert row(worker, response_id).attempts == 2
     requeue_lost_responses(worker.ctx)
-    assert worker.queued == [] and len(events(worker)) == 1
+    assert queued_now(worker) == [] and len(events(worker)) == 1
+
+
+def test_a_queued_response_whose_task_was_lost_is_queued_again(make_batch_worker):
+    worker = make_batch_worker(lease_seconds=30)
+    response_id = submit(worker)  # its task never reaches a worker: a broker restart lost it
+    requeue_lost_responses(worker.ctx)
+    assert queued_now(worker) == []  # queued just now: its task may be on its way
+    with transaction(worker.ctx.session_factory) as session:
+        session.execute(update(StoredResponse).values(created_at=now() - 31))
+
+    requeue_lost_responses(worker.ctx)
+    requeue_lost_responses(worker.ctx)  # once a lease: the next round leaves it to that task
+    eventually(lambda: worker.queued == [("run_response", (response_id,))])
+    run_response(worker.ctx, response_id)
+    assert stored(worker, response_id)["status"] == "incomplete"
+
+    # A process that starts queues every queued response at once: an embedded server's queue
+    # kept its tasks in memory.
+    restarted = submit(worker)
+    resume_work(worker.ctx)
+    eventually(lambda: ("run_response", (restarted,)) in worker.queued)
 
 
 def test_a_response_claimed_too_often_fails_rather_than_run_again(make_batch_worker):
@@ -218,5 +247,5 @@ def test_a_worker_shutting_down_hands_its_response_back(make_batch_worker):
         None,
         0,
     )
-    assert worker.queued == [("run_response", (response_id,))]
+    eventually(lambda: worker.queued == [("run_response", (response_id,))])
     assert handed_back.queued_at is not None and handed_back.queued_at > now() - 60
