@@ -72,13 +72,15 @@ def test_a_flagged_prompt_is_refused_before_the_model(serve_batches, guard):
     assert all(category in error["message"] for category in guard["flagged"])
     with pytest.raises(openai.BadRequestError):
         client.completions.create(model="tiny", prompt=guard["bad"], max_tokens=2)
+    with pytest.raises(openai.BadRequestError):
+        client.responses.create(model="tiny", input=guard["bad"], max_output_tokens=16)
     assert server.embedded.context.engine.engine.get_stats()["batched_tokens"] == tokens_run
     assert chat(client, guard["clean"]).choices[0].finish_reason == "length"
     metrics = server.http().get("/metrics").text
     category = guard["flagged"][0]
     assert (
         f'pagedbatch:content_filter_decisions_total{{category="{category}",'
-        'direction="input",door="realtime"} 2.0'
+        'direction="input",door="realtime"} 3.0'
     ) in metrics
     assert_engine_idle(server)
 
@@ -225,6 +227,18 @@ def test_a_chat_reply_says_why_in_its_refusal(serve_batches, guard):
     last = chunks[-1].choices[0]
     assert last.finish_reason == "content_filter"
     assert last.delta.refusal == reply.message.refusal
+
+    # A response is incomplete for the content filter, its message holding the refusal.
+    asked = {"model": "tiny", "input": "Write.", "max_output_tokens": MAX_TOKENS}
+    for response in (
+        client.responses.create(**asked),
+        list(client.responses.create(**asked, stream=True))[-1].response,
+    ):
+        assert response.status == "incomplete"
+        assert response.incomplete_details.reason == "content_filter"
+        (message,) = response.output
+        assert [part.type for part in message.content] == ["output_text", "refusal"]
+        assert message.content[1].refusal.startswith("The response was stopped by the content")
 
 
 def test_a_batch_with_both_kinds_of_lines(serve_batches, guard):
