@@ -436,13 +436,14 @@ def _check_size(sequences: int, params: SamplingRequest, most: int) -> None:
     """A 400 for a request too large ever to be admitted, rather than 429s for ever."""
     if sequences <= most:
         return
-    param = (
-        "n" if getattr(params, "n", 1) > most else "input" if hasattr(params, "input") else "prompt"
-    )
+    if hasattr(params, "input"):  # an embedding request: a sequence per input
+        param, counted, fewer = "input", "one per input", "inputs"
+    else:
+        param = "n" if getattr(params, "n", 1) > most else "prompt"
+        counted, fewer = "its prompts times n", "prompts or choices"
     raise OpenAIError(
-        f"This request needs {sequences} sequences (its prompts times n), and the realtime "
-        f"endpoints run at most {most} of one client's at once. Send fewer prompts or choices, "
-        "or use the Batch API.",
+        f"This request needs {sequences} sequences ({counted}), and the realtime endpoints run "
+        f"at most {most} of one client's at once. Send fewer {fewer}, or use the Batch API.",
         param=param,
         code="too_many_sequences",
     )

@@ -86,10 +86,13 @@ BAD = {
     "encoding": ({"input": "x", "encoding_format": "hex"}, "encoding_format"),
     "stream": ({"input": "x", "stream": True}, "stream"),
     "a-generating-model": ({"input": "x", "model": "tiny"}, "model"),
+    # More than one client may run at once (a share of 0.5 of the embedder's 2,048).
+    "too-many-sequences": ({"input": ["x"] * 1025}, "input"),
 }
 
 
-def test_bad_input_is_a_400_naming_the_field_and_disturbs_nothing(server, bert):
+def test_bad_input_is_a_400_naming_the_field_and_disturbs_nothing(serve_batches, bert):
+    server = serve_batches(embedding_model=str(bert), realtime_tenant_share=0.5)
     http = server.http()
     for case, (body, param) in BAD.items():
         response = http.post("/v1/embeddings", json={"model": bert.name, **body})
