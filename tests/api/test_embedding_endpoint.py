@@ -196,8 +196,17 @@ def test_the_main_model_may_be_the_embedding_model(serve_batches, bert):
     with pytest.raises(openai.BadRequestError) as caught:
         client.chat.completions.create(model="minilm", messages=[{"role": "user", "content": "Hi"}])
     assert caught.value.body["param"] == "model"
-    batch = create(client, [], endpoint="/v1/embeddings")  # accepted: it fails as empty
-    assert finished(client, batch.id).status == "failed"
+    # Its batches are taken, and held to OpenAI's 50,000 inputs across their lines.
+    line = {"method": "POST", "url": "/v1/embeddings", "body": {"model": "minilm"}}
+    lines = [
+        {**line, "custom_id": f"e{i}", "body": {**line["body"], "input": [[5]] * 2048}}
+        for i in range(25)
+    ]
+    batch = finished(client, create(client, lines, endpoint="/v1/embeddings").id)
+    assert batch.status == "failed"
+    assert [(e.code, e.line, e.param) for e in batch.errors.data] == [
+        ("too_many_inputs", 25, "body.input")
+    ]
 
 
 def test_without_an_embedding_model_embedding_batches_are_refused(serve_batches):

@@ -32,6 +32,7 @@ from sqlalchemy.orm import Session
 
 from pagedbatch.ids import now
 from pagedbatch.protocol.batch_lines import (
+    EMBEDDINGS,
     BatchError,
     BatchInputLine,
     BatchOutputLine,
@@ -41,6 +42,7 @@ from pagedbatch.protocol.batch_lines import (
     failed_line,
     openai_error_line,
 )
+from pagedbatch.protocol.schemas.embeddings import MAX_BATCH_EMBEDDING_INPUTS, input_count
 from pagedbatch.store.batches import transition
 from pagedbatch.store.db import transaction
 from pagedbatch.store.models import Batch, BatchRequest, BatchStatus, File, RequestStatus, Shard
@@ -68,6 +70,7 @@ class _Staged:
 
     total: int = 0
     model: str | None = None
+    inputs: int = 0  # of an /v1/embeddings batch's lines so far
     errors: list[BatchError] = field(default_factory=list)
     abandoned: bool = False  # the batch stopped validating meanwhile (cancelled, or done)
 
@@ -305,6 +308,19 @@ def _stage_requests(ctx: WorkerContext, batch: Batch, input_file: File) -> _Stag
             if len(staged.errors) >= MAX_REPORTED_ERRORS:
                 break
             continue
+        if batch.endpoint == EMBEDDINGS and body:
+            staged.inputs += input_count(body.get("input"))
+            if staged.inputs > MAX_BATCH_EMBEDDING_INPUTS:
+                staged.errors.append(
+                    BatchError(
+                        code="too_many_inputs",
+                        line=number,
+                        param="body.input",
+                        message=f"An /v1/embeddings batch holds at most "
+                        f"{MAX_BATCH_EMBEDDING_INPUTS} inputs across its lines.",
+                    )
+                )
+                break
         if staged.errors:
             continue  # the batch will fail; keep checking, stop storing
         rows.append(

@@ -23,6 +23,7 @@ from pagedbatch.protocol.schemas.common import (
 from pagedbatch.protocol.schemas.completions import MAX_PROMPT_TOKENS
 
 MAX_EMBEDDING_INPUTS = 2048  # OpenAI's: inputs one request may carry
+MAX_BATCH_EMBEDDING_INPUTS = 50_000  # OpenAI's: inputs all the lines of one batch may carry
 
 EmbeddingText = Annotated[str, Field(min_length=1, max_length=MAX_TEXT_CHARS)]
 EmbeddingTokens = Annotated[list[TokenId], Field(min_length=1, max_length=MAX_PROMPT_TOKENS)]
@@ -60,6 +61,13 @@ class EmbeddingRequest(RequestBody):
     def stream(self) -> bool:
         """Never streamed (the realtime door asks every request, api/realtime.py)."""
         return False
+
+
+def input_count(given: Any) -> int:
+    """How many inputs a body's `input` holds (one text or token list, or a list of them), as a
+    batch counts them; whatever it is, it is counted, the body's own checks come later."""
+    several = isinstance(given, list) and given and not isinstance(given[0], int)
+    return len(given) if several else 1
 
 
 class Embedding(BaseModel):
