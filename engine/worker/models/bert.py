@@ -1,7 +1,8 @@
 """BERT (as sentence-transformers' encoders use it: all-MiniLM, bge, e5, ...) over a packed batch.
 
 A step's sequences are concatenated without padding: every linear is one matmul over all the
-step's tokens, and attention, bidirectional, runs per sequence (see `varlen_attention`). There is
+step's tokens, and attention, bidirectional, runs per group of sequences of equal length (see
+`encoder_attention`). There is
 no KV cache: each sequence is encoded whole, in one step. Post-LN layers: attention, add, norm;
 GELU MLP, add, norm. Every token has token type 0 (one segment), as an embedding request's do.
 
@@ -17,7 +18,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbatch.engine.config import ModelConfig
-from pagedbatch.engine.worker.models.encoder_attention import varlen_attention
+from pagedbatch.engine.worker.models.encoder_attention import Group, varlen_attention
 from pagedbatch.engine.worker.parallel_layers import (
     ColumnParallelLinear,
     Loaded,
@@ -64,10 +65,10 @@ class BertLayer(nn.Module):
         self.output_norm = LayerNorm(hidden, eps)
         self.scale = cfg.head_dim**-0.5
 
-    def forward(self, x: torch.Tensor, bounds: list[int]) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, groups: list[Group]) -> torch.Tensor:
         num_tokens = x.shape[0]
         q, k, v = self.qkv(x).view(num_tokens, 3, self.num_heads, self.head_dim).unbind(1)
-        attn = varlen_attention(q, k, v, bounds, self.scale)
+        attn = varlen_attention(q, k, v, groups, self.scale)
         x = self.attn_norm(x + self.attn_out(attn.view(num_tokens, -1)))
         return self.output_norm(x + self.output(F.gelu(self.intermediate(x))))
 
@@ -103,13 +104,13 @@ class BertModel(nn.Module):
         self.layers = nn.ModuleList(BertLayer(cfg, eps) for _ in range(cfg.num_layers))
 
     def forward(
-        self, input_ids: torch.Tensor, positions: torch.Tensor, bounds: list[int]
+        self, input_ids: torch.Tensor, positions: torch.Tensor, groups: list[Group]
     ) -> torch.Tensor:
-        """`bounds[i]:bounds[i + 1]` are sequence i's rows; `positions` each token's index in
-        its sequence."""
+        """`groups` lay out the sequences, equal lengths together (see `encoder_attention`);
+        `positions` are each token's index in its sequence."""
         x = self.embeddings(input_ids, positions)
         for layer in self.layers:
-            x = layer(x, bounds)
+            x = layer(x, groups)
         return x
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
