@@ -278,3 +278,17 @@ def test_async_llm_yields_one_finished_output_per_request(bert):
         assert stats["running"] == stats["waiting"] == 0
     finally:
         llm.shutdown()
+
+
+def test_a_decoder_request_preempted_mid_prompt_pools_it_all_again(mean_decoder):
+    # Four prompts of 70-odd tokens in steps of 32, in a pool of 8 blocks (128 tokens): the
+    # later ones' chunks take the blocks the first needs, and the worst is preempted.
+    llm = LLM(mean_decoder, num_kv_blocks=8, max_num_batched_tokens=32, max_model_len=128)
+    texts = [f"{i} " + " ".join(WORDS * 4) for i in range(4)]
+    outputs = llm.embed(texts, PoolingParams(normalize=False))
+    assert llm.get_stats()["preemptions"] > 0
+    model = AutoModel.from_pretrained(mean_decoder, dtype=torch.float32).eval()
+    for output in outputs:
+        with torch.inference_mode():
+            hidden = model(torch.tensor([output.prompt_token_ids])).last_hidden_state[0]
+        assert_close(output.embedding, hidden.mean(0))
