@@ -2,8 +2,9 @@
 main one (PAGEDBATCH_EMBEDDING_MODEL): every input form gives the vectors the same texts give one
 by one; base64 (the SDK's default, which it decodes) is the same float32 values as `float`; bad
 input is a 400 naming its field that leaves the engines idle and the next request served; the
-inputs' tokens are counted and charged at the input price; a batch of embedding lines gives the
-realtime vectors."""
+inputs' tokens are counted as embeddings usage and charged at the input price; a batch of
+embedding lines gives the realtime vectors. The main model may be the embedding model; without
+any, embedding batches are refused at create."""
 
 from __future__ import annotations
 
