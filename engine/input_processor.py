@@ -201,7 +201,8 @@ class InputProcessor:
         else:
             ids = list(prompt)
             vocab = self.vocab_size
-            if any(not isinstance(t, int) or not 0 <= t < vocab for t in ids):
+            # Checked by C loops (type, min, max): an embedding batch sends thousands of prompts.
+            if ids and (set(map(type, ids)) != {int} or min(ids) < 0 or max(ids) >= vocab):
                 raise ValueError(f"prompt token ids must be integers in [0, {vocab})")
         if not ids:
             raise ValueError("prompt is empty")

@@ -93,7 +93,12 @@ class LLM:
         texts = [i for i, prompt in enumerate(prompts) if isinstance(prompt, str)]
         token_ids = list(prompts)
         if texts:  # one call: the fast tokenizer encodes a batch in parallel, in Rust
-            encoded = self.tokenizer([prompts[i] for i in texts], add_special_tokens=True)
+            encoded = self.tokenizer(
+                [prompts[i] for i in texts],
+                add_special_tokens=True,
+                return_attention_mask=False,
+                return_token_type_ids=False,
+            )
             for i, ids in zip(texts, encoded["input_ids"], strict=True):
                 token_ids[i] = ids
         ids = []

@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import bisect
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 from pagedbatch.engine.core.encoder_cache import EncoderCache
@@ -67,6 +68,17 @@ class SchedulerOutput:
         return sum(
             (StepWork.of_chunk(s.start, s.num_new_tokens) for s in self.scheduled), StepWork()
         )
+
+
+def _insort(
+    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, float]]
+) -> None:
+    """`bisect.insort` by `key`, without the search where the request goes last, as most do
+    (arrivals, in arrival order): a batch of thousands is admitted in linear time."""
+    if not queue or key(queue[-1]) <= key(request):
+        queue.append(request)
+    else:
+        bisect.insort(queue, request, key=key)
 
 
 def _decoding(request: Request, only: int | None) -> bool:
@@ -121,7 +133,7 @@ class Scheduler:
         return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
 
     def add(self, request: Request) -> None:
-        bisect.insort(self.waiting, request, key=self._key)
+        _insort(self.waiting, request, self._key)
 
     @property
     def num_unfinished(self) -> int:
@@ -332,4 +344,4 @@ class Scheduler:
         request.num_computed_tokens = num_cached
         out.scheduled.append(ScheduledRequest(request, num_new, num_cached))
         request.num_computed_tokens += num_new
-        bisect.insort(self.running, request, key=self._key)
+        _insort(self.running, request, self._key)
