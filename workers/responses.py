@@ -49,7 +49,13 @@ from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline, unless
 from pagedbatch.protocol.schemas.common import Usage
 from pagedbatch.protocol.schemas.responses import ResponseCreateRequest
 from pagedbatch.protocol.serving.common import parse_request, worst_case_tokens
-from pagedbatch.protocol.serving.responses import PreparedResponse, error_code, prepare_response
+from pagedbatch.protocol.serving.responses import (
+    PreparedResponse,
+    error_code,
+    prepare_response,
+    previous_response_not_finished,
+    previous_response_not_found,
+)
 from pagedbatch.store.models import UsageRecord
 from pagedbatch.store.reservations import Reservation, Settlement, forget_all, settle
 from pagedbatch.store.response_runs import (
@@ -352,13 +358,10 @@ class _ResponseRun:
         try:
             with self.ctx.session_factory() as session:
                 return conversation(session, self.ctx.blobs, record.owner, previous)
-        except (ResponseNotFound, ResponseNotFinished):
-            raise OpenAIError(
-                f"Previous response with id '{previous}' not found.",
-                status_code=404,
-                param="previous_response_id",
-                code="previous_response_not_found",
-            ) from None
+        except ResponseNotFound:  # deleted, or expired, since it was created
+            raise previous_response_not_found(previous) from None
+        except ResponseNotFinished as running:  # create refused it then: answered as create does
+            raise previous_response_not_finished(previous, running.status) from None
 
     async def _watch(self, looks: ThreadPoolExecutor) -> None:
         """Renew the lease, and raise the stop flag when the response is cancelled (or deleted)

@@ -26,7 +26,7 @@ from fastapi.responses import JSONResponse
 
 from pagedbatch.api.auth import OwnerDep
 from pagedbatch.api.deps import Services, ServicesDep
-from pagedbatch.api.responses.stored import continuing, response_not_found
+from pagedbatch.api.responses.stored import continuing, keep, response_not_found
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.protocol.errors import OpenAIError, insufficient_quota
 from pagedbatch.protocol.schemas.responses import Response, ResponseCreateRequest
@@ -38,9 +38,7 @@ from pagedbatch.store.models import ResponseStatus
 from pagedbatch.store.responses import (
     RUNNING,
     ResponseNotFound,
-    ResponseRecord,
     get_response,
-    save_response,
     transition,
 )
 from pagedbatch.store.spend import SpendRefused
@@ -79,24 +77,7 @@ async def create_in_background(
     lane = services.preparation.fetching if fetches_media(params) else services.preparation.work
     prepared = await lane.run(prepare)
     queued = prepared.placeholder("queued").model_dump(mode="json")
-    record = ResponseRecord(
-        id=prepared.id,
-        owner=owner,
-        model=prepared.model,
-        created_at=prepared.created_at,
-        request=params.model_dump(mode="json", exclude={"input"}, exclude_unset=True),
-        input_items=prepared.input_items(),
-        body=queued,
-        background=True,
-        previous_response_id=params.previous_response_id,
-    )
-    await services.preparation.work.run(
-        save_response,
-        services.session_factory,
-        services.blobs,
-        record,
-        services.settings.response_retention_days,
-    )
+    await keep(services, owner, prepared, queued)
     _enqueue(services, "run_response", prepared.id)
     return JSONResponse(queued)
 

@@ -10,7 +10,7 @@ before the client gets its answer, so a `GET` to any API replica right after fin
 
 from __future__ import annotations
 
-from typing import Annotated, Literal
+from typing import Annotated, Any, Literal
 
 from fastapi import APIRouter, Query
 from fastapi.responses import JSONResponse
@@ -23,7 +23,11 @@ from pagedbatch.api.realtime import Answered
 from pagedbatch.api.routes.openapi import error_responses
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.responses import Response, ResponseCreateRequest
-from pagedbatch.protocol.serving.responses import PreparedResponse
+from pagedbatch.protocol.serving.responses import (
+    PreparedResponse,
+    previous_response_not_finished,
+    previous_response_not_found,
+)
 from pagedbatch.store.responses import (
     ItemNotFound,
     ResponseNotFinished,
@@ -114,49 +118,51 @@ def continuing(services: Services, owner: str, request: ResponseCreateRequest) -
         with services.session_factory() as session:
             return conversation(session, services.blobs, owner, previous)
     except ResponseNotFound:
-        raise OpenAIError(
-            f"Previous response with id '{previous}' not found.",
-            status_code=404,
-            param="previous_response_id",
-            code="previous_response_not_found",
-        ) from None
+        raise previous_response_not_found(previous) from None
     except ResponseNotFinished as running:
-        raise OpenAIError(
-            f"Previous response with id '{previous}' is still {running.status}: a conversation "
-            "continues from a response that has ended.",
-            param="previous_response_id",
-            code="previous_response_not_finished",
-        ) from None
+        raise previous_response_not_finished(previous, running.status) from None
 
 
 def keeper(services: Services, owner: str) -> Answered[PreparedResponse]:
     """The create route's `on_answered`: keeps the owner's response where it asked to be
     stored, before the client gets it."""
 
-    async def keep(prepared: PreparedResponse, body: BaseModel) -> None:
-        request = prepared.request
-        if not request.store:
-            return
-        record = ResponseRecord(
-            id=prepared.id,
-            owner=owner,
-            model=prepared.model,
-            created_at=prepared.created_at,
-            request=request.model_dump(mode="json", exclude={"input"}, exclude_unset=True),
-            input_items=prepared.input_items(),
-            body=body.model_dump(mode="json"),
-            background=request.background,
-            previous_response_id=request.previous_response_id,
-        )
-        await services.preparation.work.run(
-            save_response,
-            services.session_factory,
-            services.blobs,
-            record,
-            services.settings.response_retention_days,
-        )
+    async def keep_answered(prepared: PreparedResponse, body: BaseModel) -> None:
+        if prepared.request.store:
+            await keep(services, owner, prepared, body.model_dump(mode="json"))
 
-    return keep
+    return keep_answered
+
+
+async def keep(
+    services: Services, owner: str, prepared: PreparedResponse, body: dict[str, Any]
+) -> None:
+    """Save the owner's response as `body` (a Response as JSON: answered, or a background
+    one's placeholder), on a preparation thread; committed when it returns."""
+    await services.preparation.work.run(
+        save_response,
+        services.session_factory,
+        services.blobs,
+        response_record(owner, prepared, body),
+        services.settings.response_retention_days,
+    )
+
+
+def response_record(owner: str, prepared: PreparedResponse, body: dict[str, Any]) -> ResponseRecord:
+    """What the job store keeps of the owner's response: its request (less its input, which is
+    kept as items), its input items and `body`."""
+    request = prepared.request
+    return ResponseRecord(
+        id=prepared.id,
+        owner=owner,
+        model=prepared.model,
+        created_at=prepared.created_at,
+        request=request.model_dump(mode="json", exclude={"input"}, exclude_unset=True),
+        input_items=prepared.input_items(),
+        body=body,
+        background=request.background,
+        previous_response_id=request.previous_response_id,
+    )
 
 
 def response_not_found(response_id: str) -> OpenAIError:

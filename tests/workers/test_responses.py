@@ -14,6 +14,7 @@ from batch_worker import Worker
 from servers import eventually
 from sqlalchemy import select, update
 
+from pagedbatch.api.responses.stored import response_record
 from pagedbatch.ids import now
 from pagedbatch.protocol.pipeline import RequestContext, RequestPipeline
 from pagedbatch.protocol.schemas.responses import ResponseCreateRequest
@@ -28,7 +29,7 @@ from pagedbatch.store.models import (
     WebhookEvent,
 )
 from pagedbatch.store.response_runs import claim
-from pagedbatch.store.responses import ResponseRecord, load_response, save_response, transition
+from pagedbatch.store.responses import load_response, save_response, transition
 from pagedbatch.workers.recovery import resume_work
 from pagedbatch.workers.responses import requeue_lost_responses, run_response
 
@@ -41,16 +42,8 @@ def submit(worker: Worker, owner: str = "default", **body: Any) -> str:
     body = {**GREEDY, **body}
     params = ResponseCreateRequest.model_validate({**body, "background": True})
     prepared = prepare_response(params, worker.ctx.engine.engine)
-    record = ResponseRecord(
-        id=prepared.id,
-        owner=owner,
-        model=prepared.model,
-        created_at=prepared.created_at,
-        request=params.model_dump(mode="json", exclude={"input"}, exclude_unset=True),
-        input_items=prepared.input_items(),
-        body=prepared.placeholder("queued").model_dump(mode="json"),
-        background=True,
-    )
+    queued = prepared.placeholder("queued").model_dump(mode="json")
+    record = response_record(owner, prepared, queued)
     save_response(worker.ctx.session_factory, worker.ctx.blobs, record, retention_days=30)
     return prepared.id
 

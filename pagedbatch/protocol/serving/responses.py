@@ -251,6 +251,28 @@ def error_code(error: OpenAIError) -> str:
     return "rate_limit_exceeded" if error.status_code == 429 else "invalid_prompt"
 
 
+def previous_response_not_found(previous: str) -> OpenAIError:
+    """The 404 of a `previous_response_id` that is not the caller's response (never one,
+    deleted, expired, or another tenant's)."""
+    return OpenAIError(
+        f"Previous response with id '{previous}' not found.",
+        status_code=404,
+        param="previous_response_id",
+        code="previous_response_not_found",
+    )
+
+
+def previous_response_not_finished(previous: str, status: str) -> OpenAIError:
+    """The 400 of a `previous_response_id` whose response has not ended (`status`): a
+    conversation goes on only from a whole turn."""
+    return OpenAIError(
+        f"Previous response with id '{previous}' is still {status}: a conversation "
+        "continues from a response that has ended.",
+        param="previous_response_id",
+        code="previous_response_not_finished",
+    )
+
+
 def prepare_response(
     request: ResponseCreateRequest,
     served: ServedModel,
