@@ -29,6 +29,7 @@ from pagedbatch.engine.worker.models.encoder_attention import length_groups
 from pagedbatch.engine.worker.models.registry import resolve_model_class
 from pagedbatch.engine.worker.parallel_layers import pack_weights
 from pagedbatch.engine.worker.pooler import pool_chunks
+from pagedbatch.engine.worker.shard_threads import ShardThreads
 from pagedbatch.kernels import native
 from pagedbatch.kernels.attention import prepare_attention
 
@@ -151,11 +152,17 @@ class ModelRunner:
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         if self.device.type == "cpu":
             keep_freed_memory()
+        # An encoder's steps split into shards run side by side on CPU (one rank only: ranks
+        # meet in collectives, which threads would cross).
+        sharded = cfg.encoder_only and self.device.type == "cpu" and tp.size == 1
+        self.shard_threads = ShardThreads(torch.get_num_threads() if sharded else 1)
         started = time.perf_counter()
         # A step's matmuls have about as many rows as it has sequences when they decode, and as
-        # it has tokens when they are embedded (prefill only).
+        # it has tokens when they are embedded (prefill only). Shards' matmuls stay MKL's: a
+        # packed weight's oneDNN call holds the GIL, and the shards would take turns.
         pooling = cfg.pooling is not None
-        self.model = self._load_model(args.max_num_batched_tokens if pooling else args.max_num_seqs)
+        rows = args.max_num_batched_tokens if pooling else args.max_num_seqs
+        self.model = self._load_model(rows, pack=self.shard_threads.count < 2)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(
@@ -185,15 +192,16 @@ class ModelRunner:
         # multimodal model's; every rank keeps its own copy).
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
 
-    def _load_model(self, rows: int) -> torch.nn.Module:
+    def _load_model(self, rows: int, pack: bool) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
-        packing (see parallel_layers.Packed)."""
+        packing (see parallel_layers.Packed), where they are packed."""
         model_cls = resolve_model_class(self.cfg.architecture)
         with torch.device(self.device), distributed.building_for(self.tp):
             model = model_cls(self.cfg)
         model = model.to(self.dtype)
         model.load_weights(iterate_weights(self.cfg.path))
-        pack_weights(model, rows)
+        if pack:
+            pack_weights(model, rows)
         return model.eval()
 
     @property
@@ -258,36 +266,51 @@ class ModelRunner:
         return self.model.compute_logits(hidden[rows]).float()
 
     def _run_encoder(self, step: StepInput) -> torch.Tensor:
-        """An encoder's step: whole sequences, packed, pooled. They run sorted by length, so
-        that those of equal length attend in one batch (see `encoder_attention`); the pooled
-        rows come back in the step's order.
-
-        The batch is padded to a multiple of ENCODER_ROWS_MULTIPLE rows with one sequence of
-        token 0 that nothing reads: oneDNN builds a matmul anew (milliseconds) for every row
-        count it has not seen, and a step's token count is a sum of lengths that varies from
-        step to step, so that otherwise most steps would pay it."""
+        """An encoder's step: whole sequences, packed, pooled; the pooled rows in the step's
+        order. On CPU the sequences are dealt, shortest first, into one shard per torch thread,
+        run side by side (see `shard_threads`)."""
         bounds = np.asarray(step.query_start_loc)
         lengths = np.diff(bounds)
         order = np.argsort(lengths, kind="stable")
-        lengths = lengths[order]
-        # Sorted, sequence i starts at row firsts[i]; each token's index in its sequence and its
-        # row in the step's order.
+        count = min(self.shard_threads.count, len(order))
+        shards = [order[i::count] for i in range(count)]
+        input_ids = torch.tensor(step.input_ids)
+        pooled = self.shard_threads.map(
+            lambda sequences: self._encode_sequences(input_ids, bounds, sequences), shards
+        )
+        out = torch.empty(len(order), pooled[0].shape[1], dtype=pooled[0].dtype)
+        for shard, rows in zip(shards, pooled, strict=True):
+            out[torch.from_numpy(shard)] = rows.cpu()
+        return out.to(self.device)
+
+    def _encode_sequences(
+        self, input_ids: torch.Tensor, bounds: np.ndarray, sequences: np.ndarray
+    ) -> torch.Tensor:
+        """The pooled rows of `sequences` (indices into the step's, shortest first), encoded as
+        one packed batch: those of equal length attend together (see `encoder_attention`).
+
+        The batch is padded to a multiple of ENCODER_ROWS_MULTIPLE rows with one sequence of
+        token 0 that nothing reads: oneDNN builds a matmul anew (milliseconds) for every row
+        count it has not seen, and a batch's token count is a sum of lengths that varies from
+        step to step, so that otherwise most steps would pay it."""
+        lengths = bounds[1:][sequences] - bounds[:-1][sequences]
+        # Sequence i starts at row firsts[i]; each token's index in its sequence, and its index
+        # in the step's tokens.
         firsts = np.cumsum(lengths) - lengths
-        num_tokens = int(bounds[-1])
+        num_tokens = int(lengths.sum())
         positions = np.arange(num_tokens) - np.repeat(firsts, lengths)
-        rows = np.repeat(bounds[:-1][order], lengths) + positions
+        rows = np.repeat(bounds[:-1][sequences], lengths) + positions
         groups = length_groups(lengths.tolist())
         padding = -num_tokens % ENCODER_ROWS_MULTIPLE
-        input_ids = torch.tensor(step.input_ids)[torch.from_numpy(rows)]
+        ids = input_ids[torch.from_numpy(rows)]
         if padding:
-            input_ids = torch.cat([input_ids, input_ids.new_zeros(padding)])
+            ids = torch.cat([ids, ids.new_zeros(padding)])
             positions = np.concatenate([positions, np.arange(padding)])
             groups.append((num_tokens, 1, padding))
         device = self.device
-        hidden = self.model(input_ids.to(device), torch.from_numpy(positions).to(device), groups)
-        sorted_bounds = [*firsts.tolist(), num_tokens]
-        pooled = pool_chunks(hidden[:num_tokens], sorted_bounds, self.cfg.pooling.pooling_type)
-        return pooled[torch.from_numpy(np.argsort(order)).to(device)]
+        hidden = self.model(ids.to(device), torch.from_numpy(positions).to(device), groups)
+        bounds_here = [*firsts.tolist(), num_tokens]
+        return pool_chunks(hidden[:num_tokens], bounds_here, self.cfg.pooling.pooling_type)
 
     def _encode(self, work: EncoderWork) -> None:
         """Drop what the cache evicted, then encode the new images or clips, all at once."""
@@ -307,6 +330,7 @@ class ModelRunner:
         return torch.cat(rows).to(self.device), torch.cat(embeds)
 
     def shutdown(self) -> None:
-        """Stops the other ranks, if any."""
+        """Stops the other ranks, if any, and the shard threads."""
+        self.shard_threads.shutdown()
         if self.ranks is not None:
             self.ranks.shutdown()

@@ -292,3 +292,20 @@ def test_a_decoder_request_preempted_mid_prompt_pools_it_all_again(mean_decoder)
         with torch.inference_mode():
             hidden = model(torch.tensor([output.prompt_token_ids])).last_hidden_state[0]
         assert_close(output.embedding, hidden.mean(0))
+
+
+def test_on_two_threads_a_step_runs_in_shards_side_by_side_with_the_same_vectors(bert, bert_llm):
+    torch.set_num_threads(2)  # conftest runs tests on one
+    try:
+        sharded = LLM(bert)
+        assert torch.get_num_threads() == 2  # the shards' threads left the caller's as it was
+    finally:
+        torch.set_num_threads(1)
+    assert sharded.engine.runner.shard_threads.count == 2
+    assert bert_llm.engine.runner.shard_threads.count == 1
+    got = vectors(sharded.embed(TEXTS))
+    assert torch.get_num_threads() == 1
+    torch.testing.assert_close(got, vectors(bert_llm.embed(TEXTS)), atol=1e-5, rtol=1e-5)
+    (alone,) = sharded.embed(["just one"])
+    torch.testing.assert_close(alone.embedding, bert_llm.embed(["just one"])[0].embedding)
+    sharded.shutdown()
