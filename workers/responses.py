@@ -19,23 +19,22 @@ realtime requests go ahead of it and preempt it as they do batch lines, so they 
 by it. Not batch-discounted: OpenAI charges background responses at the standard rate.
 
 Nothing is lost: while it runs, the worker renews the lease and looks at the response every
-STOP_CHECK_SECONDS. A cancel (`POST /v1/responses/{id}/cancel`) is seen at the next look and
-stops it, which aborts its engine requests; a lease that cannot be renewed stops it, and it is
-left to another worker. A worker that dies leaves it in progress with a lease that lapses (or a
-heartbeat that stops), and upkeep queues it again (`requeue_lost_responses`); so too a queued
-response whose task a broker lost. A response claimed `max_shard_attempts` times fails rather
-than crash workers for ever. A worker shutting down hands its responses back at once.
+STOP_CHECK_SECONDS (workers/leases.py). A cancel (`POST /v1/responses/{id}/cancel`) is seen at
+the next look and stops it, which aborts its engine requests; a lease that cannot be renewed
+stops it, and it is left to another worker. A worker that dies leaves it in progress with a
+lease that lapses (or a heartbeat that stops), and upkeep queues it again
+(`requeue_lost_responses`); so too a queued response whose task a broker lost. A response claimed
+`max_shard_attempts` times fails rather than crash workers for ever. A worker shutting down hands
+its responses back at once.
 """
 
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import logging
 import threading
 import time
 import uuid
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import asdict, replace
 from typing import Any
 
@@ -79,6 +78,7 @@ from pagedbatch.store.spend import SpendGuard, SpendRefused
 from pagedbatch.store.usage import Usage as LedgerUsage
 from pagedbatch.workers.context import WorkerContext
 from pagedbatch.workers.heartbeats import dead_workers, trusts_heartbeats
+from pagedbatch.workers.leases import Lease
 from pagedbatch.workers.webhooks import queue_response_webhooks
 
 logger = logging.getLogger(__name__)
@@ -86,7 +86,6 @@ logger = logging.getLogger(__name__)
 # Background responses one process runs at once: each holds a task thread for as long as it
 # runs (embedded: a pool of their own; a worker: Celery threads beyond the shards').
 RESPONSE_THREADS = 8
-STOP_CHECK_SECONDS = 0.5  # how soon a cancel reaches the engine
 REQUEUE_LIMIT = 1000  # lost responses queued again in one upkeep round
 
 _slots = threading.BoundedSemaphore(RESPONSE_THREADS)
@@ -250,11 +249,15 @@ class _ResponseRun:
         assert ctx.engine is not None
         self.ctx = ctx
         self.engine = ctx.engine
-        self.claimed = claimed
         self.id = claimed.response_id
-        self.stop = asyncio.Event()
-        self.lease_lost = False
-        self.handing_back = False  # this process is shutting down
+        self.lease = Lease(
+            f"background response {self.id}",
+            claimed.leased_until,
+            ctx.settings.lease_seconds,
+            self._look,
+            ctx.stopping,
+            renew_after_stop=False,  # a stopped response writes nothing
+        )
 
     async def run(self) -> None:
         record = await asyncio.to_thread(
@@ -262,26 +265,18 @@ class _ResponseRun:
         )
         if record is None:
             return  # deleted meanwhile
-        # A thread of the watcher's own: a look stuck on a dead connection must not hold up
-        # the rest, nor a look wait behind them.
-        looks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="response-watch")
-        watcher = asyncio.create_task(self._watch(looks))
         charge = _Charge(self.ctx, record.owner, self.engine.engine.model_name)
-        try:
-            body = await self._respond(record, charge)
-        except BaseException:
-            await asyncio.to_thread(charge.close, False)
-            raise
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-            looks.shutdown(wait=False)
-        if body is not None and not self.lease_lost:
+        async with self.lease.kept():
+            try:
+                body = await self._respond(record, charge)
+            except BaseException:
+                await asyncio.to_thread(charge.close, False)
+                raise
+        if body is not None and not self.lease.lost:
             await asyncio.to_thread(_end, self.ctx, self.id, body, charge)
             return
         await asyncio.to_thread(charge.close, False)
-        if self.handing_back:
+        if self.lease.handing_back:
             retrying(
                 lambda: hand_back(self.ctx.session_factory, self.id, self.ctx.worker_id),
                 "handing a background response back",
@@ -290,7 +285,7 @@ class _ResponseRun:
             # again.
             retrying(lambda: self.ctx.queue.enqueue("run_response", self.id), "queueing a response")
             logger.info("shutting down: handed background response %s back", self.id)
-        elif self.lease_lost:
+        elif self.lease.lost:
             logger.warning("lost the lease of background response %s: left to upkeep", self.id)
         else:
             logger.info("background response %s stopped: cancelled or deleted", self.id)
@@ -317,7 +312,7 @@ class _ResponseRun:
         )
         pipeline = RequestPipeline(self.engine, prepared, context)
         try:
-            answered = await unless(pipeline.batch_line(), self.stop.wait())
+            answered = await unless(pipeline.batch_line(), self.lease.stop.wait())
         except EngineDeadError:
             raise  # the worker's failure, not the response's: it runs again elsewhere
         except OpenAIError as error:
@@ -363,48 +358,9 @@ class _ResponseRun:
         except ResponseNotFinished as running:  # create refused it then: answered as create does
             raise previous_response_not_finished(previous, running.status) from None
 
-    async def _watch(self, looks: ThreadPoolExecutor) -> None:
-        """Renew the lease, and raise the stop flag when the response is cancelled (or deleted)
-        or this process shuts down. If the lease cannot be renewed before it would lapse, the
-        run stops: past its lease, another worker may take the response."""
-        loop = asyncio.get_running_loop()
-        settings = self.ctx.settings
-        lease = settings.lease_seconds
-        leased_until = self.claimed.leased_until
-        while True:
-            await asyncio.sleep(STOP_CHECK_SECONDS)
-            if self.ctx.stopping.is_set():
-                self.handing_back = True
-                self.stop.set()
-                return
-            asked_at = time.monotonic()
-            renew = leased_until - asked_at <= lease * 2 / 3  # every third of the lease
-            try:
-                async with asyncio.timeout(leased_until - asked_at - STOP_CHECK_SECONDS):
-                    seen = await loop.run_in_executor(
-                        looks,
-                        look,
-                        self.ctx.session_factory,
-                        self.id,
-                        self.ctx.worker_id,
-                        lease if renew else None,
-                    )
-            except Exception as e:  # noqa: BLE001 - whatever it is, the lease decides what next
-                if time.monotonic() >= leased_until - STOP_CHECK_SECONDS:
-                    logger.error("could not renew the lease of %s in time (%s)", self.id, e)
-                    self._lose_lease()
-                    return
-                logger.warning("watching background response %s: %s", self.id, e)
-                continue
-            if not seen.running:
-                self.stop.set()
-                return
-            if renew:
-                if not seen.renewed:  # upkeep took it: another worker may be running it
-                    self._lose_lease()
-                    return
-                leased_until = asked_at + lease
-
-    def _lose_lease(self) -> None:
-        self.lease_lost = True
-        self.stop.set()
+    def _look(self, renew: bool) -> tuple[bool, bool]:
+        """Whether the response is to stop (cancelled, ended otherwise, or deleted), and whether
+        the lease was renewed (only if `renew`)."""
+        lease = self.ctx.settings.lease_seconds if renew else None
+        seen = look(self.ctx.session_factory, self.id, self.ctx.worker_id, lease)
+        return not seen.running, seen.renewed

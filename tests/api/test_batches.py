@@ -11,7 +11,7 @@ import openai
 import pytest
 from servers import STORAGES, BatchServer, wait_for_batch
 
-from pagedbatch.workers.batches import shards
+from pagedbatch.workers import leases
 
 pytestmark = pytest.mark.parametrize("storage", STORAGES, indirect=True)
 
@@ -300,7 +300,7 @@ def test_cancel_mid_run_keeps_partial_results_and_frees_the_engine(serve_batches
 
 def test_a_shard_that_ends_before_it_sees_the_cancel_still_finalizes(serve_batches, monkeypatch):
     # The shard's watcher does not look again before its lines are done.
-    monkeypatch.setattr(shards, "STOP_CHECK_SECONDS", 60.0)
+    monkeypatch.setattr(leases, "STOP_CHECK_SECONDS", 60.0)
     server = serve_batches(shard_size=2, worker_concurrency=1, lease_seconds=300.0)
     client = server.client()
     lines = [chat_line(f"r{i}", max_tokens=150, ignore_eos=True) for i in range(8)]

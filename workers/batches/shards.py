@@ -25,8 +25,6 @@ import contextlib
 import logging
 import time
 import uuid
-from collections.abc import Callable
-from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, replace
 from typing import Any
 
@@ -58,15 +56,14 @@ from pagedbatch.store.models import (
     ShardStatus,
 )
 from pagedbatch.store.reservations import Settlement
-from pagedbatch.store.retry import is_transient, retrying
+from pagedbatch.store.retry import retrying
 from pagedbatch.workers.batches.endpoints import Endpoint, endpoint
 from pagedbatch.workers.batches.line_spend import LineSpend
 from pagedbatch.workers.context import WorkerContext
+from pagedbatch.workers.leases import Lease
 from pagedbatch.workers.metrics import BATCH_REQUESTS
 
 logger = logging.getLogger(__name__)
-
-STOP_CHECK_SECONDS = 0.5  # how soon a cancel reaches the engine
 
 
 @dataclass
@@ -223,17 +220,20 @@ class _ShardRun:
         self.engine = engine = served.engine
         self.prepare = served.prepare
         self.shard = shard
-        self.stop = asyncio.Event()
-        self.lease_lost = False
-        self.handing_back = False  # this process is shutting down
+        self.lease = Lease(
+            f"shard {shard.index} of {shard.batch_id}",
+            shard.leased_until,
+            ctx.settings.lease_seconds,
+            self._look,
+            ctx.stopping,
+            renew_after_stop=True,  # what is buffered is written once it stops, under the lease
+        )
         # Up to an engine's worth of lines each: the engine runs max_num_seqs at once and queues
         # the rest by arrival, so the lines of concurrent shards take turns, and a shard running
         # alone, or the others while one drains its last lines, still fill every seat.
         self.in_flight = asyncio.Semaphore(engine.engine.args.max_num_seqs)
         self.spend = LineSpend(ctx, shard.owner, engine.engine.model_name)
-        self.results = _ResultWriter(
-            ctx, shard, lambda: self.lease_lost, self._lose_lease, self.spend
-        )
+        self.results = _ResultWriter(ctx, shard, self.lease, self.spend)
         # Each line names itself by its custom_id in the content filter's log lines.
         self.context = RequestContext.of(
             ctx.settings,
@@ -245,34 +245,25 @@ class _ShardRun:
 
     async def run(self) -> None:
         requests = retrying(self._pending_requests, "reading a shard's requests")
-        # A thread of the watcher's own: flushes of results, slow while the database is
-        # struggling, must not delay the look that renews the lease.
-        looks = ThreadPoolExecutor(max_workers=1, thread_name_prefix="shard-watch")
-        watcher = asyncio.create_task(self._watch(looks))
-        writer = asyncio.create_task(self.results.run())
-        writer.add_done_callback(self._stop_if_failed)
-        try:
+        async with self.lease.kept():
+            writer = asyncio.create_task(self.results.run())
+            writer.add_done_callback(self._stop_if_failed)
             try:
                 await asyncio.gather(*(self._run_request(r) for r in requests))
             finally:
                 # What is buffered is written, however the lines ended (done, stopped, or the
-                # engine died), and under the lease: the watcher renews it till then.
+                # engine died), and under the lease: it is kept till then.
                 self.results.close()
                 await writer
                 await asyncio.to_thread(self.spend.release_rest)
-        finally:
-            watcher.cancel()
-            with contextlib.suppress(asyncio.CancelledError):
-                await watcher
-            looks.shutdown(wait=False)  # a look stuck on a dead connection is not waited for
-        if self.lease_lost:
+        if self.lease.lost:
             logger.warning(
                 "lost the lease of shard %s of %s: left to the reaper",
                 self.shard.index,
                 self.shard.batch_id,
             )
             return
-        if self.handing_back:
+        if self.lease.handing_back:
             retrying(self._hand_back, "handing a shard back")
             logger.info(
                 "shutting down: handed shard %s of %s back", self.shard.index, self.shard.batch_id
@@ -282,7 +273,7 @@ class _ShardRun:
             retrying(lambda: self.ctx.queue.enqueue("run_shard"), "queueing a shard run")
             return
         retrying(self._mark_done, "marking a shard done")
-        _finalize_when_done(self.ctx, self.shard.batch_id, told_to_stop=self.stop.is_set())
+        _finalize_when_done(self.ctx, self.shard.batch_id, told_to_stop=self.lease.stop.is_set())
 
     def _pending_requests(self) -> list[BatchRequest]:
         with self.ctx.session_factory() as session:
@@ -314,55 +305,6 @@ class _ShardRun:
         """Make the shard pending again. Not an attempt that failed: its count is undone."""
         self._release(ShardStatus.PENDING, attempts=Shard.attempts - 1)
 
-    async def _watch(self, looks: ThreadPoolExecutor) -> None:
-        """Renew the lease, and raise the stop flag when the batch is cancelled or expires, or
-        this process shuts down.
-
-        A look that fails (the database restarting) is tried again at the next tick. If the lease
-        cannot be renewed before it would lapse, the shard stops, its unfinished lines left
-        pending: past its lease the reaper may hand it to another worker.
-        """
-        loop = asyncio.get_running_loop()
-        lease = self.ctx.settings.lease_seconds
-        leased_until = self.shard.leased_until
-        while True:
-            await asyncio.sleep(STOP_CHECK_SECONDS)
-            if self.ctx.stopping.is_set() and not self.stop.is_set():  # else it ends anyway
-                self.handing_back = True
-                self.stop.set()
-                return
-            asked_at = time.monotonic()
-            renew = leased_until - asked_at <= lease * 2 / 3  # every third of the lease
-            try:
-                async with asyncio.timeout(leased_until - asked_at - STOP_CHECK_SECONDS):
-                    told_to_stop, renewed = await loop.run_in_executor(looks, self._look, renew)
-            except Exception as e:  # noqa: BLE001 - whatever it is, the lease decides what next
-                if time.monotonic() >= leased_until - STOP_CHECK_SECONDS:
-                    logger.error(
-                        "could not renew the lease of shard %s of %s in time (%s): stopping it",
-                        self.shard.index,
-                        self.shard.batch_id,
-                        type(e).__name__,
-                    )
-                    self._lose_lease()
-                    return
-                if is_transient(e):
-                    logger.warning(
-                        "watching shard %s of %s: %s", self.shard.index, self.shard.batch_id, e
-                    )
-                else:
-                    logger.exception(
-                        "watching shard %s of %s failed", self.shard.index, self.shard.batch_id
-                    )
-                continue
-            if told_to_stop:
-                self.stop.set()
-            if renew:
-                if not renewed:  # the reaper took it: another worker may be running it
-                    self._lose_lease()
-                    return
-                leased_until = asked_at + lease
-
     def _look(self, renew: bool) -> tuple[bool, bool]:
         """Whether the batch is stopping, and whether the lease was renewed (only if `renew`).
         A look that renews nothing commits nothing: there are two a second per shard."""
@@ -379,19 +321,15 @@ class _ShardRun:
             session.commit()
             return told_to_stop, renewed.rowcount == 1
 
-    def _lose_lease(self) -> None:
-        self.lease_lost = True
-        self.stop.set()
-
     def _stop_if_failed(self, writer: asyncio.Task[None]) -> None:
         """A writer that failed (an outage outlasting its retries) stops the lines: their
         results could not be written anyway. `run` raises its error once they have stopped."""
         if not writer.cancelled() and writer.exception() is not None:
-            self.stop.set()
+            self.lease.stop.set()
 
     async def _run_request(self, request: BatchRequest) -> None:
         async with self.in_flight:
-            if self.stop.is_set():
+            if self.lease.stop.is_set():
                 return  # left pending: finalization marks it cancelled or expired
             try:
                 answered = await self._respond(request)
@@ -433,7 +371,7 @@ class _ShardRun:
         pipeline = RequestPipeline(
             self.engine, prepared, replace(self.context, request_id=request.custom_id)
         )
-        return await unless(pipeline.batch_line(), self.stop.wait())
+        return await unless(pipeline.batch_line(), self.lease.stop.wait())
 
 
 class _ResultWriter:
@@ -455,14 +393,12 @@ class _ResultWriter:
         self,
         ctx: WorkerContext,
         shard: ClaimedShard,
-        lease_lost: Callable[[], bool],
-        lose_lease: Callable[[], None],
+        lease: Lease,
         spend: LineSpend,
     ) -> None:
         self.ctx = ctx
         self.shard = shard
-        self.lease_lost = lease_lost
-        self.lose_lease = lose_lease
+        self.lease = lease
         self.spend = spend
         self.flush_lines = ctx.settings.result_flush_lines
         self.flush_seconds = ctx.settings.result_flush_ms / 1000
@@ -501,7 +437,7 @@ class _ResultWriter:
 
     async def _flush(self, results: list[LineResult]) -> None:
         def write() -> tuple[list[LineResult], dict[int, Settlement]] | None:
-            if self.lease_lost():  # also between retries: the next run does these lines
+            if self.lease.lost:  # also between retries: the next run does these lines
                 return None
             with transaction(self.ctx.session_factory) as session:
                 if not holds_lease(session, self.shard.id, self.ctx.worker_id):
@@ -512,7 +448,7 @@ class _ResultWriter:
         what = f"recording {len(results)} results of {self.shard.batch_id}"
         done = await asyncio.to_thread(retrying, write, what)
         if done is None:
-            self.lose_lease()  # the reaper took the shard: another worker may be running it
+            self.lease.lose()  # the reaper took the shard: another worker may be running it
             return
         written, settlements = done
         self.spend.settled(settlements)

@@ -19,7 +19,8 @@ from batch_worker import (
 from sqlalchemy import select
 
 from pagedbatch.store.models import BatchStatus, Shard, ShardStatus
-from pagedbatch.workers.batches.shards import STOP_CHECK_SECONDS, run_shard
+from pagedbatch.workers.batches.shards import run_shard
+from pagedbatch.workers.leases import STOP_CHECK_SECONDS
 
 LINES = 6
 
