@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import json
 import os
+import random
 import subprocess
 import sys
 import time
@@ -21,10 +22,12 @@ from typing import Any
 
 import httpx
 import openai
+import redis
 from harness import free_port as free_port  # re-exported to the test modules
 from harness import healthy, start_process, stop_processes, wait_until
 from harness import kill as kill  # re-exported to the test modules
 from redis.asyncio import Redis as AsyncRedis
+from services import postgres_schema
 
 from pagedbatch.service import Embedded
 from pagedbatch.settings import Settings
@@ -125,6 +128,24 @@ def running_deployment(
         yield deployment
     finally:
         deployment.stop()
+
+
+@contextmanager
+def distributed_deployment(
+    tmp: Path, model: Path, postgres_url: str, settings: dict[str, str]
+) -> Iterator[Deployment]:
+    """`running_deployment` on a PostgreSQL schema and a Redis database of its own (its queue,
+    its keys), the Redis database emptied before and after."""
+    broker = f"redis://127.0.0.1:6379/{random.randrange(1, 16)}"
+    redis.Redis.from_url(broker).flushdb()
+    try:
+        with (
+            postgres_schema(postgres_url) as database_url,
+            running_deployment(tmp, model, database_url, broker, settings) as deployment,
+        ):
+            yield deployment
+    finally:
+        redis.Redis.from_url(broker).flushdb()
 
 
 PROCESS_START_SECONDS = 60  # a process loads a model and migrates the database first

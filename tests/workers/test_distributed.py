@@ -4,35 +4,28 @@ loses nothing and duplicates nothing."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Iterator
 
 import httpx
 import pytest
-import redis
 from servers import (
     PROCESS_START_SECONDS,
     Deployment,
     chat_lines,
+    distributed_deployment,
     engine_records,
     eventually,
     kill,
     output_ids,
-    running_deployment,
     wait_for_batch,
 )
-from services import postgres_schema
 from webhook_receiver import Receiver
 
-REDIS = "redis://127.0.0.1:6379"
 RESPONSE_TOKENS = 600  # the background response outlasts the moment its worker is killed
 
 
 @pytest.fixture
 def deployment(tmp_path, tiny_llama, postgres_url, s3_settings_env) -> Iterator[Deployment]:
-    db_index = random.randrange(1, 16)  # a Redis database of our own: its queue, its keys
-    broker = f"{REDIS}/{db_index}"
-    redis.Redis.from_url(broker).flushdb()
     settings = {
         "PAGEDBATCH_SHARD_SIZE": "3",
         "PAGEDBATCH_LEASE_SECONDS": "3",
@@ -40,14 +33,8 @@ def deployment(tmp_path, tiny_llama, postgres_url, s3_settings_env) -> Iterator[
         "PAGEDBATCH_WEBHOOK_ALLOWED_HOSTS": "127.0.0.1",
         "PAGEDBATCH_WEBHOOK_INITIAL_BACKOFF_SECONDS": "0.3",
     }
-    try:
-        with (
-            postgres_schema(postgres_url) as database_url,
-            running_deployment(tmp_path, tiny_llama, database_url, broker, settings) as deployment,
-        ):
-            yield deployment
-    finally:
-        redis.Redis.from_url(broker).flushdb()
+    with distributed_deployment(tmp_path, tiny_llama, postgres_url, settings) as deployment:
+        yield deployment
 
 
 def test_a_worker_process_runs_batches_from_the_api(deployment):

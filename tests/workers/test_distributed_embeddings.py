@@ -6,23 +6,19 @@ and takes `/v1/embeddings` batches, which the worker runs on it; a Matryoshka mo
 from __future__ import annotations
 
 import json
-import random
 from collections.abc import Iterator
 
 import numpy as np
 import openai
 import pytest
-import redis
 from servers import (
     PROCESS_START_SECONDS,
     Deployment,
+    distributed_deployment,
     eventually,
-    running_deployment,
     wait_for_batch,
 )
-from services import postgres_schema
 
-REDIS = "redis://127.0.0.1:6379"
 TEXTS = ["The cat sat on the mat.", "A second, rather longer sentence about dogs."]
 
 
@@ -35,17 +31,9 @@ def matryoshka(make_checkpoint):
 def deployment(
     tmp_path, tiny_llama, matryoshka, postgres_url, s3_settings_env
 ) -> Iterator[Deployment]:
-    broker = f"{REDIS}/{random.randrange(1, 16)}"  # a Redis database of our own
-    redis.Redis.from_url(broker).flushdb()
     settings = {"PAGEDBATCH_EMBEDDING_MODEL": str(matryoshka)}
-    try:
-        with (
-            postgres_schema(postgres_url) as database_url,
-            running_deployment(tmp_path, tiny_llama, database_url, broker, settings) as deployment,
-        ):
-            yield deployment
-    finally:
-        redis.Redis.from_url(broker).flushdb()
+    with distributed_deployment(tmp_path, tiny_llama, postgres_url, settings) as deployment:
+        yield deployment
 
 
 def test_the_workers_embed_realtime_and_batch_requests(deployment, matryoshka):
