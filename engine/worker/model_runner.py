@@ -39,7 +39,7 @@ if TYPE_CHECKING:
     from pagedbatch.engine.worker.ranks import RankProcesses
 
 GPU_MEMORY_FRACTION = 0.9
-# An encoder step's rows are padded to a multiple of this (see ModelRunner._run_encoder).
+# An encoder batch's rows are padded to a multiple of this (see ModelRunner._encode_sequences).
 ENCODER_ROWS_MULTIPLE = 32
 
 
@@ -290,9 +290,9 @@ class ModelRunner:
         one packed batch: those of equal length attend together (see `encoder_attention`).
 
         The batch is padded to a multiple of ENCODER_ROWS_MULTIPLE rows with one sequence of
-        token 0 that nothing reads: oneDNN builds a matmul anew (milliseconds) for every row
-        count it has not seen, and a batch's token count is a sum of lengths that varies from
-        step to step, so that otherwise most steps would pay it."""
+        token 0 that nothing reads: where weights are packed, oneDNN builds a matmul anew
+        (milliseconds) for every row count it has not seen, and a batch's token count is a sum
+        of lengths that varies from step to step, so that otherwise most steps would pay it."""
         lengths = bounds[1:][sequences] - bounds[:-1][sequences]
         # Sequence i starts at row firsts[i]; each token's index in its sequence, and its index
         # in the step's tokens.
