@@ -4,17 +4,11 @@ end is written only under its lease, and responses whose task or run was lost ar
 from __future__ import annotations
 
 import time
-from collections.abc import Iterator
-from pathlib import Path
 
-import pytest
 from sqlalchemy import select, update
-from sqlalchemy.orm import Session, sessionmaker
 
 from pagedbatch.ids import now
-from pagedbatch.store.blobs import LocalBlobStore
-from pagedbatch.store.db import make_engine, make_session_factory, transaction
-from pagedbatch.store.migrate import upgrade
+from pagedbatch.store.db import transaction
 from pagedbatch.store.models import ResponseStatus, StoredResponse, WebhookEvent
 from pagedbatch.store.response_runs import (
     claim,
@@ -29,20 +23,7 @@ from pagedbatch.store.responses import ResponseRecord, finish_response, save_res
 LEASE = 30.0
 
 
-@pytest.fixture
-def factory(empty_database_url: str) -> Iterator[sessionmaker[Session]]:
-    upgrade(empty_database_url)
-    engine = make_engine(empty_database_url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture
-def blobs(tmp_path: Path) -> LocalBlobStore:
-    return LocalBlobStore(tmp_path / "blobs")
-
-
-def queued(factory, blobs, response_id: str, background: bool = True, created_at=None) -> None:
+def queued(sessions, blobs, response_id: str, background: bool = True, created_at=None) -> None:
     body = {"id": response_id, "object": "response", "status": "queued", "output": []}
     items = [{"id": "msg_1", "type": "message", "role": "user", "content": "Hi"}]
     record = ResponseRecord(
@@ -55,11 +36,11 @@ def queued(factory, blobs, response_id: str, background: bool = True, created_at
         body=body,
         background=background,
     )
-    save_response(factory, blobs, record, retention_days=30)
+    save_response(sessions, blobs, record, retention_days=30)
 
 
-def row(factory, response_id: str) -> StoredResponse:
-    with factory() as session:
+def row(sessions, response_id: str) -> StoredResponse:
+    with sessions() as session:
         return session.get(StoredResponse, response_id)
 
 
@@ -67,71 +48,71 @@ def completed(response_id: str) -> dict:
     return {"id": response_id, "object": "response", "status": "completed", "output": []}
 
 
-def test_one_worker_at_a_time_holds_a_response_and_only_it_ends_it(factory, blobs):
-    queued(factory, blobs, "resp_a")
+def test_one_worker_at_a_time_holds_a_response_and_only_it_ends_it(sessions, blobs):
+    queued(sessions, blobs, "resp_a")
 
-    first = claim(factory, "resp_a", "w1", LEASE)
+    first = claim(sessions, "resp_a", "w1", LEASE)
     assert first is not None and first.attempts == 1
-    assert claim(factory, "resp_a", "w2", LEASE) is None  # leased to w1
-    assert row(factory, "resp_a").status == "in_progress"
-    assert look(factory, "resp_a", "w1", LEASE).renewed
-    assert not look(factory, "resp_a", "w2", LEASE).renewed
+    assert claim(sessions, "resp_a", "w2", LEASE) is None  # leased to w1
+    assert row(sessions, "resp_a").status == "in_progress"
+    assert look(sessions, "resp_a", "w1", LEASE).renewed
+    assert not look(sessions, "resp_a", "w2", LEASE).renewed
 
     # w2 cannot end it; w1 does, once, with its event.
-    assert not finish_response(factory, blobs, "resp_a", completed("resp_a"), held_by("w2"))
-    assert row(factory, "resp_a").status == "in_progress"
-    assert finish_response(factory, blobs, "resp_a", completed("resp_a"), held_by("w1"))
-    assert row(factory, "resp_a").status == "completed"
-    assert claim(factory, "resp_a", "w2", LEASE) is None  # ended: nothing to run
-    with factory() as session:
+    assert not finish_response(sessions, blobs, "resp_a", completed("resp_a"), held_by("w2"))
+    assert row(sessions, "resp_a").status == "in_progress"
+    assert finish_response(sessions, blobs, "resp_a", completed("resp_a"), held_by("w1"))
+    assert row(sessions, "resp_a").status == "completed"
+    assert claim(sessions, "resp_a", "w2", LEASE) is None  # ended: nothing to run
+    with sessions() as session:
         events = session.scalars(select(WebhookEvent.type)).all()
     assert events == ["response.completed"]
 
 
-def test_a_lapsed_lease_lets_another_worker_take_over(factory, blobs):
-    queued(factory, blobs, "resp_a")
-    assert claim(factory, "resp_a", "w1", LEASE) is not None
-    with transaction(factory) as session:
+def test_a_lapsed_lease_lets_another_worker_take_over(sessions, blobs):
+    queued(sessions, blobs, "resp_a")
+    assert claim(sessions, "resp_a", "w1", LEASE) is not None
+    with transaction(sessions) as session:
         session.execute(update(StoredResponse).values(lease_expires_at=time.time() - 1))
 
-    taken = claim(factory, "resp_a", "w2", LEASE)
+    taken = claim(sessions, "resp_a", "w2", LEASE)
     assert taken is not None and taken.attempts == 2
-    assert not look(factory, "resp_a", "w1", LEASE).renewed  # w1 sees it lost the lease
-    assert not finish_response(factory, blobs, "resp_a", completed("resp_a"), held_by("w1"))
-    assert finish_response(factory, blobs, "resp_a", completed("resp_a"), held_by("w2"))
+    assert not look(sessions, "resp_a", "w1", LEASE).renewed  # w1 sees it lost the lease
+    assert not finish_response(sessions, blobs, "resp_a", completed("resp_a"), held_by("w1"))
+    assert finish_response(sessions, blobs, "resp_a", completed("resp_a"), held_by("w2"))
 
 
-def test_a_cancelled_response_is_seen_stopped_and_never_claimed(factory, blobs):
-    queued(factory, blobs, "resp_a")
-    assert claim(factory, "resp_a", "w1", LEASE) is not None
-    with transaction(factory) as session:
+def test_a_cancelled_response_is_seen_stopped_and_never_claimed(sessions, blobs):
+    queued(sessions, blobs, "resp_a")
+    assert claim(sessions, "resp_a", "w1", LEASE) is not None
+    with transaction(sessions) as session:
         assert transition(session, "resp_a", ResponseStatus.CANCELLED)
 
-    assert look(factory, "resp_a", "w1", None).running is False
-    assert not finish_response(factory, blobs, "resp_a", completed("resp_a"), held_by("w1"))
-    assert row(factory, "resp_a").status == "cancelled"
+    assert look(sessions, "resp_a", "w1", None).running is False
+    assert not finish_response(sessions, blobs, "resp_a", completed("resp_a"), held_by("w1"))
+    assert row(sessions, "resp_a").status == "cancelled"
 
 
-def test_a_handed_back_response_is_claimed_again_without_counting_an_attempt(factory, blobs):
-    queued(factory, blobs, "resp_a")
-    assert claim(factory, "resp_a", "w1", LEASE) is not None
-    hand_back(factory, "resp_a", "w1")
+def test_a_handed_back_response_is_claimed_again_without_counting_an_attempt(sessions, blobs):
+    queued(sessions, blobs, "resp_a")
+    assert claim(sessions, "resp_a", "w1", LEASE) is not None
+    hand_back(sessions, "resp_a", "w1")
 
-    again = claim(factory, "resp_a", "w2", LEASE)
+    again = claim(sessions, "resp_a", "w2", LEASE)
     assert again is not None and again.attempts == 1
-    assert row(factory, "resp_a").status == "in_progress"
+    assert row(sessions, "resp_a").status == "in_progress"
 
 
-def test_lost_runs_are_found_once_each_and_only_those(factory, blobs):
+def test_lost_runs_are_found_once_each_and_only_those(sessions, blobs):
     old = now() - 100
-    queued(factory, blobs, "resp_lost_task", created_at=old)  # its task never started
-    queued(factory, blobs, "resp_waiting")  # queued just now: its task is on its way
-    queued(factory, blobs, "resp_dead_worker", created_at=old)
-    queued(factory, blobs, "resp_live", created_at=old)
-    queued(factory, blobs, "resp_foreground", background=False, created_at=old)
-    claim(factory, "resp_dead_worker", "dead", LEASE)
-    claim(factory, "resp_live", "alive", LEASE)
-    with transaction(factory) as session:
+    queued(sessions, blobs, "resp_lost_task", created_at=old)  # its task never started
+    queued(sessions, blobs, "resp_waiting")  # queued just now: its task is on its way
+    queued(sessions, blobs, "resp_dead_worker", created_at=old)
+    queued(sessions, blobs, "resp_live", created_at=old)
+    queued(sessions, blobs, "resp_foreground", background=False, created_at=old)
+    claim(sessions, "resp_dead_worker", "dead", LEASE)
+    claim(sessions, "resp_live", "alive", LEASE)
+    with transaction(sessions) as session:
         session.execute(
             update(StoredResponse)
             .where(StoredResponse.id == "resp_dead_worker")
@@ -139,15 +120,15 @@ def test_lost_runs_are_found_once_each_and_only_those(factory, blobs):
         )
     cutoff = time.time() - 50
 
-    assert sorted(lost_runs(factory, cutoff, None, 100)) == ["resp_dead_worker", "resp_lost_task"]
+    assert sorted(lost_runs(sessions, cutoff, None, 100)) == ["resp_dead_worker", "resp_lost_task"]
     # Noted as queued just now: the next round leaves them to the tasks it queued.
-    assert lost_runs(factory, cutoff, None, 100) == []
-    assert row(factory, "resp_dead_worker").lease_owner is None
-    assert claim(factory, "resp_dead_worker", "w2", LEASE) is not None
-    assert row(factory, "resp_live").lease_owner == "alive"
+    assert lost_runs(sessions, cutoff, None, 100) == []
+    assert row(sessions, "resp_dead_worker").lease_owner is None
+    assert claim(sessions, "resp_dead_worker", "w2", LEASE) is not None
+    assert row(sessions, "resp_live").lease_owner == "alive"
 
     # A response is queued again only once its newest task is older than the cutoff.
-    mark_queued(factory, ["resp_waiting"])
-    assert lost_runs(factory, cutoff, None, 100) == []
+    mark_queued(sessions, ["resp_waiting"])
+    assert lost_runs(sessions, cutoff, None, 100) == []
     later = time.time() + 1
-    assert sorted(lost_runs(factory, later, None, 100)) == ["resp_lost_task", "resp_waiting"]
+    assert sorted(lost_runs(sessions, later, None, 100)) == ["resp_lost_task", "resp_waiting"]

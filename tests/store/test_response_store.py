@@ -3,8 +3,6 @@ blob store, conversations along previous_response_id, and the background state m
 
 from __future__ import annotations
 
-from collections.abc import Iterator
-from pathlib import Path
 from typing import Any
 
 import pytest
@@ -13,8 +11,7 @@ from sqlalchemy.orm import Session, sessionmaker
 
 from pagedbatch.ids import now
 from pagedbatch.store.blobs import LocalBlobStore
-from pagedbatch.store.db import make_engine, make_session_factory, transaction
-from pagedbatch.store.migrate import upgrade
+from pagedbatch.store.db import transaction
 from pagedbatch.store.models import (
     ResponseStatus,
     StoredResponse,
@@ -39,19 +36,6 @@ from pagedbatch.store.responses import (
 )
 
 DAY = 24 * 3600
-
-
-@pytest.fixture
-def factory(empty_database_url: str) -> Iterator[sessionmaker[Session]]:
-    upgrade(empty_database_url)
-    engine = make_engine(empty_database_url)
-    yield make_session_factory(engine)
-    engine.dispose()
-
-
-@pytest.fixture
-def blobs(tmp_path: Path) -> LocalBlobStore:
-    return LocalBlobStore(tmp_path / "blobs")
 
 
 def message(item_id: str, role: str, text: str) -> dict[str, Any]:
@@ -102,27 +86,27 @@ def record(
 
 
 def get(
-    factory: sessionmaker[Session], blobs: LocalBlobStore, response_id: str, owner: str = "default"
+    sessions: sessionmaker[Session], blobs: LocalBlobStore, response_id: str, owner: str = "default"
 ) -> dict:
-    with factory() as session:
+    with sessions() as session:
         return get_response(session, blobs, owner, response_id)
 
 
-def test_a_saved_response_is_its_owners_until_it_expires(factory, blobs):
-    save_response(factory, blobs, record("resp_a"), retention_days=30)
-    save_response(factory, blobs, record("resp_old", created_at=now() - 31 * DAY), 30)
-    save_response(factory, blobs, record("resp_kept", created_at=now() - 999 * DAY), 0)
+def test_a_saved_response_is_its_owners_until_it_expires(sessions, blobs):
+    save_response(sessions, blobs, record("resp_a"), retention_days=30)
+    save_response(sessions, blobs, record("resp_old", created_at=now() - 31 * DAY), 30)
+    save_response(sessions, blobs, record("resp_kept", created_at=now() - 999 * DAY), 0)
 
-    assert get(factory, blobs, "resp_a")["output"][0]["content"][0]["text"] == "Yo"
-    assert get(factory, blobs, "resp_kept")["id"] == "resp_kept"  # retention 0: for good
+    assert get(sessions, blobs, "resp_a")["output"][0]["content"][0]["text"] == "Yo"
+    assert get(sessions, blobs, "resp_kept")["id"] == "resp_kept"  # retention 0: for good
     for response_id, owner in [
         ("resp_a", "key_other"),
         ("resp_old", "default"),
         ("resp_x", "default"),
     ]:
         with pytest.raises(ResponseNotFound):
-            get(factory, blobs, response_id, owner)
-    with factory() as session:
+            get(sessions, blobs, response_id, owner)
+    with sessions() as session:
         expiry = dict(session.execute(select(StoredResponse.id, StoredResponse.expires_at)).all())
         # The request is kept less its input, which the input items hold.
         assert session.get(StoredResponse, "resp_a").request == {
@@ -134,13 +118,13 @@ def test_a_saved_response_is_its_owners_until_it_expires(factory, blobs):
 
 
 def test_large_documents_live_in_the_blob_store_and_go_with_their_response(
-    factory, blobs, tmp_path
+    sessions, blobs, tmp_path
 ):
     image = {"type": "input_image", "image_url": "data:image/png;base64," + "A" * INLINE_BYTES}
     large = [{"id": "msg_big", "type": "message", "role": "user", "content": [image]}]
-    save_response(factory, blobs, record("resp_big", input_items=large), 30)
+    save_response(sessions, blobs, record("resp_big", input_items=large), 30)
 
-    with factory() as session:
+    with sessions() as session:
         row = session.get(StoredResponse, "resp_big")
         assert row.input_items is None and row.response is not None  # only the large one moved
         (key,) = row.blob_keys.values()
@@ -150,22 +134,22 @@ def test_large_documents_live_in_the_blob_store_and_go_with_their_response(
     assert blobs.exists(key)
 
     with pytest.raises(ResponseNotFound):  # another tenant deletes nothing
-        delete_response(factory, blobs, "key_other", "resp_big")
-    delete_response(factory, blobs, "default", "resp_big")
+        delete_response(sessions, blobs, "key_other", "resp_big")
+    delete_response(sessions, blobs, "default", "resp_big")
 
     assert not blobs.exists(key)
     with pytest.raises(ResponseNotFound):
-        get(factory, blobs, "resp_big")
+        get(sessions, blobs, "resp_big")
     with pytest.raises(ResponseNotFound):
-        delete_response(factory, blobs, "default", "resp_big")
+        delete_response(sessions, blobs, "default", "resp_big")
 
 
-def test_input_items_are_listed_in_pages_either_way(factory, blobs):
+def test_input_items_are_listed_in_pages_either_way(sessions, blobs):
     items = [message(f"msg_{i}", "user", str(i)) for i in range(5)]
-    save_response(factory, blobs, record("resp_a", input_items=items), 30)
+    save_response(sessions, blobs, record("resp_a", input_items=items), 30)
 
     def ids(limit: int, order: str = "desc", after: str | None = None) -> tuple[list[str], bool]:
-        with factory() as session:
+        with sessions() as session:
             page = list_input_items(session, blobs, "default", "resp_a", limit, order, after)
         return [item["id"] for item in page.items], page.has_more
 
@@ -176,18 +160,18 @@ def test_input_items_are_listed_in_pages_either_way(factory, blobs):
     assert ids(100, "asc") == ([f"msg_{i}" for i in range(5)], False)
     with pytest.raises(ItemNotFound):
         ids(2, after="msg_nope")
-    with factory() as session, pytest.raises(ResponseNotFound):
+    with sessions() as session, pytest.raises(ResponseNotFound):
         list_input_items(session, blobs, "key_other", "resp_a", 20)
 
 
-def test_a_conversation_is_the_chain_of_previous_responses_oldest_first(factory, blobs):
-    save_response(factory, blobs, record("resp_1"), 30)
-    save_response(factory, blobs, record("resp_2", previous="resp_1"), 30)
-    save_response(factory, blobs, record("resp_3", previous="resp_2"), 30)
-    save_response(factory, blobs, record("resp_q", status="queued", background=True), 30)
+def test_a_conversation_is_the_chain_of_previous_responses_oldest_first(sessions, blobs):
+    save_response(sessions, blobs, record("resp_1"), 30)
+    save_response(sessions, blobs, record("resp_2", previous="resp_1"), 30)
+    save_response(sessions, blobs, record("resp_3", previous="resp_2"), 30)
+    save_response(sessions, blobs, record("resp_q", status="queued", background=True), 30)
 
     def chain(response_id: str, owner: str = "default") -> list[str]:
-        with factory() as session:
+        with sessions() as session:
             return [item["id"] for item in conversation(session, blobs, owner, response_id)]
 
     assert chain("resp_3") == [
@@ -205,15 +189,15 @@ def test_a_conversation_is_the_chain_of_previous_responses_oldest_first(factory,
         chain("resp_q")
 
     # An earlier response that is gone ends the chain; the one named must be there.
-    delete_response(factory, blobs, "default", "resp_1")
+    delete_response(sessions, blobs, "default", "resp_1")
     assert chain("resp_3") == ["in_resp_2", "out_resp_2", "in_resp_3", "out_resp_3"]
     with pytest.raises(ResponseNotFound):
         chain("resp_1")
 
 
-def events(factory: sessionmaker[Session]) -> list[tuple[str, str | None, int]]:
+def events(sessions: sessionmaker[Session]) -> list[tuple[str, str | None, int]]:
     """Each event's type and response, and how many messages it queued."""
-    with factory() as session:
+    with sessions() as session:
         rows = session.scalars(select(WebhookEvent).order_by(WebhookEvent.type)).all()
         return [
             (
@@ -229,60 +213,66 @@ def events(factory: sessionmaker[Session]) -> list[tuple[str, str | None, int]]:
         ]
 
 
-def test_a_background_response_moves_by_compare_and_set_and_records_its_end(factory, blobs):
-    with transaction(factory) as session:
+def test_a_background_response_moves_by_compare_and_set_and_records_its_end(sessions, blobs):
+    with transaction(sessions) as session:
         session.add(WebhookEndpoint(id="we_1", owner="default", url="https://x", secret="s"))
     save_response(
-        factory, blobs, record("resp_bg", status="queued", output=[], background=True), 30
+        sessions, blobs, record("resp_bg", status="queued", output=[], background=True), 30
     )
-    assert get(factory, blobs, "resp_bg")["status"] == "queued"
+    assert get(sessions, blobs, "resp_bg")["status"] == "queued"
 
-    with transaction(factory) as session:
+    with transaction(sessions) as session:
         assert not transition(session, "resp_bg", ResponseStatus.COMPLETED)  # not from queued
         assert transition(session, "resp_bg", ResponseStatus.IN_PROGRESS)
         assert not transition(session, "resp_bg", ResponseStatus.IN_PROGRESS)
-    assert get(factory, blobs, "resp_bg")["status"] == "in_progress"  # the row's status
+    assert get(sessions, blobs, "resp_bg")["status"] == "in_progress"  # the row's status
 
     done = record("resp_bg").body
-    assert finish_response(factory, blobs, "resp_bg", done)
-    assert get(factory, blobs, "resp_bg") == done
-    with transaction(factory) as session:
+    assert finish_response(sessions, blobs, "resp_bg", done)
+    assert get(sessions, blobs, "resp_bg") == done
+    with transaction(sessions) as session:
         assert not transition(session, "resp_bg", ResponseStatus.CANCELLED)  # it has ended
-    assert events(factory) == [("response.completed", "resp_bg", 1)]
+    assert events(sessions) == [("response.completed", "resp_bg", 1)]
 
 
-def test_a_cancelled_response_keeps_its_placeholder_when_its_run_ends_after_all(factory, blobs):
-    save_response(factory, blobs, record("resp_c", status="queued", output=[], background=True), 30)
-    with transaction(factory) as session:
+def test_a_cancelled_response_keeps_its_placeholder_when_its_run_ends_after_all(sessions, blobs):
+    save_response(
+        sessions, blobs, record("resp_c", status="queued", output=[], background=True), 30
+    )
+    with transaction(sessions) as session:
         assert transition(session, "resp_c", ResponseStatus.IN_PROGRESS)
         assert transition(session, "resp_c", ResponseStatus.CANCELLED)
 
     # The run's result, large enough for a blob, loses the race: nothing of it is kept.
     late = record("resp_c", output=[message("msg_long", "assistant", "x" * INLINE_BYTES)]).body
-    assert not finish_response(factory, blobs, "resp_c", late)
+    assert not finish_response(sessions, blobs, "resp_c", late)
 
-    body = get(factory, blobs, "resp_c")
+    body = get(sessions, blobs, "resp_c")
     assert (body["status"], body["output"]) == ("cancelled", [])
     assert not list((blobs.root / "responses").rglob("*.json"))
-    assert events(factory) == [("response.cancelled", "resp_c", 0)]
+    assert events(sessions) == [("response.cancelled", "resp_c", 0)]
 
 
-def test_a_large_result_replaces_the_placeholder_and_a_failure_records_its_error(factory, blobs):
-    save_response(factory, blobs, record("resp_l", status="queued", output=[], background=True), 30)
-    save_response(factory, blobs, record("resp_f", status="queued", output=[], background=True), 30)
-    with transaction(factory) as session:
+def test_a_large_result_replaces_the_placeholder_and_a_failure_records_its_error(sessions, blobs):
+    save_response(
+        sessions, blobs, record("resp_l", status="queued", output=[], background=True), 30
+    )
+    save_response(
+        sessions, blobs, record("resp_f", status="queued", output=[], background=True), 30
+    )
+    with transaction(sessions) as session:
         assert transition(session, "resp_l", ResponseStatus.IN_PROGRESS)
 
     long = record("resp_l", output=[message("msg_long", "assistant", "x" * INLINE_BYTES)]).body
-    assert finish_response(factory, blobs, "resp_l", long)
+    assert finish_response(sessions, blobs, "resp_l", long)
     failed = {
         **record("resp_f", status="failed", output=[]).body,
         "error": {"code": "server_error", "message": "boom"},
     }
-    assert finish_response(factory, blobs, "resp_f", failed)  # it could not start
+    assert finish_response(sessions, blobs, "resp_f", failed)  # it could not start
 
-    assert get(factory, blobs, "resp_l") == long
+    assert get(sessions, blobs, "resp_l") == long
     assert len(list((blobs.root / "responses").rglob("*.json"))) == 1
-    with factory() as session:
+    with sessions() as session:
         assert session.get(StoredResponse, "resp_f").error == failed["error"]
-    assert [event[0] for event in events(factory)] == ["response.completed", "response.failed"]
+    assert [event[0] for event in events(sessions)] == ["response.completed", "response.failed"]
