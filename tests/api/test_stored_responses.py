@@ -10,23 +10,13 @@ from typing import Any
 import openai
 import pytest
 from servers import API_KEYS
+from test_response_endpoint import WEATHER
 
 from pagedbatch.api.auth import key_owner
 from pagedbatch.ids import now
 from pagedbatch.store.responses import ResponseRecord, save_response
 
 GREEDY = {"model": "tiny", "temperature": 0, "max_output_tokens": 16}
-WEATHER = {
-    "type": "function",
-    "name": "get_weather",
-    "parameters": {
-        "type": "object",
-        "properties": {"city": {"type": "string", "maxLength": 12}},
-        "required": ["city"],
-        "additionalProperties": False,
-    },
-    "strict": True,
-}
 TURNS = [
     {"role": "user", "content": "Hi"},
     {"role": "assistant", "content": "Hello!"},
