@@ -572,3 +572,35 @@ def test_transformers_loads_qwen2_audio_and_hears_the_tone(make_checkpoint: Make
         return out[0, inputs["input_ids"].shape[1] :].tolist()
 
     assert answer(440) == answer(440) != answer(880)
+
+
+@pytest.mark.parametrize("args", [["--arch", "bert"], ["--arch", "qwen2", "--task", "embed"]])
+def test_an_embedding_model_is_a_sentence_transformers_checkpoint(args: list[str], tmp_path: Path):
+    from sentence_transformers import SentenceTransformer
+    from transformers import AutoModel
+
+    assert cli.main(["make-model", *args, str(tmp_path)]) == 0
+    model, info = AutoModel.from_pretrained(tmp_path, dtype=torch.float32, output_loading_info=True)
+    assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+    config = json.loads((tmp_path / "config.json").read_text())
+    pooling = json.loads((tmp_path / "1_Pooling" / "config.json").read_text())
+    encoder = SentenceTransformer(str(tmp_path), device="cpu")
+    vectors = encoder.encode(["a river", "an old stone bridge"], convert_to_tensor=True)
+    assert vectors.shape == (2, 128)
+    torch.testing.assert_close(vectors.norm(dim=1), torch.ones(2))  # its Normalize module
+    if args[1] == "bert":
+        assert type(model).__name__ == "BertModel" and pooling["pooling_mode_mean_tokens"]
+        assert encoder.max_seq_length == 256  # below its 512 positions, as MiniLM's
+        tokenizer = AutoTokenizer.from_pretrained(tmp_path)
+        ids = tokenizer("a river")["input_ids"]
+        assert tokenizer.convert_ids_to_tokens([ids[0], ids[-1]]) == ["[CLS]", "[SEP]"]
+    else:
+        assert type(model).__name__ == "Qwen2Model" and pooling["pooling_mode_lasttoken"]
+        assert config["matryoshka_dimensions"] == [128, 64, 32]
+
+
+def test_only_some_archs_make_embedding_models(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="an embedding model's arch is one of bert, llama, qwen2"):
+        cli.main(["make-model", "--arch", "gemma3", "--task", "embed", str(tmp_path)])
+    with pytest.raises(SystemExit, match="bert makes an embedding model only"):
+        cli.main(["make-model", "--arch", "bert", "--task", "classify", str(tmp_path)])
