@@ -8,6 +8,7 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
+from collections.abc import Sequence
 from typing import Any
 
 from batch_worker import Worker
@@ -37,11 +38,14 @@ GREEDY = {"model": "tiny", "input": "Question?", "temperature": 0, "max_output_t
 LONG = 1500  # output tokens: many seconds on the tiny model, which never ends before its limit
 
 
-def submit(worker: Worker, owner: str = "default", **body: Any) -> str:
-    """A background response saved queued, as the API saves it; its id."""
+def submit(
+    worker: Worker, owner: str = "default", history: Sequence[dict[str, Any]] = (), **body: Any
+) -> str:
+    """A background response saved queued, as the API saves it (continuing `history`, the
+    conversation a previous_response_id names); its id."""
     body = {**GREEDY, **body}
     params = ResponseCreateRequest.model_validate({**body, "background": True})
-    prepared = prepare_response(params, worker.ctx.engine.engine)
+    prepared = prepare_response(params, worker.ctx.engine.engine, history)
     queued = prepared.placeholder("queued").model_dump(mode="json")
     record = response_record(owner, prepared, queued)
     save_response(worker.ctx.session_factory, worker.ctx.blobs, record, retention_days=30)
@@ -122,6 +126,24 @@ def test_a_background_response_ends_as_the_same_request_in_the_foreground(make_b
     # A second delivery of its task finds nothing to do.
     run_response(worker.ctx, response_id)
     assert row(worker, response_id).attempts == 1 and len(events(worker)) == 1
+
+
+def test_a_response_whose_previous_response_is_gone_or_running_fails_as_create_answers(
+    make_batch_worker,
+):
+    worker = make_batch_worker()
+    queued = submit(worker)  # never run here
+    for previous, message in [
+        ("resp_gone", "Previous response with id 'resp_gone' not found."),
+        (queued, f"Previous response with id '{queued}' is still queued: "),
+    ]:
+        # Created while its previous response had ended, which the run finds otherwise.
+        earlier = [{"type": "message", "role": "user", "content": "Hi"}]
+        response_id = submit(worker, history=earlier, previous_response_id=previous)
+        run_response(worker.ctx, response_id)
+        body = stored(worker, response_id)
+        assert (body["status"], body["error"]["code"]) == ("failed", "invalid_prompt")
+        assert body["error"]["message"].startswith(message)
 
 
 def test_a_cancel_stops_the_run_at_once_and_aborts_its_engine_requests(make_batch_worker):
