@@ -351,21 +351,23 @@ def run_worker_child(
     log(f"running {label}")
     spawn_time = time.time()
     argv = [python, str(script), *worker_argv, "--spawn-time", repr(spawn_time)]
-    # stderr passes through, so progress and tracebacks show as they happen.
-    proc = subprocess.Popen(
-        argv, stdout=subprocess.PIPE, text=True, env=env, start_new_session=True
-    )
-    try:
-        stdout = proc.stdout.read() if proc.stdout else ""
-        # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
-        _, status, usage = os.wait4(proc.pid, 0)
-    except BaseException:  # interrupted: leave no engine running on the two cores
-        kill(proc)
-        raise
-    finally:
-        # What the worker left behind (an engine process it did not stop) must not run on into
-        # the next engine's timing.
-        _signal_session(proc, signal.SIGKILL)
+    # stderr passes through, so progress and tracebacks show as they happen. stdout goes to a
+    # file, not a pipe: an engine process the worker left running (vllm's, after the worker's
+    # os._exit) would hold a pipe open, and reading it to its end would wait for ever.
+    with tempfile.TemporaryFile("w+") as out:
+        proc = subprocess.Popen(argv, stdout=out, text=True, env=env, start_new_session=True)
+        try:
+            # wait4 rather than wait: its rusage covers this child and the subprocesses it reaped.
+            _, status, usage = os.wait4(proc.pid, 0)
+        except BaseException:  # interrupted: leave no engine running on the two cores
+            kill(proc)
+            raise
+        finally:
+            # What the worker left behind (an engine process it did not stop) must not run on
+            # into the next engine's timing.
+            _signal_session(proc, signal.SIGKILL)
+        out.seek(0)
+        stdout = out.read()
     proc.returncode = os.waitstatus_to_exitcode(status)
     result = last_json_line(stdout)
     if proc.returncode != 0 or result is None or "worker" not in result:
