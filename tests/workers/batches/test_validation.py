@@ -187,6 +187,7 @@ def test_requests_are_committed_in_chunks_and_a_late_bad_line_removes_them(make_
     seen: list[dict[str, int]] = []  # the batch's requests as others saw them meanwhile
     waits: list[float] = []
     validating = threading.Thread(target=validate_batch, args=(validator.ctx, batch_id))
+    began = time.monotonic()
     validating.start()
     try:
         while validating.is_alive():
@@ -199,10 +200,15 @@ def test_requests_are_committed_in_chunks_and_a_late_bad_line_removes_them(make_
             time.sleep(0.02)
     finally:
         validating.join()
+    validation_s = time.monotonic() - began
 
     assert max(counts.get("staged", 0) for counts in seen) >= 1000
     assert all(set(counts) <= {"staged"} for counts in seen)  # invisible to shards meanwhile
-    assert max(waits) < 1.0, f"a write waited {max(waits):.1f} s"
+    # A write waits for one chunk's commit, not the whole file's validation. Bounded by a share of
+    # the validation, not by seconds: a loaded machine stretches both alike (one fsync took 1.1 s
+    # in CI), while a lock held for the whole file would make some wait nearly all of it.
+    assert len(waits) >= 3
+    assert max(waits) < validation_s / 2, f"a write waited {max(waits):.1f} of {validation_s:.1f} s"
     batch = validator.get(batch_id)
     assert batch.status == "failed" and [e["line"] for e in batch.errors] == [20_001]
     assert validator.requests(batch_id) == {}  # all or nothing
