@@ -84,7 +84,8 @@ def _build(compiler: str) -> Path:
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
     digest = hashlib.sha256()
-    for part in (version, " ".join(FLAGS), platform.machine(), _cpu_flags()):
+    flags = " ".join(sorted(cpu_flags())) or platform.processor()
+    for part in (version, " ".join(FLAGS), platform.machine(), flags):
         digest.update(part.encode())
     for source in SOURCES:
         digest.update(source.read_bytes())
@@ -116,12 +117,13 @@ def _build(compiler: str) -> Path:
     return target
 
 
-def _cpu_flags() -> str:
-    """The CPU's feature flags, which `-march=native` compiles for."""
+def cpu_flags() -> frozenset[str]:
+    """The CPU's feature flags as Linux names them (`avx2`, `amx_bf16`, ...), which
+    `-march=native` compiles for; empty where /proc/cpuinfo does not say."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith(("flags", "Features")):
-                return line
+                return frozenset(line.partition(":")[2].split())
     except OSError:
         pass
-    return platform.processor()
+    return frozenset()

@@ -103,6 +103,7 @@ def settings_in_force(engine: LLMEngine) -> dict[str, Any]:
         **asdict(engine.args),
         "served_model_name": engine.model_name,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
+        "matmul_precision": engine.runner.matmul_precision,
         "device": str(engine.runner.device),
         "max_model_len": engine.max_model_len,
         "num_kv_blocks": engine.runner.num_blocks,

@@ -27,7 +27,7 @@ from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed
 from pagedbatch.engine.worker.loader import iterate_weights
 from pagedbatch.engine.worker.models.encoder_attention import length_groups
 from pagedbatch.engine.worker.models.registry import resolve_model_class
-from pagedbatch.engine.worker.parallel_layers import pack_weights
+from pagedbatch.engine.worker.parallel_layers import bfloat16_weights, pack_weights
 from pagedbatch.engine.worker.pooler import pool_chunks
 from pagedbatch.engine.worker.shard_threads import ShardThreads
 from pagedbatch.kernels import native
@@ -70,6 +70,21 @@ def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dt
         return DTYPES[name]
     # Half precision on CPUs without AMX runs at about half the float32 rate.
     return cfg.torch_dtype if device.type == "cuda" else torch.float32
+
+
+def resolve_matmul_precision(
+    name: str, cfg: ModelConfig, device: torch.device, dtype: torch.dtype, cpu_flags: frozenset[str]
+) -> str:
+    """`matmul_precision` as it applies: bfloat16 only for a float32 model on CPU; auto chooses
+    it for an embedding model where the CPU (its `cpu_flags`) multiplies bfloat16 natively, with
+    AMX or AVX512-BF16: elsewhere bfloat16 matmuls run slower than float32's."""
+    if name == "bfloat16" and (device.type != "cpu" or dtype != torch.float32):
+        raise ValueError("matmul_precision bfloat16 applies to float32 models on CPU only")
+    if name != "auto":
+        return name
+    native_bf16 = {"amx_bf16", "avx512_bf16"} & cpu_flags
+    fast = device.type == "cpu" and dtype == torch.float32 and native_bf16
+    return "bfloat16" if fast and cfg.pooling is not None else "highest"
 
 
 @dataclass
@@ -162,14 +177,18 @@ class ModelRunner:
         # packed weight's oneDNN call holds the GIL, and the shards would take turns.
         pooling = cfg.pooling is not None
         rows = args.max_num_batched_tokens if pooling else args.max_num_seqs
+        self.matmul_precision = resolve_matmul_precision(
+            args.matmul_precision, cfg, self.device, self.dtype, native.cpu_flags()
+        )
         self.model = self._load_model(rows, pack=self.shard_threads.count < 2)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(
-                "loaded %s (%s, %s) in %.1f s; peak RSS %.0f MiB",
+                "loaded %s (%s, %s, matmuls %s) in %.1f s; peak RSS %.0f MiB",
                 cfg.path,
                 cfg.architecture,
                 str(self.dtype).removeprefix("torch."),
+                self.matmul_precision,
                 self.load_seconds,
                 # ru_maxrss is in KiB on Linux.
                 resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
@@ -200,7 +219,9 @@ class ModelRunner:
             model = model_cls(self.cfg)
         model = model.to(self.dtype)
         model.load_weights(iterate_weights(self.cfg.path))
-        if pack:
+        if self.matmul_precision == "bfloat16":
+            bfloat16_weights(model)
+        elif pack:
             pack_weights(model, rows)
         return model.eval()
 

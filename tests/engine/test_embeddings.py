@@ -32,6 +32,9 @@ WORDS = WORDS.split()
 # Mixed lengths, from one word to a couple of hundred tokens.
 TEXTS = [" ".join(WORDS[(i * 7) % len(WORDS) :] + WORDS * (i % 5) * (i % 3)) for i in range(24)]
 TEXTS += ["x", "Hello, world!", "naïve café — 東京 🌊"]
+# Float32 arithmetic, for equality with transformers to 1e-4: `auto` takes bfloat16 matmuls for
+# embedding models on CPUs with AMX, which stay within cosine 0.9999 only (tested below).
+EXACT = {"matmul_precision": "highest"}
 
 
 @pytest.fixture(scope="module")
@@ -41,7 +44,7 @@ def bert(make_checkpoint) -> Path:
 
 @pytest.fixture(scope="module")
 def bert_llm(bert) -> LLM:
-    return LLM(bert)
+    return LLM(bert, **EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -52,7 +55,7 @@ def decoder(make_checkpoint) -> Path:
 @pytest.fixture(scope="module")
 def decoder_llm(decoder) -> LLM:
     # Small steps: long prompts are prefilled in chunks, their pooling spread over steps.
-    return LLM(decoder, num_kv_blocks=64, max_num_batched_tokens=32)
+    return LLM(decoder, num_kv_blocks=64, max_num_batched_tokens=32, **EXACT)
 
 
 @pytest.fixture(scope="module")
@@ -96,6 +99,19 @@ def test_bert_equals_sentence_transformers(bert, bert_llm):
     assert first.prompt_token_ids[0] == tokenizer.cls_token_id
     assert first.prompt_token_ids[-1] == tokenizer.sep_token_id
     assert first.finished and first.outputs == [] and first.error is None
+
+
+@pytest.mark.parametrize("model", ["bert", "mean_decoder"])
+def test_bfloat16_matmuls_stay_within_cosine_0_9999_of_sentence_transformers(model, request):
+    path = request.getfixturevalue(model)
+    llm = LLM(path, num_kv_blocks=64, matmul_precision="bfloat16")
+    assert llm.engine.runner.matmul_precision == "bfloat16"
+    want = SentenceTransformer(str(path), device="cpu").encode(
+        TEXTS, normalize_embeddings=True, convert_to_tensor=True
+    )
+    got = vectors(llm.embed(TEXTS))
+    assert F.cosine_similarity(got, want, dim=-1).min() >= 0.9999
+    assert (got - want).abs().max() > 1e-5  # bfloat16's rounding shows: it did run
 
 
 def test_bert_unnormalized_is_the_mean_of_transformers_hidden_states(bert, bert_llm):
@@ -162,7 +178,7 @@ def test_dimensions_only_where_the_model_allows_them(bert_llm, decoder_llm):
 @pytest.mark.parametrize("pooling", ["last", "mean"])
 def test_decoder_pooling_equals_transformers_hidden_states(decoder, mean_decoder, pooling):
     path = decoder if pooling == "last" else mean_decoder
-    llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=32)
+    llm = LLM(path, num_kv_blocks=64, max_num_batched_tokens=32, **EXACT)
     assert llm.engine.pooling.pooling_type == pooling
     model = AutoModel.from_pretrained(path, dtype=torch.float32).eval()
     texts = TEXTS[:8]  # several longer than a step: prefilled in chunks
@@ -283,7 +299,7 @@ def test_async_llm_yields_one_finished_output_per_request(bert):
 def test_a_decoder_request_preempted_mid_prompt_pools_it_all_again(mean_decoder):
     # Four prompts of 70-odd tokens in steps of 32, in a pool of 8 blocks (128 tokens): the
     # later ones' chunks take the blocks the first needs, and the worst is preempted.
-    llm = LLM(mean_decoder, num_kv_blocks=8, max_num_batched_tokens=32, max_model_len=128)
+    llm = LLM(mean_decoder, num_kv_blocks=8, max_num_batched_tokens=32, max_model_len=128, **EXACT)
     texts = [f"{i} " + " ".join(WORDS * 4) for i in range(4)]
     outputs = llm.embed(texts, PoolingParams(normalize=False))
     assert llm.get_stats()["preemptions"] > 0
@@ -297,7 +313,7 @@ def test_a_decoder_request_preempted_mid_prompt_pools_it_all_again(mean_decoder)
 def test_on_two_threads_a_step_runs_in_shards_side_by_side_with_the_same_vectors(bert, bert_llm):
     torch.set_num_threads(2)  # conftest runs tests on one
     try:
-        sharded = LLM(bert)
+        sharded = LLM(bert, **EXACT)
         assert torch.get_num_threads() == 2  # the shards' threads left the caller's as it was
     finally:
         torch.set_num_threads(1)

@@ -42,12 +42,14 @@ def minilm(real_model) -> Path:
     return real_model(NAME)
 
 
-def test_minilm_equals_sentence_transformers_batched_and_one_by_one(minilm):
+@pytest.mark.parametrize("precision", ["highest", "bfloat16"])
+def test_minilm_equals_sentence_transformers_batched_and_one_by_one(minilm, precision):
+    """In float32 arithmetic, and with the bfloat16 matmuls that CPUs with AMX take."""
     texts = sentences(256)
     want = SentenceTransformer(str(minilm), device="cpu").encode(
         texts, normalize_embeddings=True, convert_to_tensor=True
     )
-    llm = LLM(minilm)
+    llm = LLM(minilm, matmul_precision=precision)
     assert llm.engine.max_model_len == 256 and llm.engine.pooling.dimensions == 384
     together = torch.stack([o.embedding for o in llm.embed(texts)])
     alone = torch.stack([llm.embed([text])[0].embedding for text in texts])
