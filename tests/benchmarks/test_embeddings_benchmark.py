@@ -41,6 +41,8 @@ def test_a_run_on_50_sentences_reports_our_engines_figures(
     assert ours["dimensions"] == config["hidden_size"]
     assert ours["max_norm_error"] < 1e-5
     assert ours["engine_args"]["dtype"] == "float32"
+    assert ours["engine_args"]["matmul_precision"] == "auto"
+    assert ours["matmul_precision"] in ("highest", "bfloat16")  # what auto resolved to here
     assert ours["cpu_s"]["engine"] > 0
 
 
