@@ -7,6 +7,8 @@
     python benchmarks/throughput.py --shared-prefix-len 1024 --compare-prefix-caching
                                                # one system prompt before every request's own
                                                # tokens; ours with prefix caching on and off
+    python benchmarks/throughput.py --device cuda --dtype bfloat16
+                                               # both engines on the GPU; the GEMM peak too
 
 Each engine (and each transformers batch size) runs in a child process of its own, so that peak
 RSS and cold start belong to that engine alone. vllm (`--vllm-python`) gets what ours gets:
@@ -52,7 +54,7 @@ import struct
 import sys
 import tempfile
 import time
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from pathlib import Path
 from typing import Any
 
@@ -85,7 +87,7 @@ class ModelShape:
     num_layers: int
     attn_width: int  # num_heads * head_dim
     kv_width: int  # num_kv_heads * head_dim
-    bytes_per_param: int = 4  # float32
+    bytes_per_param: int = 4  # the run's dtype's: float32 unless --dtype says otherwise
 
 
 # After the one-token cold-start request, a short batch runs batched decode once, so that no
@@ -273,7 +275,7 @@ def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict
         "enable_prefix_caching": prefix_caching,
     }
     t_load = time.time()
-    llm = LLM(model=spec["model"], dtype="float32", **engine_args)
+    llm = LLM(model=spec["model"], device=spec["device"], dtype=spec["dtype"], **engine_args)
     load_s = time.time() - t_load
 
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -348,8 +350,8 @@ def worker_transformers(spec_path: str, spawn_time: float, batch_size: int) -> d
 
     spec, requests, shape = load_spec(spec_path)
     t_load = time.time()
-    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=torch.float32)
-    model.eval()
+    model = AutoModelForCausalLM.from_pretrained(spec["model"], dtype=getattr(torch, spec["dtype"]))
+    model.to(spec["device"]).eval()
     load_s = time.time() - t_load
     gen_config = model.generation_config
     eos_ids = gen_config.eos_token_id
@@ -423,8 +425,8 @@ def _hf_generate(
         attention_mask[row, width - len(prompt) :] = 1
     with torch.inference_mode():
         out = model.generate(
-            input_ids=input_ids,
-            attention_mask=attention_mask,
+            input_ids=input_ids.to(model.device),
+            attention_mask=attention_mask.to(model.device),
             max_new_tokens=max_new,
             do_sample=False,
         )
@@ -439,7 +441,7 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
     t_load = time.time()
     llm = LLM(
         model=spec["model"],
-        dtype="float32",
+        dtype=spec["dtype"],
         max_num_seqs=spec["max_num_seqs"],
         max_num_batched_tokens=spec["max_num_batched_tokens"],
         # Our KV budget. Fixed, too: otherwise its CPU backend reserves a fraction of all memory
@@ -531,18 +533,19 @@ def _common_prefix(a: list[int], b: list[int]) -> int:
 
 def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
     model_dir = ensure_model(args.model, args.size, args.arch)
-    shape = read_model_shape(model_dir)
+    shape = replace(read_model_shape(model_dir), bytes_per_param=_itemsize(args.dtype))
     requests = chat_requests(model_dir, args) if args.chat else workload_from_args(args)
     if args.shared_prefix_len:
         # A generator of its own, so the requests' own tokens are those of the plain workload.
         prefix = random_prompt(random.Random(f"prefix/{args.seed}"), args.shared_prefix_len)
         requests = [Request(prefix + r.prompt, r.max_tokens) for r in requests]
-    gemm_peak = measure_gemm_peak(reps=3 if args.quick else 10)
-    log(f"GEMM peak {gemm_peak:.1f} GFLOP/s")
+    gemm_peak = measure_gemm_peak(3 if args.quick else 10, args.device, args.dtype)
+    log(f"GEMM peak {gemm_peak:.1f} GFLOP/s ({args.dtype} on {args.device})")
 
     workload = {
         "model": str(model_dir),
-        "dtype": "float32",
+        "device": args.device,
+        "dtype": args.dtype,
         "requests": len(requests),
         "seed": args.seed,
         "prompt_len": [min(len(r.prompt) for r in requests), max(len(r.prompt) for r in requests)],
@@ -565,6 +568,8 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
     spec_path = outputs_dir / "spec.json"
     spec = {
         "model": str(model_dir),
+        "device": args.device,
+        "dtype": args.dtype,
         "seed": args.seed,
         "requests": [asdict(r) for r in requests],
         "shape": asdict(shape),
@@ -678,6 +683,10 @@ def add_comparisons(report: dict[str, Any], outputs_dir: Path) -> None:
         report["greedy_agreement_vs_vllm"] = greedy_agreement(outputs_dir, "ours", "vllm")
 
 
+def _itemsize(dtype: str) -> int:
+    return 4 if dtype == "float32" else 2
+
+
 def _ratio(a: float | None, b: float | None) -> float | None:
     return round(a / b, 3) if a and b else None
 
@@ -723,6 +732,15 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         "stopping at --max-output-len (default 256): for a trained --model",
     )
     p.add_argument("--arch", default="llama", help="architecture of the built checkpoint")
+    p.add_argument(
+        "--device", choices=["cpu", "cuda"], default="cpu", help="ours' and transformers'"
+    )
+    p.add_argument(
+        "--dtype",
+        choices=["float32", "bfloat16", "float16"],
+        default="float32",
+        help="every engine's weights and activations, and the GEMM peak's",
+    )
     p.add_argument("--size", help="size of the built checkpoint (default small; tiny with --quick)")
     p.add_argument("--requests", type=int)
     p.add_argument("--seed", type=int, default=0)
