@@ -19,6 +19,7 @@ from torch import nn
 
 from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.worker.models.encoder_attention import Group, varlen_attention
+from pagedbatch.engine.worker.models.weights import ParameterLoads
 from pagedbatch.engine.worker.parallel_layers import (
     ColumnParallelLinear,
     Loaded,
@@ -116,27 +117,14 @@ class BertModel(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Loads (name, tensor) pairs named as transformers' BertModel names them (a "bert."
         prefix, as task models save them, is dropped)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loads = ParameterLoads(self)
         for ckpt_name, tensor in weights:
             name = ckpt_name.removeprefix("bert.")
             if name.startswith(_UNUSED_PREFIXES):
                 continue
             name, shard = _our_name(name)
-            if name not in params:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
-            param = params[name]
-            weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from e
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        expected = set()
-        for name in params:
-            expected |= {f"{name}#{i}" for i in range(3)} if ".qkv." in name else {name}
-        if missing := sorted(expected - loaded):
-            raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+            loads.load(ckpt_name, name, tensor, shard)
+        loads.check_complete()
 
 
 def _our_name(name: str) -> tuple[str, int | None]:

@@ -17,6 +17,7 @@ from torch import nn
 
 from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.worker.models.rope import RotaryEmbedding
+from pagedbatch.engine.worker.models.weights import ParameterLoads
 from pagedbatch.engine.worker.parallel_layers import (
     ColumnParallelLinear,
     Loaded,
@@ -24,7 +25,6 @@ from pagedbatch.engine.worker.parallel_layers import (
     QKVParallelLinear,
     RowParallelLinear,
     VocabParallelEmbedding,
-    default_weight_loader,
 )
 from pagedbatch.kernels import ops
 from pagedbatch.kernels.attention import AttentionMetadata
@@ -188,8 +188,7 @@ class LlamaForCausalLM(nn.Module):
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Loads (name, tensor) pairs named as transformers names them; each parameter reads only
         this rank's slice (from a `CheckpointTensor`, only those bytes of the file)."""
-        params = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loads = ParameterLoads(self)
         for ckpt_name, tensor in weights:
             if "rotary_emb.inv_freq" in ckpt_name:
                 continue
@@ -199,33 +198,12 @@ class LlamaForCausalLM(nn.Module):
                 if f".{part}." in name:
                     name, shard = name.replace(part, fused), index
                     break
-            if name not in params:
-                if name == "lm_head.weight" and (
-                    self.lm_head is None or self.cfg.tie_word_embeddings
-                ):
-                    continue
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} matches no model parameter")
-            param = params[name]
-            weight_loader = getattr(param, "weight_loader", default_weight_loader)
-            try:
-                weight_loader(param, tensor, shard)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {ckpt_name!r} {e}") from e
-            loaded.add(name if shard is None else f"{name}#{shard}")
-        expected = self._expected_loads(params)
-        if missing := sorted(expected - loaded):
-            raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
-
-    def _expected_loads(self, params: dict[str, nn.Parameter]) -> set[str]:
-        expected = set()
-        for name in params:
-            if "qkv_proj" in name:
-                expected |= {f"{name}#{i}" for i in range(3)}
-            elif "gate_up_proj" in name:
-                expected |= {f"{name}#{i}" for i in range(2)}
-            else:
-                expected.add(name)
-        return expected
+            # A tied head's weight is the embedding's: the checkpoint may hold a copy.
+            tied = self.lm_head is None or self.cfg.tie_word_embeddings
+            if name == "lm_head.weight" and name not in loads and tied:
+                continue
+            loads.load(ckpt_name, name, tensor, shard)
+        loads.check_complete()
 
 
 class LlamaForSequenceClassification(LlamaForCausalLM):

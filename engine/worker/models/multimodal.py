@@ -16,7 +16,8 @@ from torch import nn
 
 from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.worker.models.llama import KVCache, LlamaForCausalLM
-from pagedbatch.engine.worker.parallel_layers import Loaded, default_weight_loader
+from pagedbatch.engine.worker.models.weights import ParameterLoads
+from pagedbatch.engine.worker.parallel_layers import Loaded
 from pagedbatch.kernels.attention import AttentionMetadata
 
 
@@ -57,28 +58,17 @@ class MultimodalModel(nn.Module):
 
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         language: list[tuple[str, Loaded]] = []
-        own = dict(self.named_parameters())
-        loaded: set[str] = set()
+        loads = ParameterLoads(self)
         for name, tensor in weights:
             target = self._target(name)
             if target is None:
                 raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
             if target.startswith("language_model."):
                 language.append((target.removeprefix("language_model."), tensor))
-                continue
-            if target not in own:
-                if self.unused(target):
-                    continue
-                raise ValueError(f"checkpoint tensor {name!r} matches no model parameter")
-            try:
-                default_weight_loader(own[target], tensor)
-            except ValueError as e:
-                raise ValueError(f"checkpoint tensor {name!r} {e}") from e
-            loaded.add(target)
+            elif target in loads or not self.unused(target):
+                loads.load(name, target, tensor)
         self.language_model.load_weights(language)
-        expected = {n for n in own if not n.startswith("language_model.")}
-        if missing := sorted(expected - loaded):
-            raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+        loads.check_complete(except_under="language_model.")
 
     def _target(self, name: str) -> str | None:
         if name == "lm_head.weight":
