@@ -4,11 +4,13 @@
 
 Each `pagedbatch make-model` checkpoint (built here: nothing is downloaded) runs random prompts
 greedily through our engine and through transformers' `generate`, both on `--device` in the
-same dtype. float32 must give the same tokens. bfloat16 rounds differently in the two (their
-kernels sum in other orders), so a late divergence between near-equal logits is no bug: there,
-each of our tokens must be one that transformers in float32, fed our tokens (teacher forcing),
-scores within BF16_LOGIT_GAP of its best; a wrong kernel lands far outside that. Prints one JSON
-line of figures; exits 1 when a check fails.
+same dtype. Transformers in float32 scores each engine's tokens, fed them (teacher forcing): a
+token's gap is how far its logit falls below the best. float32 must give the same tokens, but
+for a flip between logits tied to within FLOAT32_LOGIT_GAP. bfloat16 rounds differently in the
+two (their kernels sum in other orders), so a late divergence between near-equal logits is no
+bug: there, ours may fall no further below float32's best than BF16_LOGIT_GAP, or twice what
+transformers' own bfloat16 tokens do, whichever is more; a wrong kernel lands far outside that.
+Prints one JSON line of figures; exits 1 when a check fails.
 """
 
 from __future__ import annotations
@@ -29,8 +31,12 @@ from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import DTYPES
 from pagedbatch.make_model import make_model
 
-# How far below float32's best logit a bfloat16 choice may score, relative to the row's largest
-# logit magnitude: a bfloat16 forward pass carries relative errors of about 2^-8 per rounding.
+# float32 sums in another order (cuBLAS and our kernels against transformers' own) differ in the
+# last bits: a token may flip where two logits tie that closely, and nowhere else.
+FLOAT32_LOGIT_GAP = 1e-5
+# How far below float32's best logit a bfloat16 choice may always score, relative to the row's
+# largest logit magnitude: a bfloat16 forward pass carries relative errors of about 2^-8 per
+# rounding (the `small` llama's tokens fell up to 0.013 below on the CPU).
 BF16_LOGIT_GAP = 0.03
 
 
@@ -104,15 +110,19 @@ def check(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, An
             sum(common_prefix(a, b) for a, b in pairs) / sum(len(a) for a, _ in pairs), 4
         ),
     }
-    if dtype == "float32":
-        figures["ok"] = figures["identical_requests"] == len(pairs)
-    else:
+    if dtype != "float32":
         del model
-        reference = hf_model(model_dir, torch.float32, args.device)
-        pairs_ours = zip(prompts, our_tokens, strict=True)
-        gap = max(worst_gap(reference, prompt, tokens) for prompt, tokens in pairs_ours)
-        figures.update(worst_logit_gap=round(gap, 5), ok=gap <= BF16_LOGIT_GAP)
-        del reference
+        model = hf_model(model_dir, torch.float32, args.device)
+    gap, hf_gap = (
+        max(worst_gap(model, *pair) for pair in zip(prompts, tokens, strict=True))
+        for tokens in (our_tokens, theirs)
+    )
+    figures.update(worst_logit_gap=round(gap, 6), transformers_worst_logit_gap=round(hf_gap, 6))
+    if dtype == "float32":
+        figures["ok"] = figures["identical_requests"] == len(pairs) or gap <= FLOAT32_LOGIT_GAP
+    else:
+        figures["ok"] = gap <= max(BF16_LOGIT_GAP, 2 * hf_gap)
+    del model
     gc.collect()
     if torch.cuda.is_available():
         torch.cuda.empty_cache()
