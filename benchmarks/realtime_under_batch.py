@@ -22,9 +22,12 @@ Figures, per realtime phase: TTFT (request sent to first token received) and int
 p50, p99 and mean. Batch output tokens/s per window: the engine's generated tokens over the window
 (read from the engine's stats through a route only this benchmark's server adds) less the
 realtime requests' completion tokens, all of which run inside the window. Ratios against the
-targets: under-batch p50 TTFT / idle p50 TTFT (at most 1.5) and batch tokens/s with realtime
-traffic / alone (the mean of the two alone windows; at least 0.8). Also per window: engine steps,
-mean step time, tokens per step and preemptions, to show where time goes. The machine has two
+targets: under-batch / idle p50 TTFT (at most 1.5), p50 ITL (at most 2) and p99 ITL (at most 4);
+batch tokens/s with realtime traffic / alone (the mean of the two alone windows; at least 0.8).
+Also per window: engine steps, mean step time, tokens per step, preemptions, and the steps sized
+for realtime requests that left batch tokens to later ones (steps_shortened,
+batch_tokens_deferred), to show where time goes. A GGUF (--model
+SmolLM2-135M-Instruct.Q4_1.gguf) runs dequantized to float32. The machine has two
 cores: the load average is reported, and each timed phase waits for a quiet machine first.
 """
 
@@ -257,6 +260,8 @@ def window(
         "mean_step_s": round((s1["busy_seconds"] - s0["busy_seconds"]) / max(1, steps), 4),
         "tokens_per_step": round((s1["batched_tokens"] - s0["batched_tokens"]) / max(1, steps), 1),
         "preemptions": s1["preemptions"] - s0["preemptions"],
+        "steps_shortened": s1["steps_shortened"] - s0["steps_shortened"],
+        "batch_tokens_deferred": s1["batch_tokens_deferred"] - s0["batch_tokens_deferred"],
         "running_at_end": s1["running"],
         "waiting_at_end": s1["waiting"],
     }
@@ -289,8 +294,8 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
     settings: dict[str, Any] = {"shard_size": -(-args.batch_lines // 2)}
     if args.low_priority_token_budget is not None:
         settings["low_priority_token_budget"] = args.low_priority_token_budget
-    if args.low_priority_step_ms is not None:
-        settings["low_priority_step_ms"] = args.low_priority_step_ms
+    if args.realtime_target_itl_ms is not None:
+        settings["realtime_target_itl_ms"] = args.realtime_target_itl_ms
     report: dict[str, Any] = {
         "workload": {
             "model": str(model_dir),
@@ -361,6 +366,11 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
         round(under_ttft / idle_ttft, 3) if idle_ttft and under_ttft else None
     )
     report["target_ttft_ratio_max"] = 1.5
+    for stat, target in (("p50", 2.0), ("p99", 4.0)):
+        idle_itl, under_itl = report["idle"]["itl_s"][stat], report["under_batch"]["itl_s"][stat]
+        ratio = round(under_itl / idle_itl, 3) if idle_itl and under_itl else None
+        report[f"itl_{stat}_under_batch_vs_idle"] = ratio
+        report[f"target_itl_{stat}_ratio_max"] = target
     report["batch_tps_with_realtime_vs_alone"] = round(with_tps / alone_tps, 3)
     # What the realtime traffic asks of the engine, against all it computes for the batch alone.
     alone = report["batch_alone"]
@@ -407,9 +417,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="PAGEDBATCH_LOW_PRIORITY_TOKEN_BUDGET (default: the service's)",
     )
     p.add_argument(
-        "--low-priority-step-ms",
+        "--realtime-target-itl-ms",
         type=float,
-        help="PAGEDBATCH_LOW_PRIORITY_STEP_MS (default: the service's)",
+        help="PAGEDBATCH_REALTIME_TARGET_ITL_MS (default: the service's)",
     )
     p.add_argument("--server-child", type=Path, help=argparse.SUPPRESS)  # how the child starts
     args = p.parse_args(argv)

@@ -135,12 +135,13 @@ class EngineArgs:
         "throughput meanwhile; max_num_batched_tokens or more: no bound of their own",
         ge=1,
     )
-    low_priority_step_ms: float | None = arg(
+    realtime_target_itl_ms: float | None = arg(
         None,
-        doc="under the priority policy, while requests of the best priority present are in the "
-        "engine, the others get no more tokens than fit in a step of this many milliseconds, "
-        "by the engine's measure of its recent steps: the realtime requests' waits then stay "
-        "short whatever the model and the machine; unset: only low_priority_token_budget",
+        doc="under the priority policy, while realtime requests run beside batch work, each step "
+        "(what every streamed token waits on) is held to this many milliseconds, by the engine's "
+        "measure of its recent steps: every realtime sequence decodes, and batch sequences take "
+        "turns at what is left, keeping their KV cache; unset: 1.5 times the step the realtime "
+        "requests alone would take. Steps are as large as ever once no realtime request is left",
         gt=0,
     )
     grammar_compile_seconds: float = arg(

@@ -63,6 +63,7 @@ class CoreOutput:
     media_encoded: int = 0  # images and clips the step gave the encoder
     encoder_cache_hits: int = 0  # items whose embeddings it found cached
     pooled: list[Request] = field(default_factory=list)  # embedding requests it finished
+    deferred_tokens: int = 0  # lower-priority tokens left to later steps (SchedulerOutput's)
 
 
 @dataclass
@@ -87,9 +88,11 @@ class EngineCore:
         self.kv = KVCacheManager(
             self.runner.num_blocks, args.block_size, args.enable_prefix_caching
         )
-        # Steps are measured only where the scheduler uses the measure.
-        step_ms = args.low_priority_step_ms
-        self.step_cost = StepCostModel() if step_ms is not None else None
+        # Steps are measured only where the scheduler uses the measure: to size the steps that
+        # realtime requests wait on.
+        priority = args.scheduling_policy == "priority"
+        self.step_cost = StepCostModel() if priority else None
+        target_ms = args.realtime_target_itl_ms
         # Image and audio embeddings, for a model that reads either.
         multimodal = model_config.multimodal is not None
         self.encoder_cache = EncoderCache(args.encoder_cache_size) if multimodal else None
@@ -99,7 +102,7 @@ class EngineCore:
             args.max_num_batched_tokens,
             args.scheduling_policy,
             args.low_priority_token_budget,
-            step_ms / 1000 if step_ms is not None else None,
+            target_ms / 1000 if target_ms is not None else None,
             self.step_cost,
             self.encoder_cache,
             args.max_num_encoder_tokens,
@@ -218,6 +221,7 @@ class EngineCore:
             media_encoded=encoded_after - encoded,
             encoder_cache_hits=cached_after - cached,
             pooled=pooled,
+            deferred_tokens=out.deferred_tokens,
         )
 
     def _pool(self, scheduled: list[ScheduledRequest], rows: torch.Tensor) -> list[Request]:

@@ -126,6 +126,7 @@ class OutputProcessor:
             num_tokens=step.num_tokens,
             busy_seconds=0.0,
             preemptions=step.preemptions,
+            deferred_tokens=step.deferred_tokens,
             prefix_queries=step.prefix_queries,
             prefix_hits=step.prefix_hits,
             media_encoded=step.media_encoded,
@@ -167,7 +168,8 @@ class OutputProcessor:
             stats.prompt_tokens += request.num_prompt_tokens
             request.first_token_time = now
         else:
-            stats.token_gaps.append(now - request.last_token_time)
+            gap = now - request.last_token_time
+            stats.token_gaps.setdefault(request.priority, []).append(gap)
         request.last_token_time = now
         self._mark_moved(request)
         try:

@@ -8,12 +8,26 @@ prompt, prefilled over many steps, holds up neither the others' decoding nor a n
 
 Under the priority policy the best priority present (realtime requests) is served that way
 before any other, and alone in a step where one of them prefills (but never in two steps
-running), so that its first token is not held up by batch work; otherwise the rest share at
-most `low_priority_token_budget` tokens, and no more than fit in a step of
-`low_priority_step_seconds` by the engine's measure of its steps (`step_cost`), which keeps the
-steps realtime requests wait on short. When the KV pool runs dry, the worst running request
-(lowest priority, latest arrival) is preempted: its blocks are freed and it is recomputed later,
-mostly from the prefix cache.
+running), so that its first token is not held up by batch work. Otherwise a step that holds
+realtime work is sized for it: every running realtime sequence decodes, and the others (batch
+lines) add only what fits in the step's budget, `realtime_target_seconds` or, unset,
+`IDLE_STEP_MULTIPLE` times what a step of the realtime decodes alone costs, by the engine's
+measure of its steps (`step_cost`), and never more than `low_priority_token_budget` tokens.
+Invariants of such a step:
+- it costs at most its budget plus one scheduled request's share: at least one batch token
+  runs, so realtime traffic slows batch work and never stops it; and a realtime prefill chunk
+  beside realtime decodes is cut to the budget, to no less than a block, so that one long
+  prompt does not stall the other streams;
+- the batch's running sequences keep their KV blocks and take turns, round robin in arrival
+  order from where the last step stopped: with R of them and at least k batch tokens a step,
+  each runs at least once every ceil(R / k) steps (R steps at worst, at k = 1), and none is
+  preempted for it.
+The steps stay short for `LINGER_STEPS` steps after the last realtime request leaves: a
+client's next request usually follows soon, and a full batch step begun just before it arrives
+would hold its first token up by up to a whole step. With no realtime request present or
+lingering, steps are as large as the token budget allows. When the KV pool runs dry, the worst
+running request (lowest priority, latest arrival) is preempted: its blocks are freed and it is
+recomputed later, mostly from the prefix cache.
 
 An encoder-only model's requests (bidirectional attention: an embedding model such as BERT) hold
 no KV blocks: each runs whole in one step, never in chunks, and finishes there. A decoder's
@@ -28,6 +42,7 @@ inside an item; the next goes on from the cached embeddings.
 from __future__ import annotations
 
 import bisect
+import math
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -36,6 +51,12 @@ from pagedbatch.engine.core.encoder_cache import EncoderCache
 from pagedbatch.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedbatch.engine.core.request import Request, RequestStatus
 from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
+
+# Unless a target is set, a step holding realtime work may cost this many times a step of the
+# realtime decodes alone: their inter-token latency then stays within about this much of idle.
+IDLE_STEP_MULTIPLE = 1.5
+# Steps stay sized for realtime requests for this many steps after the last one leaves.
+LINGER_STEPS = 20
 
 
 @dataclass
@@ -58,6 +79,9 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # Tokens of lower-priority running requests that a step sized for realtime work left to later
+    # steps: one for each decode not run, the next chunk (up to a step's) of each prefill.
+    deferred_tokens: int = 0
 
     @property
     def num_tokens(self) -> int:
@@ -96,7 +120,7 @@ class Scheduler:
         max_num_batched_tokens: int,
         policy: str = "priority",
         low_priority_token_budget: int | None = None,
-        low_priority_step_seconds: float | None = None,
+        realtime_target_seconds: float | None = None,
         step_cost: StepCostModel | None = None,
         encoder_cache: EncoderCache | None = None,
         max_num_encoder_tokens: int = 0,
@@ -111,8 +135,9 @@ class Scheduler:
         # While better-priority requests are in the engine, the others' tokens per step: short
         # steps for realtime requests under a batch (None: max_num_batched_tokens bounds them).
         self.low_priority_token_budget = low_priority_token_budget
-        # ... and no more than fit in a step this long, once `step_cost` can tell.
-        self.low_priority_step_seconds = low_priority_step_seconds
+        # ... and no more than fit in a step this long (None: IDLE_STEP_MULTIPLE times a step of
+        # the realtime decodes alone), once `step_cost` can tell.
+        self.realtime_target_seconds = realtime_target_seconds
         self.step_cost = step_cost
         # A multimodal model's: which items' embeddings the runner holds, and how many
         # embeddings it may encode in one step.
@@ -128,6 +153,14 @@ class Scheduler:
         self.running: list[Request] = []  # sorted, best first
         self.num_preemptions = 0
         self._last_step_alone = False  # the last step served the best priority alone
+        # The priority steps are sized for, and for how many more steps once none is present.
+        self._lead: int | None = None
+        self._lead_left = 0
+        # The lower-priority running request whose turn comes next in a step sized for realtime
+        # work (None: the earliest).
+        self._turn: Request | None = None
+        # Seconds of realtime prefill the step being scheduled may still take (None: unbounded).
+        self._prefill_room: float | None = None
 
     def _key(self, request: Request) -> tuple[int, float]:
         return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
@@ -200,15 +233,22 @@ class Scheduler:
         if self.policy == "priority":
             self._make_room_for_better_waiting(out)
         budget = self.max_num_batched_tokens
-        # The best priority present goes first, running then waiting: a realtime request's prefill
-        # is not left behind batch work. Then the rest, within their own budget.
-        top = self._top_priority()
-        _, budget = self._schedule_running(out, 0, budget, top)
-        budget = self._schedule_waiting(out, budget, top)
-        placed = sum(1 for r in self.running if r.priority == top)  # they lie first
-        others = len(self.running) > placed or (self.waiting and self.waiting[-1].priority != top)
-        if top is not None and others:
-            low = min(budget, self._low_priority_tokens(out, self.running[placed:]))
+        # The lead priority (realtime) goes first, running then waiting: a realtime request's
+        # prefill is not left behind batch work. Then the rest, within the step's budget.
+        lead = self._lead_priority(self._top_priority())
+        # Lower-priority work is present (each queue's worst lies last): the step is sized.
+        queues = (self.running, self.waiting)
+        sized = lead is not None and any(q and q[-1].priority != lead for q in queues)
+        step_seconds = self._step_seconds(lead) if sized else None
+        self._prefill_room = self._realtime_prefill_room(lead, step_seconds)
+        budget = self._schedule_running(out, budget, lead)
+        budget = self._schedule_waiting(out, budget, lead)
+        if sized:
+            placed = sum(1 for r in self.running if r.priority == lead)  # they lie first
+            low = min(budget, self.low_priority_token_budget or self.max_num_batched_tokens)
+            room = None
+            if step_seconds is not None:
+                room = step_seconds - self.step_cost.cost.seconds(out.work)
             prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
             # A best-priority request is prefilling: its first token comes sooner from a step of
             # its own. Never twice in a row, so a stream of them takes at most half the steps.
@@ -216,22 +256,147 @@ class Scheduler:
             self._last_step_alone = alone
             if alone:
                 low = 0
-            _, left = self._schedule_running(out, placed, low, None)
+            ran = len(out.scheduled)
+            left, room = self._take_turns(out, placed, low, room)
+            if room is not None:
+                # New prompts in what is left, each chunk costed as if from position 0; a first
+                # token where nothing else of theirs ran, as for running ones.
+                fits = self._tokens_fitting(0, room)
+                left = min(left, fits if fits or len(out.scheduled) > ran else 1)
             self._schedule_waiting(out, left, None)
         return out
 
-    def _low_priority_tokens(self, out: SchedulerOutput, others: list[Request]) -> int:
-        """How many tokens the others may add to a step that holds the best priority's work."""
-        tokens = self.low_priority_token_budget or self.max_num_batched_tokens
-        cost = self.step_cost.cost if self.step_cost is not None else None
-        if self.low_priority_step_seconds is None or cost is None:
-            return tokens
-        room = self.low_priority_step_seconds - cost.seconds(out.work)
-        # Each of their tokens costs its matmuls and reading its context: most are decodes.
-        context = sum(r.num_computed_tokens for r in others) / max(1, len(others))
-        per_token = cost.per_token + cost.per_context * context
-        # At least one token a step: realtime traffic slows the others, never stops them.
-        return max(1, min(tokens, int(room / per_token)))
+    def _lead_priority(self, top: int | None) -> int | None:
+        """The priority steps are sized for: the best present, or a better one that left less
+        than LINGER_STEPS steps ago. None under fcfs or with nothing to run."""
+        if top is None:
+            return None
+        if self._lead is None or top <= self._lead or self._lead_left <= 0:
+            self._lead, self._lead_left = top, LINGER_STEPS
+        else:
+            self._lead_left -= 1
+        return self._lead
+
+    def _step_seconds(self, lead: int) -> float | None:
+        """How long a step that holds lead-priority work may take; None until the engine can
+        tell what its steps cost."""
+        if self.step_cost is None or self.step_cost.cost is None:
+            return None
+        if self.realtime_target_seconds is not None:
+            return self.realtime_target_seconds
+        # An idle engine's step for the same realtime traffic: one token each, at its context.
+        leads = [r for r in self.running if r.priority == lead]
+        idle = StepWork(max(1, len(leads)), sum(r.num_computed_tokens + 1 for r in leads))
+        return IDLE_STEP_MULTIPLE * self.step_cost.cost.seconds(idle)
+
+    def _realtime_prefill_room(self, lead: int | None, step_seconds: float | None) -> float | None:
+        """Seconds the lead priority's prefill chunks may take beside its decodes in a sized step:
+        what the step leaves them; None (unbounded) when none of them decodes, nothing then
+        waiting on the step but the prefills' own first tokens."""
+        if step_seconds is None:
+            return None
+        decodes = [r for r in self.running if _decoding(r, lead)]
+        if not decodes:
+            return None
+        work = sum((StepWork.of_chunk(r.num_computed_tokens, 1) for r in decodes), StepWork())
+        return step_seconds - self.step_cost.cost.seconds(work)
+
+    def _cut_prefill(self, start: int, num_new: int) -> int:
+        """A lead-priority prefill chunk of `num_new` tokens from `start`, cut to the prefill
+        room left (to no less than a block, so that a prompt advances however full the step),
+        which it then takes."""
+        if self._prefill_room is None:
+            return num_new
+        fits = self._tokens_fitting(start, self._prefill_room)
+        num_new = min(num_new, max(self.kv.block_size, fits))
+        self._prefill_room -= self._chunk_seconds(start, num_new)
+        return num_new
+
+    def _chunk_seconds(self, start: int, num_new: int) -> float:
+        """What `num_new` tokens of one sequence from position `start` add to a step."""
+        cost = self.step_cost.cost
+        return cost.seconds(StepWork.of_chunk(start, num_new)) - cost.fixed
+
+    def _tokens_fitting(self, start: int, seconds: float) -> int:
+        """How many tokens of one sequence from position `start` add at most `seconds` to a step:
+        each costs its matmuls and reading its keys."""
+        if seconds <= 0:
+            return 0
+        cost = self.step_cost.cost
+        # per_token * n + per_context * (n * start + n * (n + 1) / 2) <= seconds, solved for n.
+        a = cost.per_context / 2
+        b = cost.per_token + cost.per_context * (start + 0.5)
+        n = seconds / b if a == 0 else (math.sqrt(b * b + 4 * a * seconds) - b) / (2 * a)
+        return int(n)
+
+    def _take_turns(
+        self, out: SchedulerOutput, first: int, budget: int, room: float | None
+    ) -> tuple[int, float | None]:
+        """The lower-priority running requests (`running[first:]`) within `budget` tokens and
+        `room` seconds (None: unbounded), in turns: arrival order, from the one whose turn is
+        next, wrapping round; those left out keep their blocks and come first next step. Returns
+        the budget and the room left."""
+        others = self.running[first:]
+        if not others:
+            return budget, room
+        start = self._turn_index(others)
+        order = others[start:] + others[:start]
+        served: set[int] = set()
+        self._turn = None
+        for request in order:
+            if request.status is not RequestStatus.RUNNING:  # preempted for blocks this step
+                continue
+            remaining = request.num_tokens - request.num_computed_tokens
+            num_new = min(remaining, budget)
+            if room is not None and num_new > 0:
+                fits = self._tokens_fitting(request.num_computed_tokens, room)
+                # At least one token a step: realtime traffic slows the others, never stops them.
+                num_new = min(num_new, fits if served or fits else 1)
+            if num_new <= 0:  # the step is full: its turn comes first in the next
+                budget = 0
+                self._turn = self._turn or request
+                out.deferred_tokens += min(remaining, self.max_num_batched_tokens)
+                continue
+            if request.media:
+                num_new = self._fit_media(request, request.num_computed_tokens, num_new)
+                if num_new == 0:  # its next item cannot be encoded this step
+                    continue
+            if not self._allocate_turn(out, request, num_new, first, served):
+                continue  # preempted itself: no blocks for it until others finish
+            start_at = request.num_computed_tokens
+            out.scheduled.append(ScheduledRequest(request, num_new, start_at))
+            request.num_computed_tokens += num_new
+            budget -= num_new
+            if room is not None:
+                room -= self._chunk_seconds(start_at, num_new)
+            served.add(id(request))
+        return budget, room
+
+    def _turn_index(self, others: list[Request]) -> int:
+        """Where in `others` the turns start: at the request whose turn is next, or, were it gone,
+        at the first after it in arrival order."""
+        turn = self._turn
+        if turn is None:
+            return 0
+        for i, request in enumerate(others):
+            if request is turn:
+                return i
+        i = bisect.bisect_left(others, self._key(turn), key=self._key)
+        return i if i < len(others) else 0
+
+    def _allocate_turn(
+        self, out: SchedulerOutput, request: Request, num_new: int, first: int, served: set[int]
+    ) -> bool:
+        """Blocks for a turn's tokens, preempting, when the pool is dry, the worst lower-priority
+        request not yet served this step (last, the request itself: False)."""
+        while not self.kv.allocate(request, num_new):
+            # The request itself is not served yet: there is always one.
+            victim = next(r for r in reversed(self.running[first:]) if id(r) not in served)
+            self._preempt(victim)
+            out.preempted.append(victim)
+            if victim is request:
+                return False
+        return True
 
     def _fit_media(self, request: Request, start: int, num_new: int) -> int:
         """`num_new` tokens from `start`, cut before the first image or clip the chunk reaches
@@ -260,16 +425,13 @@ class Scheduler:
         heads = [queue[0].priority for queue in (self.running, self.waiting) if queue]
         return min(heads) if heads else None
 
-    def _schedule_running(
-        self, out: SchedulerOutput, start: int, budget: int, only: int | None
-    ) -> tuple[int, int]:
-        """Running requests from `start` on, best first (of priority `only`, if given); returns
-        where it stopped and the budget left. Victims are taken from the end, so never one
-        already placed."""
-        i = start
+    def _schedule_running(self, out: SchedulerOutput, budget: int, only: int | None) -> int:
+        """Running requests, best first (of priority `only`, if given); returns the budget left.
+        Victims are taken from the end, so never one already placed."""
+        i = 0
         # A prefill chunk leaves a token for each decode behind it and room for the next waiting
         # prompt: a long prompt's prefill never stalls the others' decoding, nor a new request.
-        decodes = sum(1 for r in self.running[start:] if _decoding(r, only))
+        decodes = sum(1 for r in self.running if _decoding(r, only))
         newcomer = 0
         # Waiting requests lie best first: the first is of priority `only` if any is.
         if self.waiting and len(self.running) < self.max_num_seqs:
@@ -285,6 +447,8 @@ class Scheduler:
                 decodes -= 1
             else:
                 num_new = min(num_new, max(1, budget - decodes - newcomer))
+                if only is not None:
+                    num_new = self._cut_prefill(request.num_computed_tokens, num_new)
             if request.media:
                 num_new = self._fit_media(request, request.num_computed_tokens, num_new)
                 if num_new == 0:  # its next item cannot be encoded this step
@@ -303,7 +467,7 @@ class Scheduler:
                 request.num_computed_tokens += num_new
                 budget -= num_new
                 i += 1
-        return i, budget
+        return budget
 
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, only: int | None) -> int:
         """Waiting requests (of priority `only`, if given) fill the budget, unless the pool was
@@ -325,6 +489,8 @@ class Scheduler:
             cached = self.kv.find_cached_prefix(request) if request.reads_prefix_cache else []
             num_cached = len(cached) * self.kv.block_size
             num_new = min(request.num_tokens - num_cached, budget)
+            if only is not None:
+                num_new = self._cut_prefill(num_cached, num_new)
             if request.media:
                 num_new = self._fit_media(request, num_cached, num_new)
             if num_new == 0 or not self.kv.allocate(request, num_new, cached):

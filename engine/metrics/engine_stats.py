@@ -32,6 +32,8 @@ class EngineStats(StatLogger):
     batched_tokens: int = 0  # tokens run through the model, recomputation included
     finished_requests: int = 0
     busy_seconds: float = 0.0
+    batch_tokens_deferred: int = 0  # left to later steps by steps sized for realtime requests
+    steps_shortened: int = 0  # such steps that left any
     ttft: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     itl: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
     queue_time: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
@@ -43,6 +45,9 @@ class EngineStats(StatLogger):
             self.batched_tokens += stats.num_tokens
             self.busy_seconds += stats.busy_seconds
         self.generation_tokens += stats.generation_tokens
+        if stats.deferred_tokens:
+            self.batch_tokens_deferred += stats.deferred_tokens
+            self.steps_shortened += 1
         for request in stats.finished:
             self._record_finished(request)
 
@@ -68,6 +73,8 @@ class EngineStats(StatLogger):
             "batched_tokens": self.batched_tokens,
             "finished_requests": self.finished_requests,
             "busy_seconds": self.busy_seconds,
+            "batch_tokens_deferred": self.batch_tokens_deferred,
+            "steps_shortened": self.steps_shortened,
             "ttft_seconds": _percentiles(self.ttft),
             "itl_seconds": _percentiles(self.itl),
             "queue_seconds": _percentiles(self.queue_time),

@@ -57,41 +57,50 @@ class _Series:
 
 
 class StepHistogram(Collector):
-    """A histogram labelled by model that takes a step's observations at once: one numpy call
-    per step instead of a Python call per token. prometheus_client's Histogram has no such
-    bulk update."""
+    """A histogram labelled by model (and `labels` beyond it) that takes a step's observations at
+    once: one numpy call per step instead of a Python call per token. prometheus_client's
+    Histogram has no such bulk update."""
 
-    def __init__(self, name: str, documentation: str, buckets: tuple[float, ...]):
+    def __init__(
+        self,
+        name: str,
+        documentation: str,
+        buckets: tuple[float, ...],
+        labels: tuple[str, ...] = (),
+    ):
         self.name = name
         self.documentation = documentation
+        self.labels = [*LABELS, *labels]
         self.bounds = np.array(buckets)
         self._le = [floatToGoString(b) for b in buckets] + ["+Inf"]
-        self._series: dict[str, _Series] = {}
+        self._series: dict[tuple[str, ...], _Series] = {}
         self._lock = threading.Lock()
 
-    def observe_many(self, model_name: str, values: list[float]) -> None:
+    def observe_many(self, model_name: str, values: list[float], *labels: str) -> None:
+        """`values` into the series of `model_name` and the values of the further `labels`."""
         array = np.array(values)
         # Bucket i holds the values in (bounds[i-1], bounds[i]]; the last, those above all.
         counts = np.bincount(
             np.searchsorted(self.bounds, array, side="left"), minlength=len(self._le)
         )
+        key = (model_name, *labels)
         with self._lock:
-            series = self._series.get(model_name)
+            series = self._series.get(key)
             if series is None:
-                series = self._series[model_name] = _Series(np.zeros(len(self._le), np.int64))
+                series = self._series[key] = _Series(np.zeros(len(self._le), np.int64))
             series.counts += counts
             series.total += float(array.sum())
 
     def collect(self) -> Iterator[Metric]:
-        family = HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
+        family = HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
         with self._lock:
-            readings = {m: (s.counts.cumsum().tolist(), s.total) for m, s in self._series.items()}
-        for model, (cumulative, total) in sorted(readings.items()):
-            family.add_metric([model], list(zip(self._le, cumulative, strict=True)), total)
+            readings = {k: (s.counts.cumsum().tolist(), s.total) for k, s in self._series.items()}
+        for key, (cumulative, total) in sorted(readings.items()):
+            family.add_metric(list(key), list(zip(self._le, cumulative, strict=True)), total)
         yield family
 
     def describe(self) -> Iterator[Metric]:
-        yield HistogramMetricFamily(self.name, self.documentation, labels=LABELS)
+        yield HistogramMetricFamily(self.name, self.documentation, labels=self.labels)
 
 
 PROMPT_TOKENS = Counter(
@@ -132,6 +141,31 @@ INTER_TOKEN_LATENCY = StepHistogram(
     _TOKEN_GAP_BUCKETS,
 )
 REGISTRY.register(INTER_TOKEN_LATENCY)
+# Per request priority (the service's realtime requests, 0, and batch lines, 10): what steps
+# sized for realtime requests are for, and what they cost the rest.
+TTFT_BY_PRIORITY = Histogram(
+    f"{PREFIX}time_to_first_token_by_priority_seconds",
+    "From arrival to the first generated token, by request priority.",
+    [*LABELS, "priority"],
+    buckets=_LATENCY_BUCKETS,
+)
+INTER_TOKEN_LATENCY_BY_PRIORITY = StepHistogram(
+    f"{PREFIX}inter_token_latency_by_priority_seconds",
+    "Between two consecutive tokens of a request, by request priority.",
+    _TOKEN_GAP_BUCKETS,
+    ("priority",),
+)
+REGISTRY.register(INTER_TOKEN_LATENCY_BY_PRIORITY)
+BATCH_TOKENS_DEFERRED = Counter(
+    f"{PREFIX}batch_tokens_deferred",
+    "Lower-priority tokens that steps sized for realtime requests left to later steps.",
+    LABELS,
+)
+STEPS_SHORTENED = Counter(
+    f"{PREFIX}steps_shortened",
+    "Steps sized for realtime requests that left lower-priority work to later steps.",
+    LABELS,
+)
 QUEUE_TIME = Histogram(
     f"{PREFIX}request_queue_time_seconds",
     "From arrival to first being scheduled.",
@@ -178,6 +212,8 @@ class EngineMetrics(StatLogger):
         self._preemptions = PREEMPTIONS.labels(model_name)
         self._media_encoded = MEDIA_ENCODED.labels(model_name)
         self._encoder_cache_hits = ENCODER_CACHE_HITS.labels(model_name)
+        self._deferred = BATCH_TOKENS_DEFERRED.labels(model_name)
+        self._shortened = STEPS_SHORTENED.labels(model_name)
         self._ttft = TTFT.labels(model_name)
         self._queue_time = QUEUE_TIME.labels(model_name)
         self._prefill_time = PREFILL_TIME.labels(model_name)
@@ -198,12 +234,15 @@ class EngineMetrics(StatLogger):
             (self._preemptions, stats.preemptions),
             (self._media_encoded, stats.media_encoded),
             (self._encoder_cache_hits, stats.encoder_cache_hits),
+            (self._deferred, stats.deferred_tokens),
+            (self._shortened, 1 if stats.deferred_tokens else 0),
         )
         for counter, amount in counters:
             if amount:
                 counter.inc(amount)
-        if stats.token_gaps:
-            INTER_TOKEN_LATENCY.observe_many(self.model_name, stats.token_gaps)
+        for priority, gaps in stats.token_gaps.items():
+            INTER_TOKEN_LATENCY.observe_many(self.model_name, gaps)
+            INTER_TOKEN_LATENCY_BY_PRIORITY.observe_many(self.model_name, gaps, str(priority))
         for request in stats.finished:
             self._record_finished(request)
 
@@ -221,6 +260,7 @@ class EngineMetrics(StatLogger):
                 self._prefill_time.observe(first - scheduled)
         if first is not None:
             self._ttft.observe(first - arrival)
+            TTFT_BY_PRIORITY.labels(self.model_name, str(request.priority)).observe(first - arrival)
             if last is not None:
                 self._decode_time.observe(last - first)
         if request.finished_time is not None:

@@ -25,8 +25,12 @@ class StepStats:
     busy_seconds: float  # from the model run to the last token processed; 0 when nothing ran
     prompt_tokens: int = 0  # prompt tokens of the requests whose first token came this step
     generation_tokens: int = 0
-    token_gaps: list[float] = field(default_factory=list)  # seconds since each token's previous
+    # Seconds since each token's previous, by its request's priority.
+    token_gaps: dict[int, list[float]] = field(default_factory=dict)
     preemptions: int = 0
+    # Lower-priority tokens a step sized for realtime requests left to later steps (see
+    # SchedulerOutput.deferred_tokens); such a step is a shortened one.
+    deferred_tokens: int = 0
     prefix_queries: int = 0  # prompt tokens looked up in the prefix cache
     prefix_hits: int = 0  # of which found
     media_encoded: int = 0  # images and clips the step gave the encoder

@@ -84,7 +84,7 @@ def test_later_high_priority_request_finishes_first_under_a_full_engine(tiny_lla
 
 
 def test_the_engine_learns_what_its_steps_cost_and_bounds_batch_steps_by_it(tiny_llama):
-    engine = make_engine(tiny_llama, blocks=256, max_num_seqs=16, low_priority_step_ms=1000.0)
+    engine = make_engine(tiny_llama, blocks=256, max_num_seqs=16, realtime_target_itl_ms=1000.0)
     assert engine.scheduler.step_cost.cost is None
     # Steps of many sizes: prefills of 1 to 400 tokens beside decodes. The prompts share no
     # prefix, else the prefix cache would leave each prefill a few new tokens, too few for the
@@ -97,9 +97,10 @@ def test_the_engine_learns_what_its_steps_cost_and_bounds_batch_steps_by_it(tiny
     run_to_completion(engine)
     cost = engine.scheduler.step_cost.cost
     assert cost is not None and cost.per_token > 0
-    assert engine.scheduler.low_priority_step_seconds == 1.0
+    assert engine.scheduler.realtime_target_seconds == 1.0
     assert_pool_whole(engine)
-    assert make_engine(tiny_llama).scheduler.step_cost is None  # unset: nothing measured
+    # Nothing measured where nothing is sized by the measure.
+    assert make_engine(tiny_llama, scheduling_policy="fcfs").scheduler.step_cost is None
 
 
 def test_prompt_longer_than_the_context_is_refused_clearly(tiny_llama):

@@ -93,7 +93,7 @@ def test_run_batch_takes_the_same_flags_and_passes_only_those_given():
         (["--kv-cache-memory-gib", "0"], "kv_cache_memory_gib"),
         (["--max-model-len", "many"], "max_model_len"),
         (["--low-priority-token-budget", "-1"], "low_priority_token_budget"),
-        (["--low-priority-step-ms", "inf"], "low_priority_step_ms"),
+        (["--realtime-target-itl-ms", "inf"], "realtime_target_itl_ms"),
         (["--kv-cache-memory-gib", "nan"], "kv_cache_memory_gib"),
     ],
 )

@@ -38,7 +38,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "enable_prefix_caching": False,
         "scheduling_policy": "fcfs",
         "low_priority_token_budget": 32,
-        "low_priority_step_ms": 40.0,
+        "realtime_target_itl_ms": 40.0,
         "grammar_compile_seconds": 3.0,
         "max_images_per_request": 2,
         "max_image_bytes": 1000,

@@ -4,7 +4,7 @@ import pytest
 
 from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.core.request import Request, RequestStatus
-from pagedbatch.engine.core.scheduler import Scheduler
+from pagedbatch.engine.core.scheduler import LINGER_STEPS, Scheduler
 from pagedbatch.engine.core.step_cost import MIN_STEPS, REFIT_EVERY, StepCostModel, StepWork
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -150,10 +150,13 @@ def test_while_realtime_requests_run_batch_work_gets_at_most_its_own_budget():
     assert len(run_step(sched).scheduled) == 4  # alone, batch work has the whole budget
     sched.add(req("rt", 6, priority=0, arrival=5, first=100))
     run_step(sched)
-    # The earliest batch lines go on; the last waits for a step with room.
+    # The earliest batch lines go on; the last waits for a step with room, and goes first in it.
     assert scheduled(run_step(sched)) == [("rt", 1), ("b0", 1), ("b1", 1), ("b2", 1)]
+    assert scheduled(run_step(sched)) == [("rt", 1), ("b3", 1), ("b0", 1), ("b1", 1)]
     sched.finish(sched.running[0], RequestStatus.FINISHED_STOPPED)
-    assert len(run_step(sched).scheduled) == 4  # the realtime request gone, so is the bound
+    # The steps stay short a while for the realtime client's next request, then the bound goes.
+    assert [len(run_step(sched).scheduled) for _ in range(LINGER_STEPS)] == [3] * LINGER_STEPS
+    assert len(run_step(sched).scheduled) == 4
 
 
 def test_shared_prefix_is_served_from_cache():
@@ -250,7 +253,9 @@ def test_while_realtime_requests_run_batch_work_fills_the_step_time_it_is_given(
     step = scheduled(run_step(sched))
     assert step == [("rt", 1), ("b0", 1), ("b1", 1), ("b2", 1), ("b3", 1)]
     sched.finish(sched.running[0], RequestStatus.FINISHED_STOPPED)
-    assert len(run_step(sched).scheduled) == 6  # the realtime request gone, so is the bound
+    for _ in range(LINGER_STEPS):
+        run_step(sched)
+    assert len(run_step(sched).scheduled) == 6  # the realtime request long gone, so is the bound
 
 
 def test_batch_work_goes_on_when_realtime_work_fills_the_step_alone():
