@@ -20,8 +20,8 @@ import numpy as np
 
 WINDOW = 256
 REFIT_EVERY = 16
-# Fewer steps than this, or a fit that says more work takes less time, predict nothing: the
-# caller then falls back to its token budget.
+# Fewer steps than this, or a first fit that says more work takes less time, predict nothing:
+# the caller then falls back to its token budget.
 MIN_STEPS = 32
 
 
@@ -62,7 +62,9 @@ class StepCostModel:
         self._since_fit += 1
         if len(self._steps) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
             self._since_fit = 0
-            self.cost = self._fit()
+            # A window that tells nothing (steps all alike: a run of realtime steps of one size)
+            # keeps the last fit: it knew more than nothing.
+            self.cost = self._fit() or self.cost
 
     def _fit(self) -> StepCost | None:
         data = np.array(self._steps, dtype=np.float64)

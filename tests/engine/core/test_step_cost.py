@@ -40,3 +40,15 @@ def test_steps_that_tell_nothing_about_tokens_predict_nothing():
     for _ in range(MIN_STEPS + REFIT_EVERY):
         model.observe(StepWork(64, 1000), 0.05)  # all alike: per-token cost unknowable
     assert model.cost is None
+
+
+def test_steps_that_tell_nothing_keep_the_last_fit():
+    model = StepCostModel()
+    for i in range(MIN_STEPS + REFIT_EVERY):
+        work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
+        model.observe(work, 0.01 + 0.001 * work.tokens)
+    assert model.cost is not None
+    for _ in range(300):  # a whole window of steps alike: the last refits know nothing
+        model.observe(StepWork(9, 900), 0.019)
+    assert model.cost is not None
+    assert model.cost.seconds(StepWork(9, 900)) == pytest.approx(0.019, rel=0.01)
