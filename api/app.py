@@ -81,12 +81,13 @@ def install_error_handling(app: FastAPI, *, adopt_request_ids: bool = False) -> 
 
 
 def health(request: Request) -> JSONResponse:
-    """200 while this process can serve; 503 once its embedded engine has died (a failed step,
-    a lost rank), saying why, so that an orchestrator restarts it."""
-    engine = request.app.state.services.engine
-    if engine is not None and engine.dead_error is not None:
+    """200 while this process can serve; 503 once one of its embedded engines (the main one,
+    the moderation or the embedding model's) has died (a failed step, a lost rank), saying which
+    and why, so that an orchestrator restarts it."""
+    dead = request.app.state.services.dead_engine()
+    if dead is not None:
         error = OpenAIError(
-            f"The engine has stopped: {engine.dead_error}",
+            f"The engine has stopped: {dead.engine.model_name}'s engine died of {dead.dead_error}",
             status_code=503,
             type="server_error",
             code="engine_dead",

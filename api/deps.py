@@ -13,6 +13,7 @@ from sqlalchemy.orm import Session, sessionmaker
 from pagedbatch.api.preparation import Preparation
 from pagedbatch.api.token_rate import TokenRate
 from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.async_llm import first_dead
 from pagedbatch.ids import now
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
@@ -56,6 +57,10 @@ class Services:
             self.served_models = [self.engine.engine.model_name]  # the model it serves
         if self.embedder is not None:
             self.embedding_model = self.embedder.engine.model_name
+
+    def dead_engine(self) -> AsyncLLM | None:
+        """The first of this process's engines whose thread has died (see `first_dead`)."""
+        return first_dead((self.engine, self.guard, self.embedder))
 
     async def models(self) -> list[str]:
         """The served models: the configured ones (the embedding model's among them), and

@@ -155,7 +155,7 @@ def engine_host_app(
                 redis,
                 lambda: record(beat=True),
                 settings.engine_heartbeat_seconds,
-                lambda: engine.dead_error is not None,
+                lambda: services.dead_engine() is not None,
                 engine_id,
                 stopping,
             )

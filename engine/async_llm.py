@@ -16,7 +16,7 @@ import itertools
 import logging
 import queue
 import threading
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
 from typing import Any, TypeVar
 
@@ -234,3 +234,10 @@ def _settle(future: asyncio.Future, value: Any) -> None:
         future.set_exception(value)
     else:
         future.set_result(value)
+
+
+def first_dead(engines: Iterable[AsyncLLM | None]) -> AsyncLLM | None:
+    """The first of `engines` (None: one not configured) whose thread has died; None while all
+    run. A process's engines stand or fall together: with one dead, every request that needs it
+    fails, and the process is restarted as a whole."""
+    return next((e for e in engines if e is not None and e.dead_error is not None), None)

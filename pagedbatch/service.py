@@ -343,14 +343,16 @@ ENGINE_WATCH_SECONDS = 0.2
 
 
 def _exit_when_engine_dies(ctx: WorkerContext, host: EngineHost) -> None:
-    """Once the engine thread has died, nothing this process runs can succeed: stop taking
-    realtime requests, tell the others its shards are free, and exit for a fresh start. Exiting
-    at once (not through Celery's warm shutdown) leaves the tasks it held to redelivery; its
-    shards are re-leased by the other workers' upkeep."""
-    assert ctx.engine is not None
-    while ctx.engine.dead_error is None:
+    """Once an engine thread has died (the main engine's, or the moderation or embedding
+    model's), what needs it cannot succeed: stop taking realtime requests, tell the others its
+    shards are free, and exit for a fresh start. Exiting at once (not through Celery's warm
+    shutdown) leaves the tasks it held to redelivery; its shards are re-leased by the other
+    workers' upkeep."""
+    while (dead := ctx.dead_engine()) is None:
         time.sleep(ENGINE_WATCH_SECONDS)
-    logger.critical("the engine died (%s): this worker exits", ctx.engine.dead_error)
+    logger.critical(
+        "the engine died (%s's: %s): this worker exits", dead.engine.model_name, dead.dead_error
+    )
     try:
         declare_dead(ctx)
         host.stop()

@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from sqlalchemy.orm import Session, sessionmaker
 
 from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.async_llm import first_dead
 from pagedbatch.settings import Settings
 from pagedbatch.store.blobs import BlobStore
 from pagedbatch.store.queue import TaskQueue
@@ -49,3 +50,7 @@ class WorkerContext:
     def __post_init__(self) -> None:
         # However many task threads the queue has, this engine runs this many shards at once.
         self.shard_slots = threading.BoundedSemaphore(self.settings.worker_concurrency)
+
+    def dead_engine(self) -> AsyncLLM | None:
+        """The first of this process's engines whose thread has died (see `first_dead`)."""
+        return first_dead((self.engine, self.guard, self.embedder))

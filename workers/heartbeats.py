@@ -34,8 +34,9 @@ def stale_after_seconds(settings: Settings) -> float:
 
 
 def heartbeat(ctx: WorkerContext) -> None:
-    """Write this worker's heartbeat; a worker whose engine died stops, so others take over."""
-    if ctx.engine is not None and ctx.engine.dead_error is not None:
+    """Write this worker's heartbeat; a worker one of whose engines died stops, so others take
+    over."""
+    if ctx.dead_engine() is not None:
         return
     try:
         _write(ctx, time.time())

@@ -48,6 +48,25 @@ def test_health_is_a_503_saying_why_once_the_engine_has_died(serve_batches):
     assert "a step went wrong" in body["error"]["message"]
 
 
+def test_health_is_a_503_once_the_embedding_models_engine_has_died(serve_batches, make_checkpoint):
+    bert = make_checkpoint("bert")
+    server = serve_batches(embedding_model=str(bert))
+    embedder = server.embedded.context.embedder
+
+    def bug(*_args, **_kwargs):
+        raise EngineBug("an encoder step went wrong")
+
+    embedder.engine.runner.model.forward = bug  # the next step dies of it
+    with server.http() as http:
+        assert http.get("/health").status_code == 200
+        response = http.post("/v1/embeddings", json={"model": bert.name, "input": "hello"})
+        assert response.status_code >= 500
+        response = http.get("/health")
+    assert response.status_code == 503
+    message = response.json()["error"]["message"]
+    assert f"{bert.name}'s engine died" in message and "an encoder step went wrong" in message
+
+
 def test_each_response_carries_a_new_request_id(server):
     with server.http() as http:
         ids = {http.get("/health").headers["x-request-id"] for _ in range(3)}

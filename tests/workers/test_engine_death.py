@@ -22,17 +22,19 @@ from pagedbatch.store.models import WorkerHeartbeat
 from pagedbatch.workers.heartbeats import DEAD
 
 
-@pytest.fixture
-def dying_model(tiny_llama: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """(checkpoint, plugin dir): the tiny model, as a plugin architecture whose first step
-    raises, as a bug in a model would: the engine thread dies of it."""
+def dying(checkpoint: Path, base: str, tmp_path: Path) -> tuple[Path, Path]:
+    """(checkpoint, plugin dir): `checkpoint` as a plugin architecture, a subclass of the model
+    class `base` (module:class) whose first step raises, as a bug in a model would: the engine
+    thread dies of it."""
+    module, _, cls = base.partition(":")
+    name = f"Dying{cls}"
     plugins = tmp_path / "plugins"
     plugins.mkdir()
     (plugins / "dying_plugin.py").write_text(
-        textwrap.dedent("""
-        from pagedbatch.engine.worker.models.llama import LlamaForCausalLM
+        textwrap.dedent(f"""
+        from {module} import {cls}
 
-        class DyingForCausalLM(LlamaForCausalLM):
+        class {name}({cls}):
             def forward(self, *args, **kwargs):
                 raise RuntimeError("injected: this model dies at its first step")
     """)
@@ -40,15 +42,18 @@ def dying_model(tiny_llama: Path, tmp_path: Path) -> tuple[Path, Path]:
     dist = plugins / "dying_plugin-1.0.dist-info"
     dist.mkdir()
     (dist / "METADATA").write_text("Metadata-Version: 2.1\nName: dying-plugin\nVersion: 1.0\n")
-    (dist / "entry_points.txt").write_text(
-        "[pagedbatch.models]\nDyingForCausalLM = dying_plugin:DyingForCausalLM\n"
-    )
+    (dist / "entry_points.txt").write_text(f"[pagedbatch.models]\n{name} = dying_plugin:{name}\n")
     model = tmp_path / "dying"
-    shutil.copytree(tiny_llama, model)
+    shutil.copytree(checkpoint, model)
     config = json.loads((model / "config.json").read_text())
-    config["architectures"] = ["DyingForCausalLM"]
+    config["architectures"] = [name]
     (model / "config.json").write_text(json.dumps(config))
     return model, plugins
+
+
+@pytest.fixture
+def dying_model(tiny_llama: Path, tmp_path: Path) -> tuple[Path, Path]:
+    return dying(tiny_llama, "pagedbatch.engine.worker.models.llama:LlamaForCausalLM", tmp_path)
 
 
 def heartbeats(database_url: str) -> dict[str, float]:
@@ -85,3 +90,26 @@ def test_a_worker_whose_engine_dies_withdraws_and_exits(deployment, dying_model)
     assert engine_records(broker) == []  # withdrawn, not left to lapse
     assert list(heartbeats(database_url).values()) == [DEAD]  # its shards go at the next reap
     assert "the engine died" in deployment.log("worker")
+
+
+def test_a_worker_whose_embedding_models_engine_dies_exits_too(
+    deployment,  # noqa: F811
+    make_checkpoint,
+    tmp_path,
+):
+    bert = make_checkpoint("bert")
+    model, plugins = dying(bert, "pagedbatch.engine.worker.models.bert:BertModel", tmp_path)
+    python_path = os.pathsep.join(filter(None, [str(plugins), os.environ.get("PYTHONPATH")]))
+    worker = deployment.start_worker(
+        "worker", PAGEDBATCH_EMBEDDING_MODEL=str(model), PYTHONPATH=python_path
+    )
+    broker = deployment.env["PAGEDBATCH_BROKER_URL"]
+    eventually(lambda: len(engine_records(broker)) == 1, timeout=60)
+    (host,) = engine_records(broker)
+
+    # An embedding request makes the embedding engine step, and die; the main engine runs on.
+    httpx.post(f"{host.address}/v1/embeddings", json={"model": "dying", "input": "Hi"}, timeout=30)
+    assert worker.wait(15) == ENGINE_DIED_EXIT_CODE, deployment.log("worker")
+    assert engine_records(broker) == []
+    assert list(heartbeats(deployment.env["PAGEDBATCH_DATABASE_URL"]).values()) == [DEAD]
+    assert "the engine died (dying's" in deployment.log("worker")
