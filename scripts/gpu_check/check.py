@@ -79,9 +79,13 @@ GPU = Plan(
 DRY_RUN = Plan(
     device="cpu",
     seconds=300.0,
-    # One case of each kernel and the engine end to end: the interpreter runs each slowly.
-    kernel_selection=["-k", "decode-mha-full-torch.float32 or reshape or engine or float32"],
-    parity=["--device", "cpu", "--size", "tiny", "--prompts", "1", "--max-tokens", "4"],
+    # Each kernel in float32, attention on a mixed batch (decodes and prefills, grouped heads, a
+    # window) in every dtype, and the engine end to end: the interpreter runs each slowly.
+    kernel_selection=["-k", "mixed-gqa3-window7 or engine or float32 and not torch_path"],
+    # One architecture, to run the step's code; the engine tests check each one's parity on the
+    # CPU, and the GPU run checks both.
+    parity=["--device", "cpu", "--archs", "llama", "--size", "tiny", "--prompts", "1"]
+    + ["--max-tokens", "4"],
     throughput=["--quick", "--requests", "2", "--min-output-len", "2", "--max-output-len", "4"]
     + ["--max-prompt-len", "12", "--hf-batch-sizes", "2", "--kv-cache-gib", "0.05"],
     attention=["--device", "cpu", "--batch", "2", "--context", "64", "--iters", "2"],
