@@ -80,7 +80,8 @@ class EngineArgs:
     )
     dtype: str = arg(
         "auto",
-        doc="weights, activations and KV cache; auto: float32 on CPU, the checkpoint's on GPU",
+        doc="weights, activations and KV cache; auto: float32 on CPU; on GPU the checkpoint's "
+        "half precision, bfloat16 for a float32 checkpoint",
         choices=("auto", *DTYPES),
     )
     matmul_precision: str = arg(

@@ -65,11 +65,19 @@ def rank_device(name: str, rank: int, size: int) -> torch.device:
     return torch.device("cuda", first + rank)
 
 
+HALF_DTYPES = (torch.bfloat16, torch.float16)
+
+
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     if name != "auto":
         return DTYPES[name]
-    # Half precision on CPUs without AMX runs at about half the float32 rate.
-    return cfg.torch_dtype if device.type == "cuda" else torch.float32
+    if device.type != "cuda":
+        # Half precision on CPUs without AMX runs at about half the float32 rate.
+        return torch.float32
+    # On a GPU, half precision: tensor cores, and half the bytes of weights and KV cache read per
+    # decode step. A half-precision checkpoint keeps its own (float16's range is what it was
+    # trained in); a float32 one runs in bfloat16, whose range is float32's.
+    return cfg.torch_dtype if cfg.torch_dtype in HALF_DTYPES else torch.bfloat16
 
 
 def resolve_matmul_precision(
