@@ -1,5 +1,5 @@
-"""The CPU kernels written in C (`cpu_attention.c`, `cpu_rotary.c`), compiled on first use with
-the machine's C compiler and loaded with ctypes.
+"""The CPU kernels written in C (`cpu_attention.c`, `cpu_rotary.c`, `quant_matmul.c`), compiled
+on first use with the machine's C compiler and loaded with ctypes.
 
 They are plain C with OpenMP, not a torch extension: compiling one takes about a second, where a
 file including torch's headers takes a minute. The library is built for this CPU
@@ -27,7 +27,9 @@ from pathlib import Path
 logger = logging.getLogger(__name__)
 
 SETTING = "PAGEDBATCH_NATIVE_KERNELS"
-SOURCES = tuple(Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_rotary.c"))
+SOURCES = tuple(
+    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_rotary.c", "quant_matmul.c")
+)
 # -std=c11 alone would turn off fused multiply-adds (ISO C's default contraction rule).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -49,6 +51,15 @@ SIGNATURES: dict[str, list[type]] = {
         _i64, _ptr, _i64, _i32,  # head dim, cos/sin table, its rows, threads
         _ptr, _ptr,  # query out, key out
     ],
+    "quant_matmul": [
+        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
+        _ptr, _i64, _i32, _ptr,  # x, its rows, threads, out
+    ],
+    "quant_dequantize": [
+        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
+        _i32, _ptr,  # threads, out
+    ],
+    "quant_kernel_isa": [],
 }  # fmt: skip
 
 

@@ -1,0 +1,221 @@
+/* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0; layouts in
+ * quant_blocks.py), float32 activations and outputs.
+ *
+ * quant_matmul: out[n, rows] = x[n, cols] @ dequantized(w)[rows, cols].T for a few rows of x
+ * (a decode step's sequences). Each row of x is first quantized per block of 32 to int8 with one
+ * float scale (a = xd * xq, |xq| <= 127, error at most xd / 2 a value), so that a block's dot
+ * product is one integer sum scaled once: d * xd * sum(q * xq), plus m * xd * sum(xq) for Q4_1's
+ * minimum, minus 8 * d * xd * sum(xq) for Q4_0's offset. The weights are read once a call, row
+ * by row, each row against every row of x while it sits in L1: the call is bound by the weights'
+ * bytes, a quarter (Q4) or half (Q8) of float16's.
+ *
+ * quant_dequantize: the float32 weights of some rows, for the many-row path (prefill), which
+ * multiplies tiles of them with a float32 GEMM.
+ *
+ * The x86 AVX2 path (with FMA and F16C) is compiled where the target has them (-march=native);
+ * elsewhere the portable scalar path is, which computes the same integer sums.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
+#include <immintrin.h>
+#define QUANT_AVX2 1
+#endif
+
+enum { BLOCK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+
+/* Bytes a block of each format takes; 0 for a type this file does not read. */
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q8_0: return 34;
+    default: return 0;
+    }
+}
+
+/* The little-endian IEEE half at p, as a float (exact: every half is a float). */
+static inline float half_at(const uint8_t *p) {
+    const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));
+#ifdef QUANT_AVX2
+    return _cvtsh_ss(h);
+#else
+    uint32_t sign = (uint32_t)(h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu, man = h & 0x3ffu;
+    uint32_t bits;
+    if (exp == 0x1f)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0)
+        bits = sign;
+    else { /* a subnormal half is a normal float: shift its mantissa up to the implicit bit */
+        uint32_t shifts = 0;
+        while (!(man & 0x400u)) man <<= 1, ++shifts;
+        bits = sign | ((113 - shifts) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+#endif
+}
+
+/* One row of activations quantized per block: q[cols], and each block's scale and quant sum. */
+static void quantize_activations(const float *x, int64_t blocks, int8_t *q, float *scale,
+                                 int32_t *sum) {
+    for (int64_t b = 0; b < blocks; ++b, x += BLOCK, q += BLOCK) {
+        float amax = 0.0f;
+        for (int i = 0; i < BLOCK; ++i) amax = fmaxf(amax, fabsf(x[i]));
+        const float inverse = amax > 0.0f ? 127.0f / amax : 0.0f;
+        int32_t s = 0;
+        for (int i = 0; i < BLOCK; ++i) {
+            q[i] = (int8_t)nearbyintf(x[i] * inverse); /* |x * inverse| <= 127 (+ rounding) */
+            s += q[i];
+        }
+        scale[b] = amax / 127.0f;
+        sum[b] = s;
+    }
+}
+
+#ifdef QUANT_AVX2
+static inline float horizontal_sum(__m256 v) {
+    __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+    s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+    s = _mm_add_ss(s, _mm_movehdup_ps(s));
+    return _mm_cvtss_f32(s);
+}
+
+/* Eight int32 partial sums of the 32 nibbles at qs (low nibbles first) times the int8 at xq.
+ * maddubs multiplies unsigned by signed bytes; its pair sums (at most 2 * 15 * 127) fit int16. */
+static inline __m256i nibble_products(const uint8_t *qs, const int8_t *xq) {
+    const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
+    const __m256i nibbles = _mm256_and_si256(
+        _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
+    const __m256i pairs = _mm256_maddubs_epi16(nibbles, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+
+/* The same for 32 signed weights: |w| times xq carrying w's sign (maddubs's unsigned side must
+ * be |w|; -128 becomes 128 there, still exact, and 2 * 128 * 127 fits int16). */
+static inline __m256i int8_products(const int8_t *w, const int8_t *xq) {
+    const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
+    const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+    const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
+    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+}
+#else
+static inline int32_t nibble_products(const uint8_t *qs, const int8_t *xq) {
+    int32_t s = 0;
+    for (int i = 0; i < BLOCK / 2; ++i) s += (qs[i] & 0x0F) * xq[i] + (qs[i] >> 4) * xq[i + 16];
+    return s;
+}
+
+static inline int32_t int8_products(const int8_t *w, const int8_t *xq) {
+    int32_t s = 0;
+    for (int i = 0; i < BLOCK; ++i) s += w[i] * xq[i];
+    return s;
+}
+#endif
+
+/* The dot product of one stored row with one quantized activation row. */
+static float row_dot(int type, const uint8_t *row, int64_t blocks, const int8_t *xq,
+                     const float *xd, const int32_t *xs) {
+    const int64_t stride = block_bytes(type);
+    float extra = 0.0f; /* the minimum's or offset's part: per block, a multiple of sum(xq) */
+#ifdef QUANT_AVX2
+    __m256 acc = _mm256_setzero_ps();
+#define ACCUMULATE(products, factor) \
+    acc = _mm256_fmadd_ps(_mm256_cvtepi32_ps(products), _mm256_set1_ps(factor), acc)
+#else
+    float acc = 0.0f;
+#define ACCUMULATE(products, factor) acc += (float)(products) * (factor)
+#endif
+    for (int64_t b = 0; b < blocks; ++b, row += stride, xq += BLOCK) {
+        const float scale = half_at(row) * xd[b];
+        switch (type) {
+        case Q4_0:
+            ACCUMULATE(nibble_products(row + 2, xq), scale);
+            extra -= 8.0f * scale * (float)xs[b];
+            break;
+        case Q4_1:
+            ACCUMULATE(nibble_products(row + 4, xq), scale);
+            extra += half_at(row + 2) * xd[b] * (float)xs[b];
+            break;
+        default: /* Q8_0 */
+            ACCUMULATE(int8_products((const int8_t *)(row + 2), xq), scale);
+        }
+    }
+#undef ACCUMULATE
+#ifdef QUANT_AVX2
+    return horizontal_sum(acc) + extra;
+#else
+    return acc + extra;
+#endif
+}
+
+/* Which path was compiled: 2 for AVX2, 0 for the portable one. */
+int quant_kernel_isa(void) {
+#ifdef QUANT_AVX2
+    return 2;
+#else
+    return 0;
+#endif
+}
+
+/* Returns 0; -1 for a type it does not read or cols not a multiple of 32 (nothing written), -2
+ * where the activations' scratch cannot be allocated. */
+int quant_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                 int64_t n, int num_threads, float *out) {
+    const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
+    if (stride == 0 || cols % BLOCK != 0) return -1;
+    int8_t *xq = malloc((size_t)(n * cols) + 1);
+    float *xd = malloc(sizeof *xd * (size_t)(n * blocks) + 1);
+    int32_t *xs = malloc(sizeof *xs * (size_t)(n * blocks) + 1);
+    if (!xq || !xd || !xs) {
+        free(xq), free(xd), free(xs);
+        return -2;
+    }
+    for (int64_t i = 0; i < n; ++i)
+        quantize_activations(x + i * cols, blocks, xq + i * cols, xd + i * blocks,
+                             xs + i * blocks);
+    const int64_t row_bytes = blocks * stride;
+    /* Waking the other threads costs more than a small matrix's whole product. */
+    const int parallel = rows * cols * n >= (1 << 16);
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < n; ++i)
+            out[i * rows + r] = row_dot(type, w + r * row_bytes, blocks, xq + i * cols,
+                                        xd + i * blocks, xs + i * blocks);
+    free(xq), free(xd), free(xs);
+    return 0;
+}
+
+/* out[rows, cols] = the weights of `rows` stored rows, in float32. Returns 0, or -1 as above. */
+int quant_dequantize(int type, const uint8_t *w, int64_t rows, int64_t cols, int num_threads,
+                     float *out) {
+    const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
+    if (stride == 0 || cols % BLOCK != 0) return -1;
+    const int parallel = rows * cols >= (1 << 16);
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        const uint8_t *block = w + r * blocks * stride;
+        float *o = out + r * cols;
+        for (int64_t b = 0; b < blocks; ++b, block += stride, o += BLOCK) {
+            const float d = half_at(block);
+            if (type == Q8_0) {
+                const int8_t *q = (const int8_t *)(block + 2);
+                for (int i = 0; i < BLOCK; ++i) o[i] = d * (float)q[i];
+                continue;
+            }
+            const float m = type == Q4_1 ? half_at(block + 2) : -8.0f * d;
+            const uint8_t *qs = block + (type == Q4_1 ? 4 : 2);
+            for (int i = 0; i < BLOCK / 2; ++i) {
+                o[i] = d * (float)(qs[i] & 0x0F) + m;
+                o[i + 16] = d * (float)(qs[i] >> 4) + m;
+            }
+        }
+    }
+    return 0;
+}

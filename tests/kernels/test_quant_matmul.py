@@ -1,0 +1,159 @@
+"""The quantized-weight matmul kernels (`quant_matmul.c` through `quant_linear`) against the
+float64 reference: x @ dequantize(blocks).T.
+
+The int8 path quantizes each block of 32 activations to a scale amax / 127 and int8 quants, so
+an activation moves by at most amax / 254, and an output by at most the sum over its blocks of
+amax / 254 times the block's sum of |w|: that is its bound (with float32's rounding on top). The
+tiles' path multiplies exactly dequantized float32 weights: float32 GEMM's error alone.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import shutil
+import subprocess
+
+import numpy as np
+import pytest
+import torch
+from test_quant_blocks import random_blocks
+
+from pagedbatch.kernels import native, quant_linear
+from pagedbatch.kernels.quant_blocks import BLOCK, Format, dequantize
+
+needs_compiler = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+
+# SmolLM2-135M's linears (hidden 576, intermediate 1536) and odd sizes: a lone block, tails.
+SHAPES = [(1, 576), (3, 576), (17, 1536), (300, 576), (1536, 576), (576, 1536), (5, 32), (7, 96)]
+
+
+def activation_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """Per output, the most the int8 activations can move it: sum over blocks of amax / 254
+    times sum |w| (`[n, rows]`), plus float32's rounding of the sums."""
+    n, rows = x.shape[0], weights.shape[0]
+    amax = x.double().abs().reshape(n, -1, BLOCK).amax(-1)  # [n, blocks]
+    w_abs = weights.abs().reshape(rows, -1, BLOCK).sum(-1)  # [rows, blocks]
+    rounding = 1e-5 * (x.double().abs() @ weights.abs().T)
+    return (amax / 254) @ w_abs.T * 1.001 + rounding + 1e-6
+
+
+def build_portable(tmp_path) -> ctypes.CDLL:
+    """quant_matmul.c built for no particular CPU: the portable path (on x86-64, SSE2 only)."""
+    target = tmp_path / "quant_portable.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"]
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    source = str(native.SOURCES[-1])
+    subprocess.run([compiler, *flags, source, "-o", str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name in ("quant_matmul", "quant_dequantize", "quant_kernel_isa"):
+        getattr(lib, name).argtypes = native.SIGNATURES[name]
+        getattr(lib, name).restype = ctypes.c_int
+    return lib
+
+
+@pytest.fixture(scope="module", params=["native", "portable"])
+def lib(request, tmp_path_factory) -> ctypes.CDLL:
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    if request.param == "portable":
+        return build_portable(tmp_path_factory.mktemp("portable"))
+    native.library.cache_clear()
+    built = native.library()
+    assert built is not None, "the C kernels did not build; see the warning"
+    return built
+
+
+def run_small(lib: ctypes.CDLL, blocks: np.ndarray, fmt: Format, x: torch.Tensor) -> torch.Tensor:
+    stored = torch.from_numpy(blocks)
+    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1])
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_int8_path_within_the_activation_bound(lib, fmt, rows, cols, n):
+    blocks = random_blocks(fmt, rows, cols, seed=rows + n)
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    weights = dequantize(blocks, fmt)
+    exact = x.double() @ weights.T
+    out = run_small(lib, blocks, fmt, x)
+    assert (out.double() - exact).abs().le(activation_bound(x, weights)).all()
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+def test_int8_path_sums_exactly_what_it_quantized(lib, fmt):
+    """With activations the int8 grid holds exactly (each block's amax 127, integers), the int8
+    path's only error is float32 rounding: the integer sums themselves are exact."""
+    rows, cols = 17, 576
+    blocks = random_blocks(fmt, rows, cols, seed=5)
+    ints = torch.randint(-127, 128, (3, cols), generator=torch.Generator().manual_seed(0))
+    ints.view(3, -1, BLOCK)[..., 0] = 127
+    x = ints.float()
+    exact = x.double() @ dequantize(blocks, fmt).T
+    out = run_small(lib, blocks, fmt, x).double()
+    torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
+
+
+def test_the_vocabulary_projection(lib):
+    """SmolLM2's tied LM head: Q8_0, 49152 x 576, one decode row."""
+    blocks = random_blocks(Format.Q8_0, 49152, 576, seed=9)
+    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(9))
+    weights = dequantize(blocks, Format.Q8_0)
+    out = run_small(lib, blocks, Format.Q8_0, x).double()
+    assert (out - x.double() @ weights.T).abs().le(activation_bound(x, weights)).all()
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+def test_dequantize_kernel_is_exact(lib, fmt):
+    rows, cols = 300, 1536
+    blocks = random_blocks(fmt, rows, cols, seed=3)
+    out = torch.empty(rows, cols)
+    stored = torch.from_numpy(blocks)
+    assert (
+        lib.quant_dequantize(fmt.ggml_type, stored.data_ptr(), rows, cols, 2, out.data_ptr()) == 0
+    )
+    # d * q (+ m) rounded once to float32 (Q4_0's d * (q - 8) and Q8_0's d * q are exact).
+    torch.testing.assert_close(out.double(), dequantize(blocks, fmt), rtol=2**-24, atol=0)
+
+
+def test_what_the_kernels_do_not_read_is_refused(lib):
+    out, x = torch.empty(4), torch.zeros(40)
+    blocks = torch.zeros(2, 100, dtype=torch.uint8)
+    assert lib.quant_matmul(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
+    assert lib.quant_matmul(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 1, out.data_ptr()) == -1
+    assert lib.quant_dequantize(14, blocks.data_ptr(), 2, 32, 1, out.data_ptr()) == -1
+
+
+@needs_compiler
+def test_the_native_build_takes_avx2_where_the_cpu_has_it(tmp_path):
+    native.library.cache_clear()
+    lib = native.library()
+    assert lib is not None
+    has_avx2 = {"avx2", "fma", "f16c"} <= native.cpu_flags()
+    assert lib.quant_kernel_isa() == (2 if has_avx2 else 0)
+    assert build_portable(tmp_path).quant_kernel_isa() == 0
+
+
+@pytest.mark.usefixtures("native_path")
+@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+@pytest.mark.parametrize("n", [1, 9, 40])
+def test_quant_matmul_on_either_path(fmt, n, monkeypatch):
+    """Through `quant_matmul` as the model calls it: leading dimensions kept, the int8 path for
+    a few rows, tiles beyond (here 3 tiles of 128 rows and a ragged one), and torch's dequantizer
+    where the C kernels are off."""
+    monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 576)
+    rows, cols = 400, 576
+    blocks = random_blocks(fmt, rows, cols, seed=n)
+    x = torch.randn(n, 1, cols, generator=torch.Generator().manual_seed(n))
+    weights = dequantize(blocks, fmt)
+    out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols)
+    assert out.shape == (n, 1, rows) and out.dtype == torch.float32
+    error = (out.reshape(n, rows).double() - x.reshape(n, cols).double() @ weights.T).abs()
+    int8_path = n <= quant_linear.SMALL_BATCH and native.library() is not None
+    if int8_path:
+        assert error.le(activation_bound(x.reshape(n, cols), weights)).all()
+    else:
+        scale = x.reshape(n, cols).double().abs() @ weights.abs().T
+        assert error.le(1e-5 * scale + 1e-6).all()
