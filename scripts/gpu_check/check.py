@@ -174,6 +174,11 @@ def install(check: Check, wheel_folder: Path, dry_run: bool) -> dict[str, Any]:
         wheels.check_installable(wheel_folder, check.work / "image-site")
         figures["image_install"] = "ok"
     else:
+        if not (wheel_folder / wheels.MANIFEST).is_file():
+            raise FileNotFoundError(
+                f"no wheel folder at {wheel_folder}: build it with `.venv/bin/python "
+                "scripts/gpu-check --build-wheels` and name it in the device call's carry"
+            )
         manifest = json.loads((wheel_folder / wheels.MANIFEST).read_text())
         mib = round(wheels.folder_bytes(wheel_folder) / 2**20, 1)
         figures.update(wheel_count=len(manifest), wheels_mib=mib)

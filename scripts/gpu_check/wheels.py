@@ -58,6 +58,13 @@ def image_packages() -> set[str]:
 def missing_from_image(project: str = "pagedbatch") -> dict[str, str]:
     """{distribution: version here} for every runtime dependency of `project`, direct or not,
     that the image lacks."""
+    try:
+        metadata.distribution(project)
+    except metadata.PackageNotFoundError:
+        raise WheelsUnavailable(
+            f"{project} is not installed in {sys.prefix}: build the wheels with the project's "
+            "environment (.venv/bin/python scripts/gpu-check --build-wheels)"
+        ) from None
     have = image_packages()
     found: dict[str, str] = {}
 
