@@ -282,21 +282,39 @@ def list_input_items(
     return ItemPage(items[start : start + limit], has_more=len(items) > start + limit)
 
 
+@dataclass
+class Conversation:
+    items: list[dict[str, Any]]  # each turn's input items then output items, oldest first
+    whole: bool  # False: turns older than those read were left, past the bounds on reading
+
+
 def conversation(
-    session: Session, blobs: BlobStore, owner: str, previous_response_id: str
-) -> list[dict[str, Any]]:
-    """The conversation up to and including the owner's response `previous_response_id`: each
-    response's input items then output items, oldest first (see the module's invariants).
-    ResponseNotFound if there is no such response, ResponseNotFinished if it has not ended."""
+    session: Session,
+    blobs: BlobStore,
+    owner: str,
+    previous_response_id: str,
+    max_turns: int,
+    max_bytes: int,
+) -> Conversation:
+    """The conversation up to and including the owner's response `previous_response_id` (see
+    the module's invariants), or as much of it, newest first, as `max_turns` responses and
+    `max_bytes` of their documents (as stored) hold: what one request may cost to read, however
+    long the chain. ResponseNotFound if there is no such response, ResponseNotFinished if it
+    has not ended."""
     row: StoredResponse | None = _find(session, owner, previous_response_id)
     if row.status in RUNNING:
         raise ResponseNotFinished(row.id, row.status)
     turns: list[list[dict[str, Any]]] = []
+    read = 0
     while row is not None:
+        read += _stored_bytes(blobs, row, "input_items") + _stored_bytes(blobs, row, "response")
+        if len(turns) == max_turns or read > max_bytes:
+            break
         turns.append(_document(blobs, row, "input_items") + _body(blobs, row)["output"])
         earlier = row.previous_response_id
         row = None if earlier is None else _visible(session, owner, earlier)
-    return [item for turn in reversed(turns) for item in turn]
+    items = [item for turn in reversed(turns) for item in turn]
+    return Conversation(items, whole=row is None)
 
 
 def expired() -> ColumnElement[bool]:
@@ -323,6 +341,14 @@ def _find(session: Session, owner: str, response_id: str) -> StoredResponse:
 
 def _body(blobs: BlobStore, row: StoredResponse) -> dict[str, Any]:
     return {**_document(blobs, row, "response"), "status": row.status}
+
+
+def _stored_bytes(blobs: BlobStore, row: StoredResponse, name: str) -> int:
+    """The size of a document as stored, without reading a blob (one in the row is small)."""
+    key = (row.blob_keys or {}).get(name)
+    if key is None:
+        return len(json.dumps(getattr(row, name), separators=(",", ":")))
+    return blobs.size(key)
 
 
 def _document(blobs: BlobStore, row: StoredResponse, name: str) -> Any:

@@ -66,6 +66,7 @@ from pagedbatch.store.response_runs import (
     lost_runs,
 )
 from pagedbatch.store.responses import (
+    Conversation,
     ResponseNotFinished,
     ResponseNotFound,
     ResponseRecord,
@@ -336,10 +337,10 @@ class _ResponseRun:
         """The stored request prepared again, as the response it is (its id and creation
         time), its conversation read anew; OpenAIError as create would have answered."""
         request = parse_request(ResponseCreateRequest, record.request)
-        history: list[dict[str, Any]] = []
+        history = Conversation([], whole=True)
         if record.previous_response_id is not None:
             history = retrying(lambda: self._history(record), "reading a conversation")
-        prepared = prepare_response(request, self.engine.engine, history)
+        prepared = prepare_response(request, self.engine.engine, history.items, not history.whole)
         prepared.id = prepared.chat.id = record.id
         prepared.created_at = record.created_at
         # Unique per attempt: a run taken over from a lost one may overlap it in this engine.
@@ -347,12 +348,20 @@ class _ResponseRun:
         prepared.inputs = [replace(i, request_id=attempt) for i in prepared.inputs]
         return prepared
 
-    def _history(self, record: ResponseRecord) -> list[dict[str, Any]]:
+    def _history(self, record: ResponseRecord) -> Conversation:
         previous = record.previous_response_id
         assert previous is not None
+        settings = self.ctx.settings
         try:
             with self.ctx.session_factory() as session:
-                return conversation(session, self.ctx.blobs, record.owner, previous)
+                return conversation(
+                    session,
+                    self.ctx.blobs,
+                    record.owner,
+                    previous,
+                    settings.response_history_max_turns,
+                    settings.response_history_max_bytes,
+                )
         except ResponseNotFound:  # deleted, or expired, since it was created
             raise previous_response_not_found(previous) from None
         except ResponseNotFinished as running:  # create refused it then: answered as create does

@@ -72,7 +72,8 @@ async def create_in_background(
         raise insufficient_quota(str(refused)) from None
 
     def prepare() -> PreparedResponse:
-        return prepare_response(params, engine.engine, continuing(services, owner, params))
+        history = continuing(services, owner, params)
+        return prepare_response(params, engine.engine, history.items, not history.whole)
 
     lane = services.preparation.fetching if fetches_media(params) else services.preparation.work
     prepared = await lane.run(prepare)

@@ -20,6 +20,7 @@ from pagedbatch.protocol.schemas.responses import Response, ResponseCreateReques
 from pagedbatch.protocol.serving.common import ServedModel, not_supported
 from pagedbatch.protocol.serving.response_stream import ResponseEvents
 from pagedbatch.protocol.serving.responses import PreparedResponse, prepare_response
+from pagedbatch.store.responses import Conversation
 
 router = APIRouter(prefix="/responses", tags=["responses"])
 
@@ -56,8 +57,8 @@ async def create_response(request: Request, services: ServicesDep) -> HTTPRespon
 
 
 def _prepare(
-    request: ResponseCreateRequest, served: ServedModel, history: list[dict]
+    request: ResponseCreateRequest, served: ServedModel, history: Conversation
 ) -> PreparedResponse:
     if request.background:
         raise not_supported("background", "background")
-    return prepare_response(request, served, history)
+    return prepare_response(request, served, history.items, not history.whole)

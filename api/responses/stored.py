@@ -29,6 +29,7 @@ from pagedbatch.protocol.serving.responses import (
     previous_response_not_found,
 )
 from pagedbatch.store.responses import (
+    Conversation,
     ItemNotFound,
     ResponseNotFinished,
     ResponseNotFound,
@@ -108,15 +109,23 @@ def list_response_input_items(
     )
 
 
-def continuing(services: Services, owner: str, request: ResponseCreateRequest) -> list[dict]:
-    """The conversation that `request.previous_response_id` continues, as `prepare_response`
-    takes it (oldest first); none without one. It reads the job store: call it on a thread."""
+def continuing(services: Services, owner: str, request: ResponseCreateRequest) -> Conversation:
+    """The conversation that `request.previous_response_id` continues, as far as the settings
+    let one request read it; none without one. It reads the job store: call it on a thread."""
     previous = request.previous_response_id
     if previous is None:
-        return []
+        return Conversation([], whole=True)
+    settings = services.settings
     try:
         with services.session_factory() as session:
-            return conversation(session, services.blobs, owner, previous)
+            return conversation(
+                session,
+                services.blobs,
+                owner,
+                previous,
+                settings.response_history_max_turns,
+                settings.response_history_max_bytes,
+            )
     except ResponseNotFound:
         raise previous_response_not_found(previous) from None
     except ResponseNotFinished as running:

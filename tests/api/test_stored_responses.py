@@ -147,3 +147,34 @@ def test_previous_response_id_continues_the_conversation_the_model_sees_whole(se
     )
     assert answered.output_text == sent_whole.output_text
     assert answered.usage.input_tokens == sent_whole.usage.input_tokens
+
+
+def test_a_conversation_past_what_one_request_reads_needs_truncation_auto(serve_batches):
+    client = serve_batches(response_history_max_turns=2).client()
+    first = client.responses.create(input="One.", **GREEDY)
+    second = client.responses.create(input="Two.", previous_response_id=first.id, **GREEDY)
+    third = client.responses.create(input="Three.", previous_response_id=second.id, **GREEDY)
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input="Four.", previous_response_id=third.id, **GREEDY)
+    assert caught.value.body["param"] == "previous_response_id"
+    assert caught.value.body["code"] == "context_length_exceeded"
+    assert "PAGEDBATCH_RESPONSE_HISTORY_MAX_TURNS" in caught.value.body["message"]
+
+    # Under auto, the turns past the bound are dropped, as older turns past the context are:
+    # the model sees the last two, as if they had been sent whole.
+    fourth = client.responses.create(
+        input="Four.", previous_response_id=third.id, truncation="auto", **GREEDY
+    )
+    whole = client.responses.create(
+        input=[
+            {"role": "user", "content": "Two."},
+            {"role": "assistant", "content": second.output_text},
+            {"role": "user", "content": "Three."},
+            {"role": "assistant", "content": third.output_text},
+            {"role": "user", "content": "Four."},
+        ],
+        **GREEDY,
+    )
+    assert fourth.output_text == whole.output_text
+    assert fourth.usage.input_tokens == whole.usage.input_tokens

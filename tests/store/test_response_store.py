@@ -172,7 +172,9 @@ def test_a_conversation_is_the_chain_of_previous_responses_oldest_first(sessions
 
     def chain(response_id: str, owner: str = "default") -> list[str]:
         with sessions() as session:
-            return [item["id"] for item in conversation(session, blobs, owner, response_id)]
+            read = conversation(session, blobs, owner, response_id, 100, 2**20)
+            assert read.whole
+            return [item["id"] for item in read.items]
 
     assert chain("resp_3") == [
         "in_resp_1",
@@ -193,6 +195,27 @@ def test_a_conversation_is_the_chain_of_previous_responses_oldest_first(sessions
     assert chain("resp_3") == ["in_resp_2", "out_resp_2", "in_resp_3", "out_resp_3"]
     with pytest.raises(ResponseNotFound):
         chain("resp_1")
+
+
+def test_a_conversation_is_read_newest_first_no_further_than_its_bounds(sessions, blobs):
+    big = [message("in_resp_2", "user", "x" * 100_000)]  # its input items go to a blob
+    save_response(sessions, blobs, record("resp_1"), 30)
+    save_response(sessions, blobs, record("resp_2", previous="resp_1", input_items=big), 30)
+    save_response(sessions, blobs, record("resp_3", previous="resp_2"), 30)
+
+    def read(max_turns: int, max_bytes: int) -> tuple[list[str], bool]:
+        with sessions() as session:
+            found = conversation(session, blobs, "default", "resp_3", max_turns, max_bytes)
+        return [item["id"] for item in found.items], found.whole
+
+    everything = ["in_resp_1", "out_resp_1", "in_resp_2", "out_resp_2", "in_resp_3", "out_resp_3"]
+    assert read(3, 2**20) == (everything, True)
+    assert read(2, 2**20) == (everything[2:], False)
+    assert read(1, 2**20) == (everything[4:], False)
+    # The large turn's blob counts as stored, read or not: past the bytes, it and all before go.
+    assert read(3, 50_000) == (everything[4:], False)
+    assert read(3, 150_000) == (everything, True)
+    assert read(3, 10) == ([], False)
 
 
 def events(sessions: sessionmaker[Session]) -> list[tuple[str, str | None, int]]:

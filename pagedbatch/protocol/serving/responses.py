@@ -273,14 +273,31 @@ def previous_response_not_finished(previous: str, status: str) -> OpenAIError:
     )
 
 
+def conversation_too_long(previous: str) -> OpenAIError:
+    """The 400 of a conversation longer than the service reads for one request, without
+    `truncation: auto` to drop its oldest turns."""
+    return OpenAIError(
+        f"The conversation that previous_response_id '{previous}' continues is longer than "
+        "this service reads for one request (PAGEDBATCH_RESPONSE_HISTORY_MAX_TURNS and _BYTES): "
+        "use truncation 'auto' to drop its oldest turns, or start a new conversation.",
+        param="previous_response_id",
+        code="context_length_exceeded",
+    )
+
+
 def prepare_response(
     request: ResponseCreateRequest,
     served: ServedModel,
     history: Sequence[dict[str, Any]] = (),
+    history_cut: bool = False,
 ) -> PreparedResponse:
     """The engine request for `request`, continuing `history`: the earlier turns of the
     conversation `previous_response_id` names, as JSON items (that response's input items,
-    then its output items, oldest first). OpenAIError 400 naming the field at fault."""
+    then its output items, oldest first), less its oldest turns where `history_cut` (they were
+    past what the service reads for a request: only `truncation: auto` may drop them).
+    OpenAIError 400 naming the field at fault."""
+    if history_cut and request.truncation != "auto":
+        raise conversation_too_long(request.previous_response_id or "")
     _refuse_unsupported(request, history)
     own = _own_items(request)
     where = (
