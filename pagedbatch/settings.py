@@ -237,7 +237,7 @@ class Settings(EngineSettings):
     # first: at most this many earlier responses and bytes of their stored documents. Older
     # turns are dropped under `truncation: auto`; otherwise the request is refused.
     response_history_max_turns: int = Field(1000, ge=1, le=1_000_000)
-    response_history_max_bytes: int = Field(64 * 2**20, ge=2**10, le=2**34)
+    response_history_max_bytes: int = Field(16 * 2**20, ge=2**10, le=2**34)
 
     # Safety: a sequence classifier checkpoint (its labels OpenAI's moderation categories, as
     # `make-model --task classify` writes) serves /v1/moderations, on an engine of its own beside

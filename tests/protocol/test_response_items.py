@@ -5,6 +5,7 @@ field."""
 
 from __future__ import annotations
 
+import random
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +19,7 @@ from pagedbatch.protocol.schemas.responses import ResponseCreateRequest
 from pagedbatch.protocol.serving.chat import prepare_chat
 from pagedbatch.protocol.serving.common import parse_request
 from pagedbatch.protocol.serving.media import fetches_media
-from pagedbatch.protocol.serving.responses import prepare_response
+from pagedbatch.protocol.serving.responses import longest_token_bytes, prepare_response
 
 WEATHER = {"type": "function", "name": "get_weather", "parameters": {"type": "object"}}
 
@@ -231,3 +232,32 @@ def test_truncation_auto_drops_the_oldest_items_that_do_not_fit(served):
     assert 0 < kept < len(items) - 1
     with pytest.raises(OpenAIError):  # one item more would not have fit
         chat_prompt(served, system + items[kept - 1 :], max_completion_tokens=16)
+
+
+def test_no_token_stands_for_more_text_than_the_longest_token_bytes(served):
+    tokenizer = served.tokenizer
+    longest = longest_token_bytes(tokenizer)
+    rng = random.Random(0)
+    pieces = ["word", " ", "\n", "    ", "é", "東京", "🌊", "the", "ing", "\t", "0123456789"]
+    for _ in range(50):
+        text = "".join(rng.choices(pieces, k=rng.randint(1, 400)))
+        tokens = tokenizer.encode(text, add_special_tokens=False)
+        assert len(tokens) * longest >= len(text.encode())
+
+
+def test_truncation_auto_tries_only_suffixes_that_might_fit(served):
+    """A conversation of many times the context: the suffixes whose text alone is too long are
+    dropped untried, and the answer is what bisection over all of them finds."""
+    longest = longest_token_bytes(served.tokenizer)
+    text = " ".join(["word"] * (served.max_model_len // 8))
+    items = [{"role": "user", "content": f"{i} {text}"} for i in range(400)]
+    assert sum(len(i["content"]) for i in items) > 4 * longest * served.max_model_len
+    body = {"input": items, "max_output_tokens": 16, "truncation": "auto"}
+
+    prompt = responses(served, **body).inputs[0].prompt_token_ids
+    assert len(prompt) + 16 <= served.max_model_len
+    kept = len(items) - 1
+    while chat_prompt(served, items[kept:]) != prompt:
+        kept -= 1
+    with pytest.raises(OpenAIError):  # one item more would not have fit
+        chat_prompt(served, items[kept - 1 :], max_completion_tokens=16)

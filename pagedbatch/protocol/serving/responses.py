@@ -18,11 +18,13 @@ from __future__ import annotations
 import base64
 import binascii
 import re
+import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from pydantic import TypeAdapter
+from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
@@ -352,7 +354,8 @@ def _fitted(
     """`truncation: auto`: the conversation less as few of its oldest items as leave room in
     the context (the instructions and the last item always stay, and a tool's output never
     outlives the call it answers). Fewer items never take more tokens, so the fewest to drop
-    is found by bisection, a prompt tokenized for each try."""
+    is found by bisection, a prompt tokenized for each try, among the suffixes whose text is
+    not surely too long: what each try costs is bounded by the context, not by the request."""
 
     def attempt(dropped: int) -> PreparedChat | OpenAIError:
         kept = conversation[dropped:]
@@ -365,10 +368,13 @@ def _fitted(
                 raise
             return error
 
-    whole = attempt(0)
-    if not isinstance(whole, OpenAIError):
-        return whole
-    low, high = 0, len(conversation) - 1  # dropping `low` does not fit; `high` is the most
+    # Dropping `low` items does not fit; dropping `high` is the most allowed.
+    low, high = _surely_too_long(conversation, served) - 1, len(conversation) - 1
+    if low < 0:
+        whole = attempt(0)
+        if not isinstance(whole, OpenAIError):
+            return whole
+        low = 0
     best = attempt(high)
     if isinstance(best, OpenAIError):
         raise best
@@ -380,6 +386,48 @@ def _fitted(
         else:
             high, best = middle, tried
     return best
+
+
+def _surely_too_long(conversation: Conversation, served: ServedModel) -> int:
+    """How many of the oldest items must go, whatever the template, for the rest to fit (at
+    most all but the last): a token of text covers at most `longest_token_bytes` of it, so text
+    of more bytes than that many times the context takes more tokens than the context holds."""
+    most = longest_token_bytes(served.tokenizer) * served.max_model_len
+    kept = 0
+    for index in range(len(conversation) - 1, 0, -1):
+        kept += _text_bytes(conversation[index][0])
+        if kept > most:
+            return index + 1
+    return 0
+
+
+def longest_token_bytes(tokenizer: PreTrainedTokenizerBase) -> int:
+    """The most UTF-8 bytes of text one token of `tokenizer` stands for (81 for SmolLM2's: a
+    run of spaces), computed once per tokenizer (a second or so for a large vocabulary)."""
+    found = _LONGEST_TOKEN_BYTES.get(tokenizer)
+    if found is None:
+        texts = tokenizer.batch_decode([[i] for i in range(len(tokenizer))])
+        found = _LONGEST_TOKEN_BYTES[tokenizer] = max(len(t.encode()) for t in texts)
+    return found
+
+
+_LONGEST_TOKEN_BYTES: weakref.WeakKeyDictionary[Any, int] = weakref.WeakKeyDictionary()
+
+
+def _text_bytes(item: Any) -> int:
+    """UTF-8 bytes of the text `item` brings to the prompt, as a template may trim it (its
+    images, audio and files count none): a lower bound on the tokens it takes, times the
+    longest token's bytes."""
+    if isinstance(item, FunctionCallItem):
+        texts = [item.name, item.arguments]
+    elif isinstance(item, FunctionCallOutputItem):
+        output = item.output
+        texts = [output] if isinstance(output, str) else [getattr(p, "text", "") for p in output]
+    elif isinstance(item.content, str):
+        texts = [item.content]
+    else:
+        texts = [getattr(p, "text", None) or getattr(p, "refusal", "") for p in item.content]
+    return sum(len(text.strip().encode()) for text in texts)
 
 
 def _refuse_unsupported(request: ResponseCreateRequest, history: Sequence[Any]) -> None:
