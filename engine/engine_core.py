@@ -206,7 +206,8 @@ class EngineCore:
                     if token is not None:
                         sampled.append(self._append(request, token, logprob))
             if self.step_cost is not None:
-                self.step_cost.observe(out.work, time.perf_counter() - run_started)
+                seconds = time.perf_counter() - run_started
+                self.step_cost.observe(out.work, seconds, out.kind)
         failed, self._failed = self._failed, []
         encoded_after, cached_after = self._encoder_counts()
         return CoreOutput(

@@ -12,7 +12,8 @@ running), so that its first token is not held up by batch work. Otherwise a step
 realtime work is sized for it: every running realtime sequence decodes, and the others (batch
 lines) add only what fits in the step's budget, `realtime_target_seconds` or, unset,
 `IDLE_STEP_MULTIPLE` times what a step of the realtime decodes alone costs, by the engine's
-measure of its steps (`step_cost`), and never more than `low_priority_token_budget` tokens.
+measure of its steps (`step_cost`: its fit, scaled by what idle and sized steps have lately
+really taken), and never more than `low_priority_token_budget` tokens.
 Invariants of such a step:
 - it costs at most its budget plus one scheduled request's share: at least one batch token
   runs, so realtime traffic slows batch work and never stops it; and a realtime prefill chunk
@@ -54,9 +55,14 @@ from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
 
 # Unless a target is set, a step holding realtime work may cost this many times a step of the
 # realtime decodes alone: their inter-token latency then stays within about this much of idle.
-IDLE_STEP_MULTIPLE = 1.5
+IDLE_STEP_MULTIPLE = 1.75
 # Steps stay sized for realtime requests for this many steps after the last one leaves.
 LINGER_STEPS = 20
+# The kinds of step the step cost model keeps a bias for (StepCostModel.bias): steps sized for
+# realtime requests, and idle steps, of at most IDLE_MAX_SEQS decodes and nothing else (what an
+# engine serving realtime streams alone runs), the step a sized one is measured against.
+SIZED, IDLE = "sized", "idle"
+IDLE_MAX_SEQS = 8
 
 
 @dataclass
@@ -82,6 +88,7 @@ class SchedulerOutput:
     # Tokens of lower-priority running requests that a step sized for realtime work left to later
     # steps: one for each decode not run, the next chunk (up to a step's) of each prefill.
     deferred_tokens: int = 0
+    kind: str | None = None  # SIZED, IDLE or neither (None): for StepCostModel.bias
 
     @property
     def num_tokens(self) -> int:
@@ -161,6 +168,8 @@ class Scheduler:
         self._turn: Request | None = None
         # Seconds of realtime prefill the step being scheduled may still take (None: unbounded).
         self._prefill_room: float | None = None
+        # How many times what the step cost's fit says sized steps have lately taken.
+        self._scale = 1.0
 
     def _key(self, request: Request) -> tuple[int, float]:
         return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
@@ -240,30 +249,39 @@ class Scheduler:
         queues = (self.running, self.waiting)
         sized = lead is not None and any(q and q[-1].priority != lead for q in queues)
         step_seconds = self._step_seconds(lead) if sized else None
+        if step_seconds is not None:
+            self._scale = self.step_cost.bias(SIZED)
         self._prefill_room = self._realtime_prefill_room(lead, step_seconds)
         budget = self._schedule_running(out, budget, lead)
         budget = self._schedule_waiting(out, budget, lead)
-        if sized:
-            placed = sum(1 for r in self.running if r.priority == lead)  # they lie first
-            low = min(budget, self.low_priority_token_budget or self.max_num_batched_tokens)
-            room = None
-            if step_seconds is not None:
-                room = step_seconds - self.step_cost.cost.seconds(out.work)
-            prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
-            # A best-priority request is prefilling: its first token comes sooner from a step of
-            # its own. Never twice in a row, so a stream of them takes at most half the steps.
-            alone = prefilling and not self._last_step_alone
-            self._last_step_alone = alone
-            if alone:
-                low = 0
-            ran = len(out.scheduled)
-            left, room = self._take_turns(out, placed, low, room)
-            if room is not None:
-                # New prompts in what is left, each chunk costed as if from position 0; a first
-                # token where nothing else of theirs ran, as for running ones.
-                fits = self._tokens_fitting(0, room)
-                left = min(left, fits if fits or len(out.scheduled) > ran else 1)
-            self._schedule_waiting(out, left, None)
+        if not sized:
+            if 0 < len(out.scheduled) <= IDLE_MAX_SEQS and all(
+                s.num_new_tokens == 1 and s.samples for s in out.scheduled
+            ):
+                out.kind = IDLE
+            return out
+        placed = sum(1 for r in self.running if r.priority == lead)  # they lie first
+        low = min(budget, self.low_priority_token_budget or self.max_num_batched_tokens)
+        room = None
+        if step_seconds is not None:
+            room = step_seconds - self._scale * self.step_cost.cost.seconds(out.work)
+        prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
+        # A best-priority request is prefilling: its first token comes sooner from a step of
+        # its own. Never twice in a row, so a stream of them takes at most half the steps.
+        alone = prefilling and not self._last_step_alone
+        self._last_step_alone = alone
+        if alone:
+            low = 0
+        else:  # a prefill's step of its own is no measure of the others
+            out.kind = SIZED
+        ran = len(out.scheduled)
+        left, room = self._take_turns(out, placed, low, room)
+        if room is not None:
+            # New prompts in what is left, each chunk costed as if from position 0; a first
+            # token where nothing else of theirs ran, as for running ones.
+            fits = self._tokens_fitting(0, room)
+            left = min(left, fits if fits or len(out.scheduled) > ran else 1)
+        self._schedule_waiting(out, left, None)
         return out
 
     def _lead_priority(self, top: int | None) -> int | None:
@@ -287,7 +305,8 @@ class Scheduler:
         # An idle engine's step for the same realtime traffic: one token each, at its context.
         leads = [r for r in self.running if r.priority == lead]
         idle = StepWork(max(1, len(leads)), sum(r.num_computed_tokens + 1 for r in leads))
-        return IDLE_STEP_MULTIPLE * self.step_cost.cost.seconds(idle)
+        cost = self.step_cost
+        return IDLE_STEP_MULTIPLE * cost.bias(IDLE) * cost.cost.seconds(idle)
 
     def _realtime_prefill_room(self, lead: int | None, step_seconds: float | None) -> float | None:
         """Seconds the lead priority's prefill chunks may take beside its decodes in a sized step:
@@ -299,7 +318,7 @@ class Scheduler:
         if not decodes:
             return None
         work = sum((StepWork.of_chunk(r.num_computed_tokens, 1) for r in decodes), StepWork())
-        return step_seconds - self.step_cost.cost.seconds(work)
+        return step_seconds - self._scale * self.step_cost.cost.seconds(work)
 
     def _cut_prefill(self, start: int, num_new: int) -> int:
         """A lead-priority prefill chunk of `num_new` tokens from `start`, cut to the prefill
@@ -313,16 +332,17 @@ class Scheduler:
         return num_new
 
     def _chunk_seconds(self, start: int, num_new: int) -> float:
-        """What `num_new` tokens of one sequence from position `start` add to a step."""
+        """What `num_new` tokens of one sequence from position `start` add to a sized step."""
         cost = self.step_cost.cost
-        return cost.seconds(StepWork.of_chunk(start, num_new)) - cost.fixed
+        return self._scale * (cost.seconds(StepWork.of_chunk(start, num_new)) - cost.fixed)
 
     def _tokens_fitting(self, start: int, seconds: float) -> int:
-        """How many tokens of one sequence from position `start` add at most `seconds` to a step:
-        each costs its matmuls and reading its keys."""
+        """How many tokens of one sequence from position `start` add at most `seconds` to a sized
+        step: each costs its matmuls and reading its keys."""
         if seconds <= 0:
             return 0
         cost = self.step_cost.cost
+        seconds /= self._scale
         # per_token * n + per_context * (n * start + n * (n + 1) / 2) <= seconds, solved for n.
         a = cost.per_context / 2
         b = cost.per_token + cost.per_context * (start + 0.5)

@@ -9,6 +9,13 @@ new token reads the keys and values of its context). `StepCostModel` fits
 by least squares over the last `WINDOW` steps, refitted every `REFIT_EVERY` steps, so it follows
 the model, the machine and its load without being told any of them. The scheduler asks it how
 much low-priority work fits in a step of a given length.
+
+One line through steps of every size misses most where the scheduler needs it: at small steps
+(on a CPU a few tokens cost little more than one, the weights being read once either way). So
+each kind of step the scheduler names as it schedules it (an idle realtime step, a step sized
+for realtime requests) also keeps how far its steps' times have lately been from the line,
+`bias(kind)`, a moving average of their ratio, by which the scheduler scales what the line says
+for steps of that kind.
 """
 
 from __future__ import annotations
@@ -20,6 +27,8 @@ import numpy as np
 
 WINDOW = 256
 REFIT_EVERY = 16
+# The weight of a step in its kind's moving average of time over prediction (see `bias`).
+BIAS_WEIGHT = 0.1
 # Fewer steps than this, or a first fit that says more work takes less time, predict nothing:
 # the caller then falls back to its token budget.
 MIN_STEPS = 32
@@ -56,8 +65,14 @@ class StepCostModel:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self.cost: StepCost | None = None  # None until fitted on enough, and sensible
+        self._bias: dict[str, float] = {}
 
-    def observe(self, work: StepWork, seconds: float) -> None:
+    def observe(self, work: StepWork, seconds: float, kind: str | None = None) -> None:
+        """A step of `work` took `seconds`; `kind`: what the scheduler named it, if anything."""
+        if kind is not None and self.cost is not None:
+            ratio = seconds / self.cost.seconds(work)
+            last = self._bias.get(kind)
+            self._bias[kind] = ratio if last is None else last + BIAS_WEIGHT * (ratio - last)
         self._steps.append((work.tokens, work.context, seconds))
         self._since_fit += 1
         if len(self._steps) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
@@ -65,6 +80,11 @@ class StepCostModel:
             # A window that tells nothing (steps all alike: a run of realtime steps of one size)
             # keeps the last fit: it knew more than nothing.
             self.cost = self._fit() or self.cost
+
+    def bias(self, kind: str) -> float:
+        """How many times what the fit says steps of this kind have lately taken; 1.0 before
+        any."""
+        return self._bias.get(kind, 1.0)
 
     def _fit(self) -> StepCost | None:
         data = np.array(self._steps, dtype=np.float64)

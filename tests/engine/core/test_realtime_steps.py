@@ -18,7 +18,13 @@ from greedy_checks import GREEDY, assert_matches_oracle, assert_pool_whole, rand
 from pagedbatch.engine import LLM
 from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.core.request import Request, RequestStatus
-from pagedbatch.engine.core.scheduler import IDLE_STEP_MULTIPLE, ScheduledRequest, Scheduler
+from pagedbatch.engine.core.scheduler import (
+    IDLE,
+    IDLE_STEP_MULTIPLE,
+    SIZED,
+    ScheduledRequest,
+    Scheduler,
+)
 from pagedbatch.engine.core.step_cost import StepCost, StepCostModel, StepWork
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -156,3 +162,38 @@ def test_greedy_outputs_of_both_priorities_match_transformers_however_steps_are_
     assert_matches_oracle(oracle, tiny_llama, prompts, [outputs[str(i)] for i in range(12)])
     assert engine.get_stats()["batch_tokens_deferred"] > 0  # the steps were cut
     assert_pool_whole(llm)
+
+
+def batch_tokens_in_a_sized_step(idle_bias: float, sized_bias: float) -> int:
+    cost = known_cost(0.010, 0.001)
+    for kind, bias in ((IDLE, idle_bias), (SIZED, sized_bias)):
+        for _ in range(10):  # too few steps to refit: the cost stays as known
+            cost.observe(StepWork(2, 20), bias * cost.cost.seconds(StepWork(2, 20)), kind)
+    sched = Scheduler(KVCacheManager(1024, BLOCK, True), 32, 64, "priority", None, None, cost)
+    for i in range(12):
+        sched.add(req(f"b{i}", 4, BATCH, i))
+    assert run_step(sched).kind is None  # a batch's prefills: no measure of either kind
+    sched.add(req("rt", 6, REALTIME, 50))
+    assert run_step(sched).kind is None  # the realtime prefill's step of its own
+    out = run_step(sched)
+    assert out.kind == SIZED
+    return sum(s.request.priority == BATCH for s in out.scheduled)
+
+
+def test_sized_steps_follow_what_idle_and_sized_steps_have_really_taken():
+    as_fitted = batch_tokens_in_a_sized_step(1.0, 1.0)
+    assert as_fitted > 2
+    # Sized steps twice as slow as the fit says: fewer batch tokens fit.
+    assert batch_tokens_in_a_sized_step(1.0, 2.0) < as_fitted
+    # Idle steps slower too: the budget grows with them, and the step holds as many.
+    assert batch_tokens_in_a_sized_step(2.0, 2.0) == as_fitted
+    assert batch_tokens_in_a_sized_step(2.0, 1.0) > as_fitted
+
+
+def test_a_realtime_stream_alone_runs_idle_steps():
+    sched = Scheduler(
+        KVCacheManager(64, BLOCK, True), 8, 64, "priority", None, None, known_cost(0.01, 0.001)
+    )
+    sched.add(req("rt", 6, REALTIME, 0))
+    assert run_step(sched).kind is None  # its prefill
+    assert run_step(sched).kind == IDLE

@@ -52,3 +52,15 @@ def test_steps_that_tell_nothing_keep_the_last_fit():
         model.observe(StepWork(9, 900), 0.019)
     assert model.cost is not None
     assert model.cost.seconds(StepWork(9, 900)) == pytest.approx(0.019, rel=0.01)
+
+
+def test_each_kind_of_step_keeps_how_far_its_steps_are_from_the_fit():
+    model = StepCostModel()
+    for i in range(MIN_STEPS + REFIT_EVERY):
+        work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
+        model.observe(work, 0.01 + 0.001 * work.tokens)
+    assert model.bias("idle") == model.bias("sized") == 1.0  # none seen
+    for _ in range(REFIT_EVERY - 1):  # no refit between: the same line throughout
+        model.observe(StepWork(1, 50), 0.5 * model.cost.seconds(StepWork(1, 50)), "idle")
+    assert model.bias("idle") == pytest.approx(0.5)
+    assert model.bias("sized") == 1.0
