@@ -10,7 +10,8 @@ repository root, `python3 scripts/gpu-check`. The check installs the project wit
 (torch, triton, transformers), and runs each step in a process of its own against that install:
 
 1. kernels: the Triton kernel tests (tests/kernels/test_triton_*.py) against the torch
-   references, on CUDA tensors;
+   references, on CUDA tensors, and decode steps replayed from CUDA graphs against eager ones
+   (tests/engine/worker/test_decode_graphs.py);
 2. parity: greedy tokens against transformers, float32 and bfloat16 (parity.py);
 3. throughput: benchmarks/throughput.py (ours against transformers on the GPU, MFU against the
    measured GEMM peak) and benchmarks/attention_bandwidth.py (the decode kernel's bandwidth
@@ -48,7 +49,11 @@ DEFAULT_WHEELS = ROOT / ".gpu-wheels"
 # What setup.py builds the wheel from: copied out, so that the build leaves nothing in the tree.
 PROJECT_FILES = ["pyproject.toml", "setup.py", "README.md"]
 PROJECT_UNITS = ["pagedbatch", "api", "engine", "kernels", "migrations", "store", "workers"]
-KERNEL_TESTS = sorted(str(path) for path in (ROOT / "tests" / "kernels").glob("test_triton_*.py"))
+# The Triton kernels' tests, and the decode steps' capture: CUDA graphs there, on a GPU.
+KERNEL_TESTS = [
+    *sorted(str(path) for path in (ROOT / "tests" / "kernels").glob("test_triton_*.py")),
+    str(ROOT / "tests" / "engine" / "worker" / "test_decode_graphs.py"),
+]
 
 
 @dataclass(frozen=True)
@@ -81,7 +86,7 @@ DRY_RUN = Plan(
     seconds=300.0,
     # Each kernel in float32, attention on a mixed batch (decodes and prefills, grouped heads, a
     # window) in every dtype, and the engine end to end: the interpreter runs each slowly.
-    kernel_selection=["-k", "mixed-gqa3-window7 or engine or float32 and not torch_path"],
+    kernel_selection=["-k", "mixed-gqa3-window7 or engine_gen or float32 and not torch_path"],
     # One architecture, to run the step's code; the engine tests check each one's parity on the
     # CPU, and the GPU run checks both.
     parity=["--device", "cpu", "--archs", "llama", "--size", "tiny", "--prompts", "1"]
