@@ -93,6 +93,14 @@ class EngineArgs:
         "so that generated text stays token-identical to float32's",
         choices=MATMUL_PRECISIONS,
     )
+    quantization: str = arg(
+        "none",
+        doc="a GGUF model's linear layers: gguf keeps the file's Q4_0, Q4_1 and Q8_0 weights in "
+        "their blocks and multiplies on them (CPU, float32, one rank; a quarter of the memory, "
+        "outputs close to but not token-identical with none's; other formats are dequantized); "
+        "none dequantizes every weight to the model's dtype at load",
+        choices=("none", "gguf"),
+    )
     device: str = arg(
         "auto",
         doc="cpu, cuda or cuda:N (the first rank's; the others' follow); auto: cuda if present",

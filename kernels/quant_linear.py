@@ -1,4 +1,5 @@
-"""x @ W.T with W held in a GGUF block format (`quant_blocks`), never dequantized whole.
+"""x @ W.T with W held in a GGUF block format (`quant_blocks`), never dequantized whole; and the
+objects a model holds such weights in (`QuantizedTensor` as loaded, `QuantizedWeight` as used).
 
 Two paths, chosen by how many rows x has:
 - a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernel `quant_matmul`, which
@@ -13,6 +14,7 @@ dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic
 from __future__ import annotations
 
 import ctypes
+from dataclasses import dataclass
 
 import torch
 
@@ -79,3 +81,50 @@ def _check(status: int, fmt: Format) -> None:
         raise MemoryError("quant_matmul could not allocate its activations' scratch")
     if status != 0:
         raise ValueError(f"the C kernels do not read {fmt.name} rows of this width")
+
+
+@dataclass(frozen=True)
+class QuantizedTensor:
+    """A weight `[rows, cols]` as its stored blocks (uint8 `[rows, fmt.row_bytes(cols)]`): what
+    a GGUF checkpoint hands the loaders for a tensor the kernels read. Indexing it dequantizes
+    (to float32) the rows asked for, so a loader that does not keep blocks reads it as a tensor
+    (an embedding, a linear split across ranks)."""
+
+    blocks: torch.Tensor
+    fmt: Format
+    cols: int
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.blocks.shape[0], self.cols))
+
+    def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
+        rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
+        return dequantize(self.blocks[rows], self.fmt, torch.float32)[(slice(None), *rest)]
+
+
+class QuantizedWeight:
+    """A linear's weight kept in its blocks: `weight(x, bias)` is x @ W.T + bias by
+    `quant_matmul`, for float32 x on the CPU. Built from the linear's parts in order (q, k and v
+    of a fused projection), which share one format and width (see `join`)."""
+
+    def __init__(self, blocks: torch.Tensor, fmt: Format, cols: int):
+        self.blocks, self.fmt, self.cols = blocks.contiguous(), fmt, cols
+
+    @classmethod
+    def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
+        """The parts' rows one after the other; None where their formats or widths differ
+        (a file may store q and v of one layer in different formats)."""
+        first = parts[0]
+        if any(p.fmt is not first.fmt or p.cols != first.cols for p in parts):
+            return None
+        blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else first.blocks
+        return cls(blocks, first.fmt, first.cols)
+
+    @property
+    def nbytes(self) -> int:
+        return self.blocks.numel()
+
+    def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        out = quant_matmul(x, self.blocks, self.fmt, self.cols)
+        return out if bias is None else out.add_(bias)

@@ -1,4 +1,4 @@
-"""GGUF checkpoints (llama.cpp's one-file format), served as they are: dequantized at load.
+"""GGUF checkpoints (llama.cpp's one-file format): dequantized at load, or kept in their blocks.
 
 A GGUF file carries the config, the tokenizer and the (usually quantized) weights together.
 Reading its metadata takes seconds (a Python loop over every vocabulary entry: about 15 s for
@@ -13,6 +13,11 @@ float32: the file is never read whole into memory, and a checkpoint never sits i
 The tensors are rearranged as transformers does it (its `TENSOR_PROCESSORS`: llama.cpp permutes
 Llama's q/k rows for its rotary layout and stores Gemma's norms as 1 + weight), so a GGUF loads
 into the same models as its safetensors original.
+
+With `keep_quantized` (quantization gguf), a 2-D tensor in a format the quantized kernels read
+(`quant_blocks.Format`) comes as a `QuantizedTensor`: its blocks, copied out of the file, with
+rows in transformers' order. Rearranging blocks is possible only where the processor merely
+reorders rows; a tensor it changes otherwise comes dequantized, as without the option.
 """
 
 from __future__ import annotations
@@ -31,6 +36,9 @@ from typing import Any
 
 import numpy as np
 import torch
+
+from pagedbatch.kernels.quant_blocks import BLOCK, Format
+from pagedbatch.kernels.quant_linear import QuantizedTensor
 
 logger = logging.getLogger(__name__)
 
@@ -209,8 +217,12 @@ def _processor(config: dict[str, Any]) -> Any:
     return TENSOR_PROCESSORS.get(gguf_arch, TensorProcessor)(config=config)
 
 
-def iterate_weights(gguf_file: Path) -> Iterator[tuple[str, torch.Tensor]]:
-    """(transformers name, float32 tensor) pairs, one tensor dequantized at a time."""
+def iterate_weights(
+    gguf_file: Path, keep_quantized: bool = False
+) -> Iterator[tuple[str, torch.Tensor | QuantizedTensor]]:
+    """(transformers name, float32 tensor) pairs, one tensor dequantized at a time; with
+    `keep_quantized`, the blocks of those the quantized kernels read (see the module's
+    docstring)."""
     from gguf import GGMLQuantizationType
     from gguf.quants import dequantize
 
@@ -219,15 +231,39 @@ def iterate_weights(gguf_file: Path) -> Iterator[tuple[str, torch.Tensor]]:
     processor = _processor(config)
     entries = [TensorEntry(**e) for e in json.loads((meta / "tensors.json").read_text())]
     started = time.perf_counter()
+    kept = 0
     for entry in entries:
         stored = np.memmap(gguf_file, np.dtype(entry.dtype), "r", entry.offset, tuple(entry.shape))
+        fmt = Format.of(entry.ggml_type) if keep_quantized and len(entry.shape) == 2 else None
+        order = _row_order(processor, entry) if fmt is not None else None
+        if fmt is not None and order is not None:
+            blocks = torch.from_numpy(np.ascontiguousarray(stored[order]))
+            cols = entry.shape[1] // fmt.block_bytes * BLOCK
+            kept += 1
+            yield entry.hf_name, QuantizedTensor(blocks, fmt, cols)
+            continue
         weights = dequantize(stored, GGMLQuantizationType(entry.ggml_type))
         weights = processor.process(weights=weights, name=entry.gguf_name).weights
         # A float32 tensor comes back as the read-only memory map itself: copy that one.
         yield entry.hf_name, torch.from_numpy(np.require(weights, np.float32, ["C", "W"]))
     logger.info(
-        "dequantized %d tensors of %s in %.1f s",
+        "read %d tensors of %s in %.1f s (%d kept quantized, the rest dequantized)",
         len(entries),
         gguf_file.name,
         time.perf_counter() - started,
+        kept,
     )
+
+
+def _row_order(processor: Any, entry: TensorEntry) -> np.ndarray | None:
+    """The order in which the processor puts the tensor's rows, found by processing a column
+    of row numbers; None where it does anything but reorder rows."""
+    rows = entry.shape[0]
+    probe = np.arange(rows, dtype=np.float64)[:, None]
+    result = processor.process(weights=probe, name=entry.gguf_name).weights
+    if result.shape != probe.shape:
+        return None
+    order = result[:, 0].astype(np.int64)
+    if not np.array_equal(order, result[:, 0]) or not np.array_equal(np.sort(order), probe[:, 0]):
+        return None
+    return order

@@ -14,6 +14,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from pagedbatch.engine.worker import gguf
+from pagedbatch.kernels.quant_linear import QuantizedTensor
 
 
 def checkpoint_files(model_dir: Path) -> list[Path]:
@@ -43,11 +44,14 @@ class CheckpointTensor:
         return self._slice[index]
 
 
-def iterate_weights(model: Path) -> Iterator[tuple[str, CheckpointTensor | torch.Tensor]]:
+def iterate_weights(
+    model: Path, keep_quantized: bool = False
+) -> Iterator[tuple[str, CheckpointTensor | torch.Tensor | QuantizedTensor]]:
     """Yield (name, tensor) one tensor at a time, so a checkpoint never sits in memory twice.
-    `model` is a directory of safetensors or a GGUF file (whose tensors come dequantized)."""
+    `model` is a directory of safetensors or a GGUF file (whose tensors come dequantized, or
+    with `keep_quantized` those the quantized kernels read as their blocks)."""
     if model.suffix == gguf.SUFFIX and model.is_file():
-        yield from gguf.iterate_weights(model)
+        yield from gguf.iterate_weights(model, keep_quantized)
         return
     for path in checkpoint_files(model):
         try:

@@ -21,13 +21,17 @@ import torch
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderWork
 from pagedbatch.engine.core.scheduler import ScheduledRequest
-from pagedbatch.engine.worker import distributed
+from pagedbatch.engine.worker import distributed, gguf
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed_memory
 from pagedbatch.engine.worker.loader import iterate_weights
 from pagedbatch.engine.worker.models.encoder_attention import length_groups
 from pagedbatch.engine.worker.models.registry import resolve_model_class
-from pagedbatch.engine.worker.parallel_layers import bfloat16_weights, pack_weights
+from pagedbatch.engine.worker.parallel_layers import (
+    bfloat16_weights,
+    pack_weights,
+    quantize_linears,
+)
 from pagedbatch.engine.worker.pooler import pool_chunks
 from pagedbatch.engine.worker.shard_threads import ShardThreads
 from pagedbatch.kernels import native
@@ -188,6 +192,7 @@ class ModelRunner:
         self.matmul_precision = resolve_matmul_precision(
             args.matmul_precision, cfg, self.device, self.dtype, native.cpu_flags()
         )
+        self.quantization = args.quantization
         self.model = self._load_model(rows, pack=self.shard_threads.count < 2)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
@@ -226,12 +231,36 @@ class ModelRunner:
         with torch.device(self.device), distributed.building_for(self.tp):
             model = model_cls(self.cfg)
         model = model.to(self.dtype)
-        model.load_weights(iterate_weights(self.cfg.path))
+        quantized = self.quantization == "gguf"
+        if quantized:
+            self._check_quantizable()
+        model.load_weights(iterate_weights(self.cfg.path, keep_quantized=quantized))
+        if quantized:
+            count, nbytes = quantize_linears(model)
+            logger.info(
+                "%d linears compute on their GGUF blocks: %.1f MiB; the model's other "
+                "parameters hold %.1f MiB",
+                count,
+                nbytes / 2**20,
+                sum(p.numel() * p.element_size() for p in model.parameters()) / 2**20,
+            )
         if self.matmul_precision == "bfloat16":
             bfloat16_weights(model)
         elif pack:
             pack_weights(model, rows)
         return model.eval()
+
+    def _check_quantizable(self) -> None:
+        """quantization gguf's conditions: the quantized kernels are CPU float32 ones, and a
+        rank's slice of the blocks is not taken yet."""
+        if self.cfg.path.suffix != gguf.SUFFIX or not self.cfg.path.is_file():
+            raise ValueError("quantization gguf needs a GGUF model file")
+        if self.device.type != "cpu" or self.dtype != torch.float32:
+            raise ValueError("quantization gguf runs on the CPU in float32 only, for now")
+        if self.tp.size != 1 or self.matmul_precision == "bfloat16":
+            raise ValueError(
+                "quantization gguf runs on one rank, with matmul_precision highest, for now"
+            )
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -13,6 +13,12 @@ Each parameter carries a `weight_loader(param, loaded, shard)` that reads the ra
 checkpoint tensor `loaded` by indexing it (`loaded[a:b]`, `loaded[:, a:b]`), which for a
 `CheckpointTensor` reads only those bytes from the file. `shard` picks the part of a fused
 parameter (q, k or v; gate or up). With one rank every layer is a plain linear or embedding.
+
+A GGUF loaded with quantization gguf hands over a `QuantizedTensor` (its blocks) for each
+tensor the quantized kernels read. With one rank, a linear keeps those blocks instead of filling
+its weight, and `quantize_linears` turns them into its `QuantizedWeight` once the checkpoint is
+read; the embedding dequantizes its rows (lookups need floats) and keeps the blocks for a tied
+LM head. Everything else reads a `QuantizedTensor` as a float32 tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +32,7 @@ from torch import nn
 
 from pagedbatch.engine.worker import distributed
 from pagedbatch.engine.worker.distributed import divide
+from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight
 
 # A torch.Tensor or a CheckpointTensor: anything with `shape` that reads a slice when indexed.
 Loaded = Any
@@ -76,7 +83,7 @@ class Bfloat16Weight:
         return out if bias is None else out.add_(bias)
 
 
-PackedWeight = Packed | Bfloat16Weight
+PackedWeight = Packed | Bfloat16Weight | QuantizedWeight
 
 
 def pack_weights(model: nn.Module, rows: int) -> None:
@@ -93,14 +100,47 @@ def bfloat16_weights(model: nn.Module) -> None:
 def _repack(model: nn.Module, pack: Callable[[torch.Tensor], PackedWeight | None]) -> None:
     """Each linear's weight packed by `pack`, the loaded one emptied where that applies, so that
     the model holds its weights once. The LM head's weight stays: a tied head shares it with the
-    embedding."""
+    embedding. A linear that computes on its quantized blocks keeps them."""
     for module in model.modules():
+        if isinstance(getattr(module, "packed", None), QuantizedWeight):
+            continue
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             module.packed = pack(module.weight)
             if module.packed is not None:
                 module.weight.data = module.weight.data.new_empty(0)
         elif isinstance(module, ParallelLMHead):
             module.packed = pack(module.weight)
+
+
+def quantize_linears(model: nn.Module) -> tuple[int, int]:
+    """Each linear whose checkpoint tensors all came as blocks of one format computes on them
+    (`QuantizedWeight`) and its float weight is emptied; one whose parts came otherwise has
+    them dequantized into its weight. The LM head takes its own blocks, or a tied embedding's.
+    Returns how many linears are quantized and the bytes their blocks hold."""
+    embeddings = [
+        m
+        for m in model.modules()
+        if isinstance(m, VocabParallelEmbedding) and not isinstance(m, ParallelLMHead)
+    ]
+    tied = {id(m.weight): m.quantized for m in embeddings if m.quantized is not None}
+    count = nbytes = 0
+    for module in model.modules():
+        if isinstance(module, ColumnParallelLinear | RowParallelLinear):
+            weight = module.take_quantized()
+        elif isinstance(module, ParallelLMHead):
+            own, module.quantized = module.quantized, None
+            if own is not None:  # a head of its own: nothing else reads its float weight
+                module.weight.data = module.weight.data.new_empty(0)
+            source = own or tied.get(id(module.weight))
+            weight = QuantizedWeight.join([source]) if source is not None else None
+        else:
+            continue
+        if weight is not None:
+            module.packed = weight
+            count, nbytes = count + 1, nbytes + weight.nbytes
+    for embedding in embeddings:  # a head that wanted its blocks holds them now
+        embedding.quantized = None
+    return count, nbytes
 
 
 def default_weight_loader(param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
@@ -123,6 +163,8 @@ class ColumnParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(sum(self.sizes), input_size))
         self.weight.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None
+        # Parts given as blocks, by index, until `take_quantized` (see the module's docstring).
+        self.quantized_parts: dict[int, QuantizedTensor] = {}
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.sizes)))
@@ -135,9 +177,26 @@ class ColumnParallelLinear(nn.Module):
         index = shard or 0
         expected = [self.full_sizes[index]] + ([self.input_size] if param.dim() == 2 else [])
         check_shape(loaded, expected)
+        if _keeps_blocks(self, param, loaded):
+            self.quantized_parts[index] = loaded
+            return
         size = self.sizes[index]
         start = self.tp.rank * size
         param.data.narrow(0, self.offsets[index], size).copy_(loaded[start : start + size])
+
+    def take_quantized(self) -> QuantizedWeight | None:
+        """The weight from the parts kept as blocks, its float weight emptied; None where some
+        part was not (those kept are then dequantized into the weight)."""
+        parts, self.quantized_parts = self.quantized_parts, {}
+        joined = None
+        if len(parts) == len(self.sizes):
+            joined = QuantizedWeight.join([parts[i] for i in range(len(self.sizes))])
+        if joined is not None:
+            self.weight.data = self.weight.data.new_empty(0)
+            return joined
+        for index, part in parts.items():
+            self.weight.data.narrow(0, self.offsets[index], self.sizes[index]).copy_(part[:])
+        return None
 
 
 class QKVParallelLinear(ColumnParallelLinear):
@@ -167,6 +226,7 @@ class RowParallelLinear(nn.Module):
         self.weight = nn.Parameter(torch.empty(output_size, self.input_size))
         self.weight.weight_loader = self.weight_loader
         self.packed: PackedWeight | None = None
+        self.quantized: QuantizedTensor | None = None  # until `take_quantized`
         self.bias = None
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
@@ -180,8 +240,19 @@ class RowParallelLinear(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         check_shape(loaded, (param.shape[0], self.full_input_size))
+        if _keeps_blocks(self, param, loaded):
+            self.quantized = loaded
+            return
         start = self.tp.rank * self.input_size
         param.data.copy_(loaded[:, start : start + self.input_size])
+
+    def take_quantized(self) -> QuantizedWeight | None:
+        """The weight from the blocks kept, its float weight emptied; None without them."""
+        kept, self.quantized = self.quantized, None
+        if kept is None:
+            return None
+        self.weight.data = self.weight.data.new_empty(0)
+        return QuantizedWeight.join([kept])
 
 
 class VocabParallelEmbedding(nn.Module):
@@ -196,6 +267,8 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
         self.weight.weight_loader = self.weight_loader
+        # The blocks it was loaded from, for an LM head (tied or its own) to compute on.
+        self.quantized: QuantizedTensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
@@ -207,6 +280,8 @@ class VocabParallelEmbedding(nn.Module):
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         check_shape(loaded, (self.vocab_size, self.hidden_size))
+        if _keeps_blocks(self, param, loaded):
+            self.quantized = loaded
         real = max(0, min(self.rows, self.vocab_size - self.start))
         param.data[:real].copy_(loaded[self.start : self.start + real])
         param.data[real:].zero_()
@@ -222,6 +297,12 @@ class ParallelLMHead(VocabParallelEmbedding):
         if self.tp.size == 1:
             return logits
         return self.tp.all_gather(logits)[..., : self.vocab_size]
+
+
+def _keeps_blocks(module: nn.Module, param: nn.Parameter, loaded: Loaded) -> bool:
+    """Whether `module` keeps `loaded`'s blocks for its weight: with one rank only (a rank's
+    slice of the blocks is future work)."""
+    return isinstance(loaded, QuantizedTensor) and param is module.weight and module.tp.size == 1
 
 
 def _linear(

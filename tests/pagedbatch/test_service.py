@@ -28,6 +28,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
         "dtype": "float32",
         "matmul_precision": "highest",
+        "quantization": "none",
         "device": "cpu",
         "max_model_len": 512,
         "max_num_seqs": 4,

@@ -1,0 +1,138 @@
+"""quantization gguf: a GGUF's Q4_0/Q4_1/Q8_0 weights kept in their blocks, the linears
+computing on them (`QuantizedWeight`), against the exact mode (`none`) that dequantizes them."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+
+from pagedbatch.engine import LLM, SamplingParams
+from pagedbatch.engine.worker import gguf
+from pagedbatch.engine.worker.gguf import TensorEntry
+from pagedbatch.engine.worker.parallel_layers import (
+    ColumnParallelLinear,
+    RowParallelLinear,
+    quantize_linears,
+)
+from pagedbatch.kernels.quant_blocks import Format
+from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight
+
+SMOLLM2 = "smollm2-135m-instruct"
+
+
+def quantized(weights: np.ndarray, fmt: Format) -> QuantizedTensor:
+    blocks = quantize(weights.astype(np.float32), GGMLQuantizationType(fmt.ggml_type))
+    return QuantizedTensor(torch.from_numpy(blocks), fmt, weights.shape[1])
+
+
+def test_a_fused_linear_keeps_its_parts_blocks_only_in_one_format():
+    rng = np.random.default_rng(0)
+    q, k = rng.standard_normal((64, 96)), rng.standard_normal((32, 96))
+    x = torch.randn(2, 96)
+    same = ColumnParallelLinear(96, [64, 32], bias=False, what="test")
+    same.weight_loader(same.weight, quantized(q, Format.Q8_0), 0)
+    same.weight_loader(same.weight, quantized(k, Format.Q8_0), 1)
+    mixed = ColumnParallelLinear(96, [64, 32], bias=False, what="test")
+    mixed.weight_loader(mixed.weight, quantized(q, Format.Q8_0), 0)
+    mixed.weight_loader(mixed.weight, quantized(k, Format.Q4_1), 1)
+    model = torch.nn.ModuleList([same, mixed])
+    assert quantize_linears(model) == (1, 96 * 3 * Format.Q8_0.block_bytes)
+    assert isinstance(same.packed, QuantizedWeight) and same.weight.numel() == 0
+    # The mixed one holds its parts dequantized, as exact mode would have loaded them.
+    assert mixed.packed is None
+    expected = torch.cat([quantized(q, Format.Q8_0)[:], quantized(k, Format.Q4_1)[:]])
+    torch.testing.assert_close(mixed.weight.data, expected, rtol=0, atol=0)
+    weights = torch.cat([quantized(q, Format.Q8_0)[:], quantized(k, Format.Q8_0)[:]])
+    # Within the int8 activations' error (tests/kernels/test_quant_matmul.py bounds it exactly).
+    assert ((same(x) - x @ weights.T).abs() <= 0.01 * (x.abs() @ weights.abs().T)).all()
+
+
+def test_a_row_parallel_linear_with_a_float_checkpoint_stays_as_it_was():
+    linear = RowParallelLinear(64, 8, bias=True, what="test")
+    linear.weight_loader(linear.weight, torch.ones(8, 64))
+    assert quantize_linears(torch.nn.ModuleList([linear])) == (0, 0)
+    assert linear.packed is None and linear.weight.shape == (8, 64)
+
+
+def test_rows_reordered_by_the_processor_are_followed_and_other_changes_refused():
+    llama = gguf._processor({"model_type": "llama", "num_attention_heads": 4,
+                             "num_key_value_heads": 2})  # fmt: skip
+    entry = TensorEntry("blk.0.attn_k.weight", "k", 8, 0, "|u1", [16, 34])
+    order = gguf._row_order(llama, entry)
+    assert sorted(order) == list(range(16)) and list(order) != list(range(16))
+    gemma = gguf._processor({"model_type": "gemma3_text"})
+    norm = TensorEntry("blk.0.attn_norm.weight", "n", 8, 0, "|u1", [4, 34])
+    assert gguf._row_order(gemma, norm) is None  # stored as 1 + weight: not a reordering
+
+
+def test_quantization_gguf_needs_a_gguf_file(tiny_llama: Path):
+    with pytest.raises(ValueError, match="needs a GGUF model file"):
+        LLM(tiny_llama, num_kv_blocks=16, quantization="gguf")
+
+
+@pytest.mark.real_model
+def test_the_kept_blocks_are_the_exact_modes_weights(real_model):
+    path = real_model(SMOLLM2)
+    exact = dict(gguf.iterate_weights(path))
+    kept = dict(gguf.iterate_weights(path, keep_quantized=True))
+    assert kept.keys() == exact.keys()
+    formats = {}
+    for name, tensor in kept.items():
+        if isinstance(tensor, QuantizedTensor):
+            formats[name] = tensor.fmt
+            torch.testing.assert_close(tensor[:], exact[name], rtol=0, atol=0)
+        else:
+            torch.testing.assert_close(tensor, exact[name], rtol=0, atol=0)
+    # The PyPI file: Q4_1 linears (q and k with their rows reordered) and a Q8_0 embedding.
+    assert formats.pop("model.embed_tokens.weight") is Format.Q8_0
+    assert len(formats) == 30 * 7 and set(formats.values()) == {Format.Q4_1}
+
+
+@pytest.mark.real_model
+def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, caplog):
+    path = real_model(SMOLLM2)
+    prompts = [
+        "What is the capital of Germany?",
+        "What is 2 + 2?",
+        "List three primary colors.",
+        "Write a haiku about the sea.",
+    ]
+    answers = {}
+    for mode in ("none", "gguf"):
+        with caplog.at_level(logging.INFO):
+            llm = LLM(path, num_kv_blocks=64, quantization=mode)
+        chats = [
+            llm.tokenizer.apply_chat_template(
+                [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
+            )
+            for p in prompts
+        ]
+        outputs = llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=24))
+        answers[mode] = [o.outputs[0] for o in outputs]
+        if mode == "gguf":
+            model = llm.engine.runner.model
+    # Every linear on its blocks, the float weights gone; the tied head on the embedding's.
+    linears = [
+        m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
+    ]
+    assert len(linears) == 30 * 4
+    assert all(isinstance(m.packed, QuantizedWeight) and m.weight.numel() == 0 for m in linears)
+    assert model.lm_head.packed.fmt is Format.Q8_0 and model.lm_head.packed.blocks.shape[0] == 49152
+    assert "121 linears compute on their GGUF blocks: 92.0 MiB" in caplog.text
+
+    quantized_text = [a.text for a in answers["gguf"]]
+    assert "Berlin" in quantized_text[0] and "4" in quantized_text[1], quantized_text
+    # Greedy tokens agreeing before the first difference (quantized outputs are close, not
+    # identical): 55 of 62 on the machine that wrote this (the haiku parts at its 18th token).
+    agreeing = total = 0
+    for exact, approx in zip(answers["none"], answers["gguf"], strict=True):
+        pairs = list(zip(exact.token_ids, approx.token_ids, strict=False))
+        agreeing += next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
+        total += len(exact.token_ids)
+    assert agreeing >= 0.75 * total, (answers["none"], quantized_text)
