@@ -96,9 +96,10 @@ class EngineArgs:
     quantization: str = arg(
         "none",
         doc="a GGUF model's linear layers: gguf keeps the file's Q4_0, Q4_1 and Q8_0 weights in "
-        "their blocks and multiplies on them (CPU, float32, one rank; a quarter of the memory, "
-        "outputs close to but not token-identical with none's; other formats are dequantized); "
-        "none dequantizes every weight to the model's dtype at load",
+        "their blocks and multiplies on them (CPU, float32, one rank; a fifth of the memory; "
+        "none's arithmetic in another order, so outputs match none's but for rare near-ties; "
+        "other formats are dequantized); none dequantizes every weight to the model's dtype "
+        "at load",
         choices=("none", "gguf"),
     )
     device: str = arg(

@@ -2,10 +2,16 @@
 objects a model holds such weights in (`QuantizedTensor` as loaded, `QuantizedWeight` as used).
 
 Two paths, chosen by how many rows x has:
-- a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernel `quant_matmul`, which
-  quantizes x per block to int8 and streams the blocks once, with integer dot products;
+- a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernel `quant_matmul_float`,
+  which streams the blocks once, expanding them in registers; or, with `int8=True`,
+  `quant_matmul_int8`, which quantizes x per block to int8 and multiplies integers, as llama.cpp
+  does (faster where the weights sit in cache, less exact: see quant_matmul.c);
 - more (prefill): tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
   multiplied by torch's float32 GEMM; one tile is in memory at a time.
+
+Models take the float path, whose greedy tokens agree with exact mode's (SmolLM2, 8 chats, 137
+tokens of 137; int8: 5 of 8 answers whole). `PAGEDBATCH_QUANT_ACTIVATIONS=int8` puts them on the
+int8 path, read when a model's weights are loaded, for measuring it.
 
 Without the C kernels (no compiler, `PAGEDBATCH_NATIVE_KERNELS=0`) both paths take the tiles,
 dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic as the GEMM path.
@@ -14,6 +20,7 @@ dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic
 from __future__ import annotations
 
 import ctypes
+import os
 from dataclasses import dataclass
 
 import torch
@@ -21,32 +28,45 @@ import torch
 from pagedbatch.kernels import native
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 
-# Rows of x up to which the int8 path runs: its cost grows with the rows, the tiles' GEMM
+ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
+# Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
 # amortises the dequantization over them.
 SMALL_BATCH = 8
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
 
 
-def quant_matmul(x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int) -> torch.Tensor:
+def int8_activations() -> bool:
+    """Whether `PAGEDBATCH_QUANT_ACTIVATIONS` asks for int8 activations (default: float32)."""
+    value = os.environ.get(ACTIVATIONS_SETTING, "float32").strip().lower()
+    if value not in {"float32", "int8"}:
+        raise ValueError(f"{ACTIVATIONS_SETTING} is float32 or int8, not {value!r}")
+    return value == "int8"
+
+
+def quant_matmul(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, int8: bool = False
+) -> torch.Tensor:
     """x `[..., cols]` (float32, CPU) times the transposed weights stored in `blocks` (uint8
-    `[rows, fmt.row_bytes(cols)]`, contiguous): `[..., rows]` float32."""
+    `[rows, fmt.row_bytes(cols)]`, contiguous): `[..., rows]` float32. `int8` picks the int8
+    activations for a few rows."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols).contiguous()
     lib = native.library()
     if lib is not None and x2.shape[0] <= SMALL_BATCH:
-        out = _small_batch(lib, x2, blocks, fmt, cols)
+        out = _small_batch(lib, x2, blocks, fmt, cols, int8)
     else:
         out = _tiles(lib, x2, blocks, fmt, cols)
     return out.reshape(*lead, blocks.shape[0])
 
 
 def _small_batch(
-    lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int
+    lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, int8: bool
 ) -> torch.Tensor:
     rows = blocks.shape[0]
     out = torch.empty(x.shape[0], rows)
-    status = lib.quant_matmul(
+    kernel = lib.quant_matmul_int8 if int8 else lib.quant_matmul_float
+    status = kernel(
         fmt.ggml_type, blocks.data_ptr(), rows, cols,
         x.data_ptr(), x.shape[0], torch.get_num_threads(), out.data_ptr(),
     )  # fmt: skip
@@ -105,11 +125,13 @@ class QuantizedTensor:
 
 class QuantizedWeight:
     """A linear's weight kept in its blocks: `weight(x, bias)` is x @ W.T + bias by
-    `quant_matmul`, for float32 x on the CPU. Built from the linear's parts in order (q, k and v
-    of a fused projection), which share one format and width (see `join`)."""
+    `quant_matmul`, for float32 x on the CPU, on the activations `int8_activations()` said when
+    it was made. Built from the linear's parts in order (q, k and v of a fused projection),
+    which share one format and width (see `join`)."""
 
     def __init__(self, blocks: torch.Tensor, fmt: Format, cols: int):
         self.blocks, self.fmt, self.cols = blocks.contiguous(), fmt, cols
+        self.int8 = int8_activations()
 
     @classmethod
     def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
@@ -126,5 +148,5 @@ class QuantizedWeight:
         return self.blocks.numel()
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = quant_matmul(x, self.blocks, self.fmt, self.cols)
+        out = quant_matmul(x, self.blocks, self.fmt, self.cols, self.int8)
         return out if bias is None else out.add_(bias)

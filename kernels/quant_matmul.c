@@ -1,13 +1,18 @@
 /* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0; layouts in
  * quant_blocks.py), float32 activations and outputs.
  *
- * quant_matmul: out[n, rows] = x[n, cols] @ dequantized(w)[rows, cols].T for a few rows of x
- * (a decode step's sequences). Each row of x is first quantized per block of 32 to int8 with one
- * float scale (a = xd * xq, |xq| <= 127, error at most xd / 2 a value), so that a block's dot
- * product is one integer sum scaled once: d * xd * sum(q * xq), plus m * xd * sum(xq) for Q4_1's
- * minimum, minus 8 * d * xd * sum(xq) for Q4_0's offset. The weights are read once a call, row
- * by row, each row against every row of x while it sits in L1: the call is bound by the weights'
- * bytes, a quarter (Q4) or half (Q8) of float16's.
+ * quant_matmul_float and quant_matmul_int8: out[n, rows] = x[n, cols] @ dequantized(w).T for a
+ * few rows of x (a decode step's sequences). The weights are read once a call, row by row, each
+ * row against every row of x while it sits in L1: a call is bound by the weights' bytes, a
+ * quarter (Q4) or half (Q8) of float16's. The two differ in the activations:
+ * - float: each block's weights are expanded to floats in registers and multiplied with x as it
+ *   is: exact mode's arithmetic, in another order. The default.
+ * - int8 (llama.cpp's vec_dot_q4_1_q8_1 and kin): each row of x is first quantized per block of
+ *   32 to int8 with one float scale (a = xd * xq, |xq| <= 127, error at most xd / 2 a value), so
+ *   that a block's dot product is one integer sum scaled once: d * xd * sum(q * xq), plus
+ *   m * xd * sum(xq) for Q4_1's minimum, minus 8 * d * xd * sum(xq) for Q4_0's offset. A third
+ *   fewer instructions, but a block with an outlier (real hidden states have them) rounds its
+ *   other activations coarsely: SmolLM2's greedy answers then part from exact mode's.
  *
  * quant_dequantize: the float32 weights of some rows, for the many-row path (prefill), which
  * multiplies tiles of them with a float32 GEMM.
@@ -120,7 +125,7 @@ static inline int32_t int8_products(const int8_t *w, const int8_t *xq) {
 #endif
 
 /* The dot product of one stored row with one quantized activation row. */
-static float row_dot(int type, const uint8_t *row, int64_t blocks, const int8_t *xq,
+static float row_dot_int8(int type, const uint8_t *row, int64_t blocks, const int8_t *xq,
                      const float *xd, const int32_t *xs) {
     const int64_t stride = block_bytes(type);
     float extra = 0.0f; /* the minimum's or offset's part: per block, a multiple of sum(xq) */
@@ -164,9 +169,100 @@ int quant_kernel_isa(void) {
 #endif
 }
 
-/* Returns 0; -1 for a type it does not read or cols not a multiple of 32 (nothing written), -2
- * where the activations' scratch cannot be allocated. */
-int quant_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+/* Per block of 32 activations, their sum: Q4_0's offset and Q4_1's minimum multiply it. */
+static void block_sums(const float *x, int64_t blocks, float *sum) {
+    for (int64_t b = 0; b < blocks; ++b, x += BLOCK) {
+        float s = 0.0f;
+        for (int i = 0; i < BLOCK; ++i) s += x[i];
+        sum[b] = s;
+    }
+}
+
+#ifdef QUANT_AVX2
+/* sum over 16 weights of q[i] * x[i], q the 16 bytes of v (as signed or unsigned integers). */
+static inline __m256 half_block_float(__m128i v, int is_signed, const float *x) {
+    const __m128i upper = _mm_srli_si128(v, 8);
+    const __m256i a = is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
+    const __m256i b = is_signed ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
+    const __m256 s = _mm256_mul_ps(_mm256_cvtepi32_ps(a), _mm256_loadu_ps(x));
+    return _mm256_fmadd_ps(_mm256_cvtepi32_ps(b), _mm256_loadu_ps(x + 8), s);
+}
+#endif
+
+/* The dot product of one stored row with one float32 activation row: the weights are expanded
+ * in registers, the activations used as they are (no int8 rounding). */
+static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const float *x,
+                           const float *xsum) {
+    const int64_t stride = block_bytes(type);
+    float extra = 0.0f;
+#ifdef QUANT_AVX2
+    __m256 acc = _mm256_setzero_ps();
+#else
+    float acc = 0.0f;
+#endif
+    for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
+        const float d = half_at(row);
+        if (type == Q4_0) extra -= 8.0f * d * xsum[b];
+        if (type == Q4_1) extra += half_at(row + 2) * xsum[b];
+#ifdef QUANT_AVX2
+        __m128i lo, hi; /* the block's weights 0-15 and 16-31 as bytes */
+        if (type == Q8_0) {
+            lo = _mm_loadu_si128((const __m128i *)(row + 2));
+            hi = _mm_loadu_si128((const __m128i *)(row + 18));
+        } else {
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == Q4_1 ? 4 : 2)));
+            const __m128i low4 = _mm_set1_epi8(0x0F);
+            lo = _mm_and_si128(packed, low4);
+            hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
+        }
+        const int is_signed = type == Q8_0;
+        const __m256 s = _mm256_add_ps(half_block_float(lo, is_signed, x),
+                                       half_block_float(hi, is_signed, x + 16));
+        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(d), acc);
+#else
+        float s = 0.0f;
+        if (type == Q8_0) {
+            const int8_t *q = (const int8_t *)(row + 2);
+            for (int i = 0; i < BLOCK; ++i) s += (float)q[i] * x[i];
+        } else {
+            const uint8_t *qs = row + (type == Q4_1 ? 4 : 2);
+            for (int i = 0; i < BLOCK / 2; ++i)
+                s += (float)(qs[i] & 0x0F) * x[i] + (float)(qs[i] >> 4) * x[i + 16];
+        }
+        acc += d * s;
+#endif
+    }
+#ifdef QUANT_AVX2
+    return horizontal_sum(acc) + extra;
+#else
+    return acc + extra;
+#endif
+}
+
+/* out[n, rows] = x @ dequantized(w).T with the activations as they are (see row_dot_float).
+ * Returns as quant_matmul_int8 does. */
+int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                       int64_t n, int num_threads, float *out) {
+    const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
+    if (stride == 0 || cols % BLOCK != 0) return -1;
+    float *xsum = malloc(sizeof *xsum * (size_t)(n * blocks) + 1);
+    if (!xsum) return -2;
+    for (int64_t i = 0; i < n; ++i) block_sums(x + i * cols, blocks, xsum + i * blocks);
+    const int64_t row_bytes = blocks * stride;
+    const int parallel = rows * cols * n >= (1 << 16);
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t r = 0; r < rows; ++r)
+        for (int64_t i = 0; i < n; ++i)
+            out[i * rows + r] = row_dot_float(type, w + r * row_bytes, blocks, x + i * cols,
+                                              xsum + i * blocks);
+    free(xsum);
+    return 0;
+}
+
+/* out[n, rows] = x @ dequantized(w).T with int8 activations (see row_dot_int8). Returns 0; -1
+ * for a type it does not read or cols not a multiple of 32 (nothing written), -2 where the
+ * activations' scratch cannot be allocated. */
+int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                  int64_t n, int num_threads, float *out) {
     const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
     if (stride == 0 || cols % BLOCK != 0) return -1;
@@ -186,7 +282,7 @@ int quant_matmul(int type, const uint8_t *w, int64_t rows, int64_t cols, const f
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
     for (int64_t r = 0; r < rows; ++r)
         for (int64_t i = 0; i < n; ++i)
-            out[i * rows + r] = row_dot(type, w + r * row_bytes, blocks, xq + i * cols,
+            out[i * rows + r] = row_dot_int8(type, w + r * row_bytes, blocks, xq + i * cols,
                                         xd + i * blocks, xs + i * blocks);
     free(xq), free(xd), free(xs);
     return 0;

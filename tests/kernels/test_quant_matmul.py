@@ -1,10 +1,11 @@
 """The quantized-weight matmul kernels (`quant_matmul.c` through `quant_linear`) against the
 float64 reference: x @ dequantize(blocks).T.
 
-The int8 path quantizes each block of 32 activations to a scale amax / 127 and int8 quants, so
-an activation moves by at most amax / 254, and an output by at most the sum over its blocks of
-amax / 254 times the block's sum of |w|: that is its bound (with float32's rounding on top). The
-tiles' path multiplies exactly dequantized float32 weights: float32 GEMM's error alone.
+The float path and the tiles' path multiply the exact weights with x as it is: float32's
+rounding is their whole error. The int8 path quantizes each block of 32 activations to a scale
+amax / 127 and int8 quants, so an activation moves by at most amax / 254, and an output by at
+most the sum over its blocks of amax / 254 times the block's sum of |w|: that is its bound
+(with float32's rounding on top).
 """
 
 from __future__ import annotations
@@ -29,14 +30,18 @@ needs_compiler = pytest.mark.skipif(
 SHAPES = [(1, 576), (3, 576), (17, 1536), (300, 576), (1536, 576), (576, 1536), (5, 32), (7, 96)]
 
 
+def rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+    """float32's rounding of sums of a few hundred products, per output `[n, rows]`."""
+    return 1e-5 * (x.double().abs() @ weights.abs().T) + 1e-6
+
+
 def activation_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     """Per output, the most the int8 activations can move it: sum over blocks of amax / 254
     times sum |w| (`[n, rows]`), plus float32's rounding of the sums."""
     n, rows = x.shape[0], weights.shape[0]
     amax = x.double().abs().reshape(n, -1, BLOCK).amax(-1)  # [n, blocks]
     w_abs = weights.abs().reshape(rows, -1, BLOCK).sum(-1)  # [rows, blocks]
-    rounding = 1e-5 * (x.double().abs() @ weights.abs().T)
-    return (amax / 254) @ w_abs.T * 1.001 + rounding + 1e-6
+    return (amax / 254) @ w_abs.T * 1.001 + rounding_bound(x, weights)
 
 
 def build_portable(tmp_path) -> ctypes.CDLL:
@@ -47,7 +52,7 @@ def build_portable(tmp_path) -> ctypes.CDLL:
     source = str(native.SOURCES[-1])
     subprocess.run([compiler, *flags, source, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
-    for name in ("quant_matmul", "quant_dequantize", "quant_kernel_isa"):
+    for name in ("quant_matmul_float", "quant_matmul_int8", "quant_dequantize", "quant_kernel_isa"):
         getattr(lib, name).argtypes = native.SIGNATURES[name]
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -65,9 +70,18 @@ def lib(request, tmp_path_factory) -> ctypes.CDLL:
     return built
 
 
-def run_small(lib: ctypes.CDLL, blocks: np.ndarray, fmt: Format, x: torch.Tensor) -> torch.Tensor:
+def run_small(
+    lib: ctypes.CDLL, blocks: np.ndarray, fmt: Format, x: torch.Tensor, int8: bool = True
+) -> torch.Tensor:
     stored = torch.from_numpy(blocks)
-    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1])
+    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1], int8)
+
+
+def with_outliers(n: int, cols: int) -> torch.Tensor:
+    """Activations as a model's hidden states are: mostly small, a few features 30 times more."""
+    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    x[:, 5::97] *= 30
+    return x
 
 
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
@@ -75,11 +89,22 @@ def run_small(lib: ctypes.CDLL, blocks: np.ndarray, fmt: Format, x: torch.Tensor
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_int8_path_within_the_activation_bound(lib, fmt, rows, cols, n):
     blocks = random_blocks(fmt, rows, cols, seed=rows + n)
-    x = torch.randn(n, cols, generator=torch.Generator().manual_seed(n))
+    x = with_outliers(n, cols)
     weights = dequantize(blocks, fmt)
     exact = x.double() @ weights.T
     out = run_small(lib, blocks, fmt, x)
     assert (out.double() - exact).abs().le(activation_bound(x, weights)).all()
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_float_path_within_float32_rounding(lib, fmt, rows, cols, n):
+    blocks = random_blocks(fmt, rows, cols, seed=rows + n)
+    x = with_outliers(n, cols)
+    weights = dequantize(blocks, fmt)
+    out = run_small(lib, blocks, fmt, x, int8=False)
+    assert (out.double() - x.double() @ weights.T).abs().le(rounding_bound(x, weights)).all()
 
 
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
@@ -96,13 +121,15 @@ def test_int8_path_sums_exactly_what_it_quantized(lib, fmt):
     torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
 
 
-def test_the_vocabulary_projection(lib):
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
+def test_the_vocabulary_projection(lib, int8):
     """SmolLM2's tied LM head: Q8_0, 49152 x 576, one decode row."""
     blocks = random_blocks(Format.Q8_0, 49152, 576, seed=9)
-    x = torch.randn(1, 576, generator=torch.Generator().manual_seed(9))
+    x = with_outliers(1, 576)
     weights = dequantize(blocks, Format.Q8_0)
-    out = run_small(lib, blocks, Format.Q8_0, x).double()
-    assert (out - x.double() @ weights.T).abs().le(activation_bound(x, weights)).all()
+    out = run_small(lib, blocks, Format.Q8_0, x, int8).double()
+    bound = activation_bound(x, weights) if int8 else rounding_bound(x, weights)
+    assert (out - x.double() @ weights.T).abs().le(bound).all()
 
 
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
@@ -121,8 +148,9 @@ def test_dequantize_kernel_is_exact(lib, fmt):
 def test_what_the_kernels_do_not_read_is_refused(lib):
     out, x = torch.empty(4), torch.zeros(40)
     blocks = torch.zeros(2, 100, dtype=torch.uint8)
-    assert lib.quant_matmul(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
-    assert lib.quant_matmul(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 1, out.data_ptr()) == -1
+    for kernel in (lib.quant_matmul_int8, lib.quant_matmul_float):
+        assert kernel(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
+        assert kernel(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 1, out.data_ptr()) == -1
     assert lib.quant_dequantize(14, blocks.data_ptr(), 2, 32, 1, out.data_ptr()) == -1
 
 
@@ -139,8 +167,9 @@ def test_the_native_build_takes_avx2_where_the_cpu_has_it(tmp_path):
 @pytest.mark.usefixtures("native_path")
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [1, 9, 40])
-def test_quant_matmul_on_either_path(fmt, n, monkeypatch):
-    """Through `quant_matmul` as the model calls it: leading dimensions kept, the int8 path for
+@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
+def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
+    """Through `quant_matmul` as the model calls it: leading dimensions kept, a streaming path for
     a few rows, tiles beyond (here 3 tiles of 128 rows and a ragged one), and torch's dequantizer
     where the C kernels are off."""
     monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 576)
@@ -148,12 +177,19 @@ def test_quant_matmul_on_either_path(fmt, n, monkeypatch):
     blocks = random_blocks(fmt, rows, cols, seed=n)
     x = torch.randn(n, 1, cols, generator=torch.Generator().manual_seed(n))
     weights = dequantize(blocks, fmt)
-    out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols)
+    out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols, int8)
     assert out.shape == (n, 1, rows) and out.dtype == torch.float32
     error = (out.reshape(n, rows).double() - x.reshape(n, cols).double() @ weights.T).abs()
-    int8_path = n <= quant_linear.SMALL_BATCH and native.library() is not None
-    if int8_path:
-        assert error.le(activation_bound(x.reshape(n, cols), weights)).all()
-    else:
-        scale = x.reshape(n, cols).double().abs() @ weights.abs().T
-        assert error.le(1e-5 * scale + 1e-6).all()
+    int8_path = int8 and n <= quant_linear.SMALL_BATCH and native.library() is not None
+    bound = activation_bound if int8_path else rounding_bound
+    assert error.le(bound(x.reshape(n, cols), weights)).all()
+
+
+def test_models_take_float_activations_unless_the_setting_says_int8(monkeypatch):
+    blocks = torch.from_numpy(random_blocks(Format.Q8_0, 4, 32))
+    assert not quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32).int8
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int8")
+    assert quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32).int8
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int4")
+    with pytest.raises(ValueError, match="float32 or int8"):
+        quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32)

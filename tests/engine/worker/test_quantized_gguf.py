@@ -128,11 +128,12 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
 
     quantized_text = [a.text for a in answers["gguf"]]
     assert "Berlin" in quantized_text[0] and "4" in quantized_text[1], quantized_text
-    # Greedy tokens agreeing before the first difference (quantized outputs are close, not
-    # identical): 55 of 62 on the machine that wrote this (the haiku parts at its 18th token).
+    # Greedy tokens agreeing before the first difference: the float activations' sums differ
+    # from exact mode's in their order only, and all 62 agreed on the machine that wrote this
+    # (int8 activations, PAGEDBATCH_QUANT_ACTIVATIONS=int8: 55).
     agreeing = total = 0
     for exact, approx in zip(answers["none"], answers["gguf"], strict=True):
         pairs = list(zip(exact.token_ids, approx.token_ids, strict=False))
         agreeing += next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
         total += len(exact.token_ids)
-    assert agreeing >= 0.75 * total, (answers["none"], quantized_text)
+    assert agreeing >= 0.9 * total, (answers["none"], quantized_text)
