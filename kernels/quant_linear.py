@@ -80,19 +80,26 @@ def _tiles(
     rows = blocks.shape[0]
     out = torch.empty(x.shape[0], rows)
     step = max(1, TILE_ELEMENTS // cols)
-    tile = torch.empty(min(step, rows), cols) if lib is not None else None
+    tile = torch.empty(min(step, rows), cols)
     for start in range(0, rows, step):
         part = blocks[start : start + step]
-        if lib is None:
-            weights = dequantize(part, fmt, torch.float32)
-        else:
-            weights = tile[: part.shape[0]]
-            status = lib.quant_dequantize(
-                fmt.ggml_type, part.data_ptr(), part.shape[0], cols,
-                torch.get_num_threads(), weights.data_ptr(),
-            )  # fmt: skip
-            _check(status, fmt)
+        weights = _dequantize_into(lib, part, fmt, tile[: part.shape[0]])
         torch.mm(x, weights.t(), out=out[:, start : start + part.shape[0]])
+    return out
+
+
+def _dequantize_into(
+    lib: ctypes.CDLL | None, blocks: torch.Tensor, fmt: Format, out: torch.Tensor
+) -> torch.Tensor:
+    """The float32 weights of `blocks` (contiguous rows), written into `out` by the C kernel;
+    a new tensor by torch where the C kernels are off."""
+    if lib is None:
+        return dequantize(blocks, fmt, torch.float32)
+    status = lib.quant_dequantize(
+        fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], out.shape[1],
+        torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    _check(status, fmt)
     return out
 
 
@@ -121,6 +128,15 @@ class QuantizedTensor:
     def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
         rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
         return dequantize(self.blocks[rows], self.fmt, torch.float32)[(slice(None), *rest)]
+
+    def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
+        """Rows `ids` (any shape) dequantized to float32, `[*ids.shape, cols]`: an embedding
+        lookup that reads only the tokens' blocks."""
+        picked = self.blocks.index_select(0, ids.reshape(-1))
+        out = torch.empty(picked.shape[0], self.cols)
+        return _dequantize_into(native.library(), picked, self.fmt, out).reshape(
+            *ids.shape, self.cols
+        )
 
 
 class QuantizedWeight:

@@ -17,8 +17,8 @@ parameter (q, k or v; gate or up). With one rank every layer is a plain linear o
 A GGUF loaded with quantization gguf hands over a `QuantizedTensor` (its blocks) for each
 tensor the quantized kernels read. With one rank, a linear keeps those blocks instead of filling
 its weight, and `quantize_linears` turns them into its `QuantizedWeight` once the checkpoint is
-read; the embedding dequantizes its rows (lookups need floats) and keeps the blocks for a tied
-LM head. Everything else reads a `QuantizedTensor` as a float32 tensor.
+read; the embedding keeps them too, dequantizing the rows of each step's tokens, and a tied LM
+head computes on them. Everything else reads a `QuantizedTensor` as a float32 tensor.
 """
 
 from __future__ import annotations
@@ -115,8 +115,9 @@ def _repack(model: nn.Module, pack: Callable[[torch.Tensor], PackedWeight | None
 def quantize_linears(model: nn.Module) -> tuple[int, int]:
     """Each linear whose checkpoint tensors all came as blocks of one format computes on them
     (`QuantizedWeight`) and its float weight is emptied; one whose parts came otherwise has
-    them dequantized into its weight. The LM head takes its own blocks, or a tied embedding's.
-    Returns how many linears are quantized and the bytes their blocks hold."""
+    them dequantized into its weight. The LM head takes its own blocks, or a tied embedding's
+    (an embedding looks its rows up in its blocks already). Returns how many linears are
+    quantized and the bytes their blocks hold."""
     embeddings = [
         m
         for m in model.modules()
@@ -128,9 +129,7 @@ def quantize_linears(model: nn.Module) -> tuple[int, int]:
         if isinstance(module, ColumnParallelLinear | RowParallelLinear):
             weight = module.take_quantized()
         elif isinstance(module, ParallelLMHead):
-            own, module.quantized = module.quantized, None
-            if own is not None:  # a head of its own: nothing else reads its float weight
-                module.weight.data = module.weight.data.new_empty(0)
+            own, module.quantized = module.quantized, None  # a head looks nothing up
             source = own or tied.get(id(module.weight))
             weight = QuantizedWeight.join([source]) if source is not None else None
         else:
@@ -138,8 +137,6 @@ def quantize_linears(model: nn.Module) -> tuple[int, int]:
         if weight is not None:
             module.packed = weight
             count, nbytes = count + 1, nbytes + weight.nbytes
-    for embedding in embeddings:  # a head that wanted its blocks holds them now
-        embedding.quantized = None
     return count, nbytes
 
 
@@ -267,10 +264,13 @@ class VocabParallelEmbedding(nn.Module):
         self.start = self.tp.rank * self.rows
         self.weight = nn.Parameter(torch.empty(self.rows, hidden_size))
         self.weight.weight_loader = self.weight_loader
-        # The blocks it was loaded from, for an LM head (tied or its own) to compute on.
+        # The blocks it was loaded from, in place of its weight: its lookups and an LM head (its
+        # own, or one tied to it) read them.
         self.quantized: QuantizedTensor | None = None
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.quantized is not None:  # one rank (see weight_loader)
+            return self.quantized.take_rows(input_ids)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -282,6 +282,8 @@ class VocabParallelEmbedding(nn.Module):
         check_shape(loaded, (self.vocab_size, self.hidden_size))
         if _keeps_blocks(self, param, loaded):
             self.quantized = loaded
+            param.data = param.data.new_empty(0)  # a tied head's too: it computes on the blocks
+            return
         real = max(0, min(self.rows, self.vocab_size - self.start))
         param.data[:real].copy_(loaded[self.start : self.start + real])
         param.data[real:].zero_()

@@ -193,3 +193,15 @@ def test_models_take_float_activations_unless_the_setting_says_int8(monkeypatch)
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int4")
     with pytest.raises(ValueError, match="float32 or int8"):
         quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32)
+
+
+@pytest.mark.usefixtures("native_path")
+@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+def test_an_embedding_lookup_dequantizes_just_its_rows(fmt):
+    blocks = random_blocks(fmt, 50, 96, seed=4)
+    table = quant_linear.QuantizedTensor(torch.from_numpy(blocks), fmt, 96)
+    ids = torch.tensor([[3, 49, 3], [0, 7, 12]])
+    rows = table.take_rows(ids)
+    assert rows.shape == (2, 3, 96) and rows.dtype == torch.float32
+    expected = dequantize(blocks, fmt)[ids]
+    torch.testing.assert_close(rows.double(), expected, rtol=2**-24, atol=0)

@@ -124,7 +124,9 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
     assert len(linears) == 30 * 4
     assert all(isinstance(m.packed, QuantizedWeight) and m.weight.numel() == 0 for m in linears)
     assert model.lm_head.packed.fmt is Format.Q8_0 and model.lm_head.packed.blocks.shape[0] == 49152
-    assert "121 linears compute on their GGUF blocks: 92.0 MiB" in caplog.text
+    assert model.embed_tokens.weight.numel() == 0  # its lookups read the blocks
+    logged = "121 linears compute on their GGUF blocks: 92.0 MiB; the model's other parameters"
+    assert f"{logged} hold 0.1 MiB" in caplog.text
 
     quantized_text = [a.text for a in answers["gguf"]]
     assert "Berlin" in quantized_text[0] and "4" in quantized_text[1], quantized_text
