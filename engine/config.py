@@ -106,6 +106,12 @@ class EngineArgs:
         "auto",
         doc="cpu, cuda or cuda:N (the first rank's; the others' follow); auto: cuda if present",
     )
+    cuda_graphs: bool = arg(
+        True,
+        doc="decode steps replayed from CUDA graphs captured at start, one per batch-size bucket "
+        "(one rank on CUDA, the Triton kernels, Llama, Mistral and Qwen2); off: every step runs "
+        "eagerly",
+    )
     max_model_len: int | None = arg(
         None,
         doc="the longest sequence, prompt and output together (a longer request is refused); "

@@ -14,7 +14,8 @@ lists instead: graphs need the Triton kernels.
 `Replay` is how a captured step runs again. `CudaGraphReplay` captures a CUDA graph;
 `EagerReplay` runs the same function again on the same buffers, which is what a replay computes,
 so that on the CPU (the Triton kernels in Triton's interpreter) everything here but the capture
-itself is checked (tests/engine/worker/test_decode_graphs.py).
+itself is checked (tests/engine/worker/test_decode_graphs.py). ModelRunner captures them at start
+where they apply (`cuda_graphs`, on by default) and runs plain decode steps through them.
 """
 
 from __future__ import annotations
@@ -63,20 +64,22 @@ class CudaGraphReplay:
     """A CUDA graph per step; the graphs share one memory pool (captured largest first, the
     smaller ones fit in what the largest took)."""
 
-    def __init__(self) -> None:
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
         self.pool: tuple[int, int] | None = None
 
     def capture(self, step: Step) -> Step:
-        # Warm-up on a side stream, outside the graph: Triton compiles and cuBLAS chooses its
-        # kernels there, which a capture must not see.
-        side = torch.cuda.Stream()
-        side.wait_stream(torch.cuda.current_stream())
-        with torch.cuda.stream(side):
-            step()
-        torch.cuda.current_stream().wait_stream(side)
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph, pool=self.pool):
-            out = step()
+        with torch.cuda.device(self.device):  # the runner's, which need not be the current one
+            # Warm-up on a side stream, outside the graph: Triton compiles and cuBLAS chooses
+            # its kernels there, which a capture must not see.
+            side = torch.cuda.Stream()
+            side.wait_stream(torch.cuda.current_stream())
+            with torch.cuda.stream(side):
+                step()
+            torch.cuda.current_stream().wait_stream(side)
+            graph = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(graph, pool=self.pool):
+                out = step()
         self.pool = graph.pool()
 
         def replay() -> torch.Tensor:
@@ -84,6 +87,12 @@ class CudaGraphReplay:
             return out
 
         return replay
+
+
+def graph_replay(device: torch.device) -> Replay | None:
+    """How captured decode steps replay on `device`: CUDA graphs on a GPU; none elsewhere, where
+    steps run eagerly (the tests swap in EagerReplay to run the ModelRunner's graph path)."""
+    return CudaGraphReplay(device) if device.type == "cuda" else None
 
 
 class DecodeGraphs:

@@ -21,7 +21,8 @@ import torch
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderWork
 from pagedbatch.engine.core.scheduler import ScheduledRequest
-from pagedbatch.engine.worker import distributed, gguf
+from pagedbatch.engine.worker import decode_graphs, distributed, gguf
+from pagedbatch.engine.worker.decode_graphs import DecodeGraphs
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed_memory
 from pagedbatch.engine.worker.loader import iterate_weights
@@ -34,7 +35,7 @@ from pagedbatch.engine.worker.parallel_layers import (
 )
 from pagedbatch.engine.worker.pooler import pool_chunks
 from pagedbatch.engine.worker.shard_threads import ShardThreads
-from pagedbatch.kernels import native
+from pagedbatch.kernels import native, ops
 from pagedbatch.kernels.attention import prepare_attention
 
 logger = logging.getLogger(__name__)
@@ -43,6 +44,8 @@ if TYPE_CHECKING:
     from pagedbatch.engine.worker.ranks import RankProcesses
 
 GPU_MEMORY_FRACTION = 0.9
+# The text decoders whose decode steps replay from captures (see ModelRunner._graphs_apply).
+GRAPH_ARCHITECTURES = ("LlamaForCausalLM", "MistralForCausalLM", "Qwen2ForCausalLM")
 # An encoder batch's rows are padded to a multiple of this (see ModelRunner._encode_sequences).
 ENCODER_ROWS_MULTIPLE = 32
 
@@ -169,6 +172,16 @@ def _mrope_columns(s: ScheduledRequest) -> np.ndarray:
     return tail if head is None else np.concatenate([head, tail], axis=1)
 
 
+def _plain_decode(step: StepInput) -> bool:
+    """One new token per sequence, and text alone: what a captured decode step runs."""
+    return (
+        len(step.input_ids) == len(step.seq_lens)
+        and step.encoder is None
+        and not step.media_rows
+        and step.mrope_positions is None
+    )
+
+
 class ModelRunner:
     def __init__(self, cfg: ModelConfig, args: EngineArgs, tp: TensorParallel = SINGLE):
         self.cfg = cfg
@@ -208,6 +221,11 @@ class ModelRunner:
             )
         if self.device.type == "cpu":
             native.library()  # built (once per machine) or loaded now, not on the first request
+        replay = decode_graphs.graph_replay(self.device) if args.cuda_graphs else None
+        # Decode steps from captures (see decode_graphs): their padding rows write a null block,
+        # one past the pool's, which it never hands out.
+        capture = replay is not None and not cfg.encoder_only and self._graphs_apply()
+        self.decode_graphs: DecodeGraphs | None = None
         if cfg.encoder_only:  # sequences run whole, in one step: nothing is kept between steps
             self.num_blocks = 0
             self.kv_caches = []
@@ -216,8 +234,11 @@ class ModelRunner:
             # Rank 0's block ids address every rank's cache: all hold as many as the smallest.
             self.num_blocks = tp.min(blocks, self.device)
             self.kv_caches = [
-                (self._empty_cache(), self._empty_cache()) for _ in range(cfg.num_layers)
+                (self._empty_cache(capture), self._empty_cache(capture))
+                for _ in range(cfg.num_layers)
             ]
+        if capture:
+            self.decode_graphs = self._capture_decode_graphs(args, replay)
         # The other ranks, on rank 0 of a group (set by `ranks.start_runner`).
         self.ranks: RankProcesses | None = None
         # Image and audio embeddings by content hash, as the engine's EncoderCache says (a
@@ -276,10 +297,45 @@ class ModelRunner:
             budget = gib * 2**30 if gib is not None else cpu_kv_budget_bytes() / self.tp.size
         return max(1, int(budget // self.kv_bytes_per_block))
 
-    def _empty_cache(self) -> torch.Tensor:
-        shape = (self.num_blocks, self.block_size, self.num_kv_heads, self.cfg.head_dim)
+    def _empty_cache(self, null_block: bool) -> torch.Tensor:
+        rows = self.num_blocks + (1 if null_block else 0)
+        shape = (rows, self.block_size, self.num_kv_heads, self.cfg.head_dim)
         # Uninitialised on purpose: attention only reads slots that were written.
         return torch.empty(shape, dtype=self.dtype, device=self.device)
+
+    def _graphs_apply(self) -> bool:
+        """Whether decode steps can replay from captures: one rank (no collectives), the Triton
+        kernels (the torch ones read per-sequence host lists a capture would freeze), and a
+        text decoder whose forward reads nothing per step from the host (dynamic-NTK RoPE
+        indexes by each step's lengths; multimodal models take other inputs)."""
+        return (
+            self.tp.size == 1
+            and self.cfg.pooling is None
+            and self.cfg.architecture in GRAPH_ARCHITECTURES
+            and ops.kernels_for(torch.empty(0, device=self.device)) is not ops.TORCH
+            and not any(getattr(m, "rope_type", None) == "dynamic" for m in self.model.modules())
+        )
+
+    def _capture_decode_graphs(
+        self, args: EngineArgs, replay: decode_graphs.Replay
+    ) -> DecodeGraphs:
+        started = time.perf_counter()
+        longest = args.max_model_len or self.cfg.max_position_embeddings
+        graphs = DecodeGraphs(
+            lambda ids, positions, meta: self.model(ids, positions, self.kv_caches, meta),
+            replay,
+            max_num_seqs=args.max_num_seqs,
+            table_width=-(-longest // self.block_size),
+            block_size=self.block_size,
+            null_block=self.num_blocks,
+            device=self.device,
+        )
+        logger.info(
+            "captured decode steps of %s sequences in %.1f s",
+            ", ".join(map(str, graphs.sizes)),
+            time.perf_counter() - started,
+        )
+        return graphs
 
     def execute(
         self,
@@ -301,6 +357,11 @@ class ModelRunner:
         if self.cfg.encoder_only:
             return self._run_encoder(step)
         device = self.device
+        if self.decode_graphs is not None and _plain_decode(step):
+            hidden = self.decode_graphs.run(step.input_ids, step.seq_lens, step.block_tables)
+            if hidden is not None:
+                rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
+                return self.model.compute_logits(hidden[rows]).float()
         meta = prepare_attention(
             query_start_loc=torch.tensor(step.query_start_loc, device=device),
             seq_lens=torch.tensor(step.seq_lens, device=device),

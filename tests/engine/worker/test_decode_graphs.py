@@ -1,7 +1,7 @@
 """Decode steps from captures (engine/worker/decode_graphs.py) against the same steps run eagerly
 by the model runner: the same logits for batches padded to their bucket, contexts crossing block
 boundaries and a sliding window shorter than some of them, and padding rows that touch nothing
-but the null block.
+but the null block; and the engine, whose runner captures them, generating the eager tokens.
 
 On a GPU the captures are CUDA graphs; elsewhere they replay eagerly (EagerReplay), the Triton
 kernels running in Triton's interpreter, with what the kernels take from the host frozen at
@@ -14,7 +14,9 @@ import numpy as np
 import pytest
 import torch
 
+from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import EngineArgs, ModelConfig
+from pagedbatch.engine.worker import decode_graphs
 from pagedbatch.engine.worker.decode_graphs import (
     CudaGraphReplay,
     DecodeGraphs,
@@ -58,9 +60,10 @@ def runner_and_graphs(model_dir, device: str = DEVICE) -> tuple[ModelRunner, Dec
         block_size=BLOCK,
         num_kv_blocks=NUM_SEQS * WIDTH + 1,
         max_num_seqs=NUM_SEQS,
+        cuda_graphs=False,  # the test captures its own, below
     )
     runner = ModelRunner(ModelConfig.load(model_dir), args)
-    replay = CudaGraphReplay() if device == "cuda" else EagerReplay()
+    replay = CudaGraphReplay(runner.device) if device == "cuda" else EagerReplay()
     graphs = DecodeGraphs(
         lambda ids, positions, meta: runner.model(ids, positions, runner.kv_caches, meta),
         replay,
@@ -150,3 +153,33 @@ def test_steps_no_capture_holds_run_eagerly(make_checkpoint):
     assert graphs.run([1] * too_many, [1] * too_many, table(too_many, 1)) is None
     assert graphs.run([1], [1], table(1, WIDTH + 1)) is None
     assert graphs.replayed == 0
+
+
+def test_the_engine_decodes_through_its_captures(make_checkpoint, monkeypatch):
+    """Prompts that cross blocks, of several lengths, so that steps mix prefill chunks and pure
+    decodes and batches shrink as requests end (each size padded to its bucket), on a model
+    with a sliding window shorter than the longest."""
+    if DEVICE == "cpu":  # a GPU captures CUDA graphs of its own accord
+        monkeypatch.setattr(decode_graphs, "graph_replay", lambda device: EagerReplay())
+    model = make_checkpoint("mistral", sliding_window=7)
+    prompts = [[11, 502, 73, 9, 1200, 64, 31, 880, 7], [5, 17, 401], [88, 3000, 21, 4, 6, 7]]
+    params = [SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True) for n in (6, 3, 5)]
+
+    def generate(cuda_graphs: bool) -> tuple[list[list[int]], LLM]:
+        llm = LLM(
+            model,
+            device=DEVICE,
+            dtype="float32",
+            block_size=BLOCK,
+            num_kv_blocks=24,
+            max_num_seqs=4,
+            max_num_batched_tokens=8,
+            cuda_graphs=cuda_graphs,
+        )
+        return [out.token_ids for out in llm.generate(prompts, params)], llm
+
+    eager, llm = generate(cuda_graphs=False)
+    assert llm.engine.core.runner.decode_graphs is None
+    replayed, llm = generate(cuda_graphs=True)
+    assert replayed == eager
+    assert llm.engine.core.runner.decode_graphs.replayed > 0
