@@ -280,7 +280,13 @@ def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict
         "quantization": spec["quantization"],
     }
     t_load = time.time()
-    llm = LLM(model=spec["ours_model"], device=spec["device"], dtype=spec["dtype"], **engine_args)
+    llm = LLM(
+        model=spec["ours_model"],
+        device=spec["device"],
+        dtype=spec["dtype"],
+        cuda_graphs=spec["cuda_graphs"],
+        **engine_args,
+    )
     load_s = time.time() - t_load
 
     one_token = SamplingParams(temperature=0, max_tokens=1, ignore_eos=True)
@@ -551,6 +557,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "model": str(model_dir),
         "device": args.device,
         "dtype": args.dtype,
+        "cuda_graphs": not args.no_cuda_graphs,
         "requests": len(requests),
         "seed": args.seed,
         "prompt_len": [min(len(r.prompt) for r in requests), max(len(r.prompt) for r in requests)],
@@ -575,6 +582,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "model": str(model_dir),
         "device": args.device,
         "dtype": args.dtype,
+        "cuda_graphs": not args.no_cuda_graphs,
         "seed": args.seed,
         "requests": [asdict(r) for r in requests],
         "shape": asdict(shape),
@@ -750,6 +758,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="every engine's weights and activations, and the GEMM peak's",
     )
     p.add_argument("--size", help="size of the built checkpoint (default small; tiny with --quick)")
+    p.add_argument(
+        "--no-cuda-graphs", action="store_true", help="ours: every decode step runs eagerly"
+    )
     p.add_argument("--requests", type=int)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--min-prompt-len", type=int)

@@ -45,6 +45,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--lines", type=int, default=10)
     p.add_argument("--max-tokens", type=int, default=16)
     p.add_argument("--work", type=Path, required=True)
+    p.add_argument("--no-cuda-graphs", action="store_true", help="decode steps run eagerly")
     return p.parse_args()
 
 
@@ -109,6 +110,8 @@ def main() -> None:
     argv += ["--model", str(model), "--served-model-name", MODEL_NAME]
     argv += ["--device", args.device, "--dtype", args.dtype, "--kv-cache-memory-gib", "1"]
     argv += ["--data-dir", str(args.work / "data")]
+    if args.no_cuda_graphs:
+        argv.append("--no-cuda-graphs")
     started = time.perf_counter()
     server = start_process(argv, dict(os.environ), log)
     results: dict[str, Any] = {"device": args.device, "dtype": args.dtype}

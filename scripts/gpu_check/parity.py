@@ -49,6 +49,7 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--prompts", type=int, default=8)
     p.add_argument("--max-tokens", type=int, default=32)
     p.add_argument("--work", type=Path, required=True, help="where the checkpoints are built")
+    p.add_argument("--no-cuda-graphs", action="store_true", help="our decode steps run eagerly")
     return p.parse_args()
 
 
@@ -86,10 +87,17 @@ def common_prefix(a: list[int], b: list[int]) -> int:
     return n
 
 
-def ours(model_dir: Path, dtype: str, device: str, prompts: list[list[int]], n: int) -> list:
+def ours(model_dir: Path, dtype: str, args: argparse.Namespace, prompts: list[list[int]]) -> list:
     # A KV cache of its own size: by default a CUDA engine takes most of the free memory, and
     # transformers' copy of the model comes next.
-    llm = LLM(model_dir, device=device, dtype=dtype, kv_cache_memory_gib=0.25)
+    llm = LLM(
+        model_dir,
+        device=args.device,
+        dtype=dtype,
+        kv_cache_memory_gib=0.25,
+        cuda_graphs=not args.no_cuda_graphs,
+    )
+    n = args.max_tokens
     greedy = SamplingParams(temperature=0.0, max_tokens=n, ignore_eos=True)
     outputs = [list(out.token_ids) for out in llm.generate(prompts, greedy)]
     llm.shutdown()
@@ -99,7 +107,7 @@ def ours(model_dir: Path, dtype: str, device: str, prompts: list[list[int]], n: 
 def check(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, Any]:
     started = time.perf_counter()
     prompts = random_prompts(args.prompts, 4, 40)
-    our_tokens = ours(model_dir, dtype, args.device, prompts, args.max_tokens)
+    our_tokens = ours(model_dir, dtype, args, prompts)
     model = hf_model(model_dir, DTYPES[dtype], args.device)
     theirs = [hf_greedy(model, prompt, args.max_tokens) for prompt in prompts]
     pairs = list(zip(our_tokens, theirs, strict=True))
@@ -132,7 +140,11 @@ def check(model_dir: Path, dtype: str, args: argparse.Namespace) -> dict[str, An
 
 def main() -> None:
     args = parse_args()
-    results: dict[str, Any] = {"device": args.device, "size": args.size}
+    results: dict[str, Any] = {
+        "device": args.device,
+        "size": args.size,
+        "cuda_graphs": not args.no_cuda_graphs,
+    }
     for arch in args.archs.split(","):
         model_dir = make_model(args.work / f"{arch}-{args.size}", arch=arch, size=args.size)
         for dtype in args.dtypes.split(","):
