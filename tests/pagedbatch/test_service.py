@@ -30,6 +30,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "matmul_precision": "highest",
         "quantization": "none",
         "device": "cpu",
+        "cuda_graphs": False,
         "max_model_len": 512,
         "max_num_seqs": 4,
         "max_num_batched_tokens": 256,
