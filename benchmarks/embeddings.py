@@ -287,7 +287,7 @@ def worker_vllm(spec: dict[str, Any], spawn_time: float, dtype: str = "float32")
     def embed(sentences: list[str]) -> list[list[float]]:
         return [out.outputs.embedding for out in llm.embed(sentences, use_tqdm=False)]
 
-    name = "vllm" if dtype == "float32" else f"vllm_{dtype}"
+    name = "vllm" if dtype == "float32" else "vllm_bf16"
     figures = timed_embed(spec, name, spawn_time, load_s, t_load - t_import, embed)
     env = {name: value for name, value in os.environ.items() if name.startswith("VLLM_CPU_")}
     return {**figures, "engine_args": engine_args, "env": env}
