@@ -79,6 +79,8 @@ class Bfloat16Weight:
         self.weight = weight.detach().to(torch.bfloat16)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        if x.dtype == torch.bfloat16:  # an activation that goes to a matmul only, kept so
+            return F.linear(x, self.weight, None if bias is None else bias.to(x.dtype))
         out = F.linear(x.to(torch.bfloat16), self.weight).float()
         return out if bias is None else out.add_(bias)
 
@@ -169,6 +171,12 @@ class ColumnParallelLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return _linear(x, self.weight, self.packed, self.bias)
+
+    @property
+    def input_dtype(self) -> torch.dtype:
+        """The dtype its matmul takes its input in: given in it, the output comes back in it
+        too, which suits an activation that only feeds another matmul (an MLP's hidden one)."""
+        return torch.bfloat16 if isinstance(self.packed, Bfloat16Weight) else self.weight.dtype
 
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         index = shard or 0

@@ -69,10 +69,23 @@ def test_a_bfloat16_weight_gives_the_products_of_its_rounded_inputs(rows):
     assert (got.double() - exact).abs().max() > 1e-5  # not float32's products
 
 
+def test_a_bfloat16_input_stays_bfloat16_for_the_next_matmul():
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(384, 128, generator=generator) / 12
+    bias = torch.randn(384, generator=generator)
+    x = torch.randn(5, 128, generator=generator)
+    packed = Bfloat16Weight(weight)
+    got = packed(x.bfloat16(), bias)
+    assert got.dtype == torch.bfloat16
+    # The same products as from float32 input, the bias added before the one rounding.
+    torch.testing.assert_close(got.float(), packed(x, bias), rtol=2**-7, atol=1e-2)
+
+
 def test_a_bfloat16_model_holds_each_linears_weight_once_in_bfloat16(make_checkpoint):
     model = LLM(make_checkpoint("bert"), matmul_precision="bfloat16").engine.runner.model
     linears = [m for m in model.modules() if isinstance(m, LINEARS)]
     assert linears and all(isinstance(m.packed, Bfloat16Weight) for m in linears)
+    assert all(m.input_dtype == torch.bfloat16 for m in linears if hasattr(m, "input_dtype"))
     assert all(m.packed.weight.dtype == torch.bfloat16 and m.weight.numel() == 0 for m in linears)
 
 
