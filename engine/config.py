@@ -95,8 +95,9 @@ class EngineArgs:
     )
     quantization: str = arg(
         "none",
-        doc="a GGUF model's linear layers: gguf keeps the file's Q4_0, Q4_1 and Q8_0 weights in "
-        "their blocks and multiplies on them (CPU, float32, one rank; a fifth of the memory; "
+        doc="a GGUF model's linear layers: gguf keeps the file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, "
+        "Q5_K and Q6_K weights in their blocks and multiplies on them (CPU, float32, one rank; "
+        "a fifth of the memory; "
         "none's arithmetic in another order, so outputs match none's but for rare near-ties; "
         "other formats are dequantized); none dequantizes every weight to the model's dtype "
         "at load",

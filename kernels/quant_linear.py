@@ -3,9 +3,10 @@ objects a model holds such weights in (`QuantizedTensor` as loaded, `QuantizedWe
 
 Two paths, chosen by how many rows x has:
 - a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernel `quant_matmul_float`,
-  which streams the blocks once, expanding them in registers; or, with `int8=True`,
-  `quant_matmul_int8`, which quantizes x per block to int8 and multiplies integers, as llama.cpp
-  does (faster where the weights sit in cache, less exact: see quant_matmul.c);
+  which streams the blocks once, expanding them in registers; or, with `int8=True` and a format
+  of `INT8_FORMATS`, `quant_matmul_int8`, which quantizes x per block to int8 and multiplies
+  integers, as llama.cpp does (faster where the weights sit in cache, less exact: see
+  quant_matmul.c);
 - more (prefill): tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
   multiplied by torch's float32 GEMM; one tile is in memory at a time.
 
@@ -29,6 +30,8 @@ from pagedbatch.kernels import native
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
+# The formats quant_matmul_int8 reads; the others take float activations whatever is asked.
+INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0})
 # Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
 # amortises the dequantization over them.
 SMALL_BATCH = 8
@@ -54,7 +57,7 @@ def quant_matmul(
     x2 = x.reshape(-1, cols).contiguous()
     lib = native.library()
     if lib is not None and x2.shape[0] <= SMALL_BATCH:
-        out = _small_batch(lib, x2, blocks, fmt, cols, int8)
+        out = _small_batch(lib, x2, blocks, fmt, cols, int8 and fmt in INT8_FORMATS)
     else:
         out = _tiles(lib, x2, blocks, fmt, cols)
     return out.reshape(*lead, blocks.shape[0])

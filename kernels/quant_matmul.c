@@ -1,5 +1,5 @@
-/* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q8_0; layouts in
- * quant_blocks.py), float32 activations and outputs.
+/* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K;
+ * layouts in quant_blocks.py), float32 activations and outputs.
  *
  * quant_matmul_float and quant_matmul_int8: out[n, rows] = x[n, cols] @ dequantized(w).T for a
  * few rows of x (a decode step's sequences). The weights are read once a call, row by row, each
@@ -13,6 +13,9 @@
  *   m * xd * sum(xq) for Q4_1's minimum, minus 8 * d * xd * sum(xq) for Q4_0's offset. A third
  *   fewer instructions, but a block with an outlier (real hidden states have them) rounds its
  *   other activations coarsely: SmolLM2's greedy answers then part from exact mode's.
+ * The blocks of 32 that SmolLM2 and llama.cpp's Q4/Q8 files use (Q4_0, Q4_1, Q8_0) have code of
+ * their own on both paths; the others (Q5_0 and the K formats of Gemma's Q4_K_M file) take the
+ * float path only, each row dequantized into a buffer in L1 and then multiplied.
  *
  * quant_dequantize: the float32 weights of some rows, for the many-row path (prefill), which
  * multiplies tiles of them with a float32 GEMM.
@@ -30,17 +33,28 @@
 #define QUANT_AVX2 1
 #endif
 
-enum { BLOCK = 32, Q4_0 = 2, Q4_1 = 3, Q8_0 = 8 };
+enum { BLOCK = 32, SUPER_BLOCK = 256 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
 
 /* Bytes a block of each format takes; 0 for a type this file does not read. */
 static int64_t block_bytes(int type) {
     switch (type) {
     case Q4_0: return 18;
     case Q4_1: return 20;
+    case Q5_0: return 22;
     case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
     default: return 0;
     }
 }
+
+/* Weights a block of a format this file reads holds. */
+static int64_t block_size(int type) { return type >= Q4_K ? SUPER_BLOCK : BLOCK; }
+
+/* The formats with code of their own on the streaming paths (see the top of the file). */
+static int streamed(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
 /* The little-endian IEEE half at p, as a float (exact: every half is a float). */
 static inline float half_at(const uint8_t *p) {
@@ -169,6 +183,124 @@ int quant_kernel_isa(void) {
 #endif
 }
 
+/* Q4_K's and Q5_K's six-bit scale and minimum of sub-block j, packed in 12 bytes. */
+static inline void k_scale(const uint8_t *scales, int j, float *sc, float *mn) {
+    if (j < 4) {
+        *sc = (float)(scales[j] & 63);
+        *mn = (float)(scales[j + 4] & 63);
+    } else {
+        *sc = (float)((scales[j + 4] & 0x0F) | ((scales[j - 4] >> 6) << 4));
+        *mn = (float)((scales[j + 4] >> 4) | ((scales[j] >> 6) << 4));
+    }
+}
+
+/* The float32 weights of one stored block. Each is its exact value rounded once (see
+ * quant_blocks.dequantize): the scales' products are exact in float32, and a fused or separate
+ * multiply-add rounds once. */
+static void dequantize_block(int type, const uint8_t *block, float *o) {
+    const float d = half_at(type == Q6_K ? block + 208 : block);
+    switch (type) {
+    case Q8_0:
+        for (int i = 0; i < BLOCK; ++i) o[i] = d * (float)((const int8_t *)(block + 2))[i];
+        return;
+    case Q4_0:
+    case Q4_1: {
+        const float m = type == Q4_1 ? half_at(block + 2) : -8.0f * d;
+        const uint8_t *qs = block + (type == Q4_1 ? 4 : 2);
+        for (int i = 0; i < BLOCK / 2; ++i) {
+            o[i] = d * (float)(qs[i] & 0x0F) + m;
+            o[i + 16] = d * (float)(qs[i] >> 4) + m;
+        }
+        return;
+    }
+    case Q5_0: {
+        const uint32_t qh = (uint32_t)block[2] | (uint32_t)block[3] << 8 |
+                            (uint32_t)block[4] << 16 | (uint32_t)block[5] << 24;
+        const uint8_t *qs = block + 6;
+        for (int i = 0; i < BLOCK / 2; ++i) {
+            o[i] = d * (float)((int)((qs[i] & 0x0F) | ((qh >> i) & 1) << 4) - 16);
+            o[i + 16] = d * (float)((int)((qs[i] >> 4) | ((qh >> (i + 16)) & 1) << 4) - 16);
+        }
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float dmin = half_at(block + 2);
+        const uint8_t *qh = block + 16, *qs = block + (type == Q5_K ? 48 : 16);
+        for (int j = 0; j < 8; ++j, o += 32) {
+            float sc, mn;
+            k_scale(block + 4, j, &sc, &mn);
+            const float scale = d * sc, low = dmin * mn;
+            const uint8_t *run = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; ++l) {
+                int q = j % 2 ? run[l] >> 4 : run[l] & 0x0F;
+                if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+                o[l] = scale * (float)q - low;
+            }
+        }
+        return;
+    }
+    default: { /* Q6_K */
+        const uint8_t *ql = block, *qh = block + 128;
+        const int8_t *scales = (const int8_t *)(block + 192);
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, scales += 8, o += 128)
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < 32; ++l) {
+                    const uint8_t bits = ql[l + 32 * (k % 2)];
+                    const int low = k < 2 ? bits & 0x0F : bits >> 4;
+                    const int q = (low | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
+                    o[32 * k + l] = d * (float)scales[(32 * k + l) / 16] * (float)q;
+                }
+    }
+    }
+}
+
+static void dequantize_row(int type, const uint8_t *row, int64_t cols, float *out) {
+    const int64_t size = block_size(type), stride = block_bytes(type);
+    for (int64_t c = 0; c < cols; c += size, row += stride) dequantize_block(type, row, out + c);
+}
+
+/* The dot product of two float rows of a multiple of 32. */
+static float dot_floats(const float *a, const float *b, int64_t n) {
+#ifdef QUANT_AVX2
+    __m256 acc0 = _mm256_setzero_ps(), acc1 = _mm256_setzero_ps();
+    for (int64_t i = 0; i < n; i += 16) {
+        acc0 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc0);
+        acc1 = _mm256_fmadd_ps(_mm256_loadu_ps(a + i + 8), _mm256_loadu_ps(b + i + 8), acc1);
+    }
+    return horizontal_sum(_mm256_add_ps(acc0, acc1));
+#else
+    float s = 0.0f;
+    for (int64_t i = 0; i < n; ++i) s += a[i] * b[i];
+    return s;
+#endif
+}
+
+/* The float path for formats without code of their own: each row dequantized into a buffer of
+ * the thread's, then multiplied with every row of x. */
+static int dequantized_rows_times(int type, const uint8_t *w, int64_t rows, int64_t cols,
+                                  const float *x, int64_t n, int num_threads, float *out) {
+    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
+    const int parallel = rows * cols * n >= (1 << 16);
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads) if (parallel)
+    {
+        float *buffer = malloc(sizeof *buffer * (size_t)cols);
+        if (!buffer) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#pragma omp for schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            if (!buffer) continue;
+            dequantize_row(type, w + r * row_bytes, cols, buffer);
+            for (int64_t i = 0; i < n; ++i) out[i * rows + r] = dot_floats(buffer, x + i * cols, cols);
+        }
+        free(buffer);
+    }
+    return failed ? -2 : 0;
+}
+
 /* Per block of 32 activations, their sum: Q4_0's offset and Q4_1's minimum multiply it. */
 static void block_sums(const float *x, int64_t blocks, float *sum) {
     for (int64_t b = 0; b < blocks; ++b, x += BLOCK) {
@@ -243,8 +375,10 @@ static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const f
  * Returns as quant_matmul_int8 does. */
 int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                        int64_t n, int num_threads, float *out) {
-    const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
-    if (stride == 0 || cols % BLOCK != 0) return -1;
+    const int64_t stride = block_bytes(type);
+    if (stride == 0 || cols % block_size(type) != 0) return -1;
+    if (!streamed(type)) return dequantized_rows_times(type, w, rows, cols, x, n, num_threads, out);
+    const int64_t blocks = cols / BLOCK;
     float *xsum = malloc(sizeof *xsum * (size_t)(n * blocks) + 1);
     if (!xsum) return -2;
     for (int64_t i = 0; i < n; ++i) block_sums(x + i * cols, blocks, xsum + i * blocks);
@@ -263,9 +397,9 @@ int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, c
  * for a type it does not read or cols not a multiple of 32 (nothing written), -2 where the
  * activations' scratch cannot be allocated. */
 int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
-                 int64_t n, int num_threads, float *out) {
+                      int64_t n, int num_threads, float *out) {
     const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
-    if (stride == 0 || cols % BLOCK != 0) return -1;
+    if (!streamed(type) || cols % BLOCK != 0) return -1;
     int8_t *xq = malloc((size_t)(n * cols) + 1);
     float *xd = malloc(sizeof *xd * (size_t)(n * blocks) + 1);
     int32_t *xs = malloc(sizeof *xs * (size_t)(n * blocks) + 1);
@@ -291,27 +425,11 @@ int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, co
 /* out[rows, cols] = the weights of `rows` stored rows, in float32. Returns 0, or -1 as above. */
 int quant_dequantize(int type, const uint8_t *w, int64_t rows, int64_t cols, int num_threads,
                      float *out) {
-    const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
-    if (stride == 0 || cols % BLOCK != 0) return -1;
+    const int64_t stride = block_bytes(type);
+    if (stride == 0 || cols % block_size(type) != 0) return -1;
+    const int64_t row_bytes = cols / block_size(type) * stride;
     const int parallel = rows * cols >= (1 << 16);
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        const uint8_t *block = w + r * blocks * stride;
-        float *o = out + r * cols;
-        for (int64_t b = 0; b < blocks; ++b, block += stride, o += BLOCK) {
-            const float d = half_at(block);
-            if (type == Q8_0) {
-                const int8_t *q = (const int8_t *)(block + 2);
-                for (int i = 0; i < BLOCK; ++i) o[i] = d * (float)q[i];
-                continue;
-            }
-            const float m = type == Q4_1 ? half_at(block + 2) : -8.0f * d;
-            const uint8_t *qs = block + (type == Q4_1 ? 4 : 2);
-            for (int i = 0; i < BLOCK / 2; ++i) {
-                o[i] = d * (float)(qs[i] & 0x0F) + m;
-                o[i + 16] = d * (float)(qs[i] >> 4) + m;
-            }
-        }
-    }
+    for (int64_t r = 0; r < rows; ++r) dequantize_row(type, w + r * row_bytes, cols, out + r * cols);
     return 0;
 }

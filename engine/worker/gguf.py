@@ -15,9 +15,10 @@ Llama's q/k rows for its rotary layout and stores Gemma's norms as 1 + weight), 
 into the same models as its safetensors original.
 
 With `keep_quantized` (quantization gguf), a 2-D tensor in a format the quantized kernels read
-(`quant_blocks.Format`) comes as a `QuantizedTensor`: its blocks, copied out of the file, with
-rows in transformers' order. Rearranging blocks is possible only where the processor merely
-reorders rows; a tensor it changes otherwise comes dequantized, as without the option.
+(`quant_blocks.Format`: Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K) comes as a `QuantizedTensor`:
+its blocks, copied out of the file, with rows in transformers' order. Rearranging blocks is
+possible only where the processor merely reorders rows; a tensor it changes otherwise comes
+dequantized, as without the option.
 """
 
 from __future__ import annotations
@@ -37,7 +38,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from pagedbatch.kernels.quant_blocks import BLOCK, Format
+from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import QuantizedTensor
 
 logger = logging.getLogger(__name__)
@@ -238,9 +239,8 @@ def iterate_weights(
         order = _row_order(processor, entry) if fmt is not None else None
         if fmt is not None and order is not None:
             blocks = torch.from_numpy(np.ascontiguousarray(stored[order]))
-            cols = entry.shape[1] // fmt.block_bytes * BLOCK
             kept += 1
-            yield entry.hf_name, QuantizedTensor(blocks, fmt, cols)
+            yield entry.hf_name, QuantizedTensor(blocks, fmt, fmt.cols(entry.shape[1]))
             continue
         weights = dequantize(stored, GGMLQuantizationType(entry.ggml_type))
         weights = processor.process(weights=weights, name=entry.gguf_name).weights

@@ -26,8 +26,17 @@ needs_compiler = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
 )
 
-# SmolLM2-135M's linears (hidden 576, intermediate 1536) and odd sizes: a lone block, tails.
-SHAPES = [(1, 576), (3, 576), (17, 1536), (300, 576), (1536, 576), (576, 1536), (5, 32), (7, 96)]
+INT8 = sorted(quant_linear.INT8_FORMATS, key=lambda f: f.ggml_type)
+# SmolLM2-135M's linears (hidden 576, intermediate 1536), Gemma 3 270M's K-format ones (640 rows
+# of 1024 and 2048), odd sizes: a lone block, tails.
+ROW_SHAPES = {
+    32: [(1, 576), (3, 576), (17, 1536), (300, 576), (1536, 576), (576, 1536), (5, 32), (7, 96)],
+    256: [(1, 256), (3, 1024), (17, 2048), (640, 1024), (640, 2048), (5, 512)],
+}
+
+
+def with_shapes(formats: list[Format]) -> list[tuple[Format, int, int]]:
+    return [(f, rows, cols) for f in formats for rows, cols in ROW_SHAPES[f.size]]
 
 
 def rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
@@ -84,8 +93,7 @@ def with_outliers(n: int, cols: int) -> torch.Tensor:
     return x
 
 
-@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
-@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize(("fmt", "rows", "cols"), with_shapes(INT8), ids=str)
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_int8_path_within_the_activation_bound(lib, fmt, rows, cols, n):
     blocks = random_blocks(fmt, rows, cols, seed=rows + n)
@@ -96,8 +104,7 @@ def test_int8_path_within_the_activation_bound(lib, fmt, rows, cols, n):
     assert (out.double() - exact).abs().le(activation_bound(x, weights)).all()
 
 
-@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
-@pytest.mark.parametrize("rows, cols", SHAPES)
+@pytest.mark.parametrize(("fmt", "rows", "cols"), with_shapes(list(Format)), ids=str)
 @pytest.mark.parametrize("n", [1, 3, 8])
 def test_float_path_within_float32_rounding(lib, fmt, rows, cols, n):
     blocks = random_blocks(fmt, rows, cols, seed=rows + n)
@@ -107,7 +114,7 @@ def test_float_path_within_float32_rounding(lib, fmt, rows, cols, n):
     assert (out.double() - x.double() @ weights.T).abs().le(rounding_bound(x, weights)).all()
 
 
-@pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
+@pytest.mark.parametrize("fmt", INT8, ids=lambda f: f.name)
 def test_int8_path_sums_exactly_what_it_quantized(lib, fmt):
     """With activations the int8 grid holds exactly (each block's amax 127, integers), the int8
     path's only error is float32 rounding: the integer sums themselves are exact."""
@@ -134,14 +141,14 @@ def test_the_vocabulary_projection(lib, int8):
 
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
 def test_dequantize_kernel_is_exact(lib, fmt):
-    rows, cols = 300, 1536
+    rows, cols = 300, 2048
     blocks = random_blocks(fmt, rows, cols, seed=3)
     out = torch.empty(rows, cols)
     stored = torch.from_numpy(blocks)
     assert (
         lib.quant_dequantize(fmt.ggml_type, stored.data_ptr(), rows, cols, 2, out.data_ptr()) == 0
     )
-    # d * q (+ m) rounded once to float32 (Q4_0's d * (q - 8) and Q8_0's d * q are exact).
+    # Each weight's exact value rounded once to float32 (see quant_matmul.c's dequantize_block).
     torch.testing.assert_close(out.double(), dequantize(blocks, fmt), rtol=2**-24, atol=0)
 
 
@@ -149,9 +156,12 @@ def test_what_the_kernels_do_not_read_is_refused(lib):
     out, x = torch.empty(4), torch.zeros(40)
     blocks = torch.zeros(2, 100, dtype=torch.uint8)
     for kernel in (lib.quant_matmul_int8, lib.quant_matmul_float):
-        assert kernel(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
+        assert kernel(10, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
         assert kernel(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 1, out.data_ptr()) == -1
-    assert lib.quant_dequantize(14, blocks.data_ptr(), 2, 32, 1, out.data_ptr()) == -1
+        assert kernel(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
+    q4_k = Format.Q4_K.ggml_type  # the int8 path reads the blocks of 32 only
+    assert lib.quant_matmul_int8(q4_k, blocks.data_ptr(), 1, 256, x.data_ptr(), 1, 1, 0) == -1
+    assert lib.quant_dequantize(10, blocks.data_ptr(), 2, 256, 1, out.data_ptr()) == -1
 
 
 @needs_compiler
@@ -172,15 +182,15 @@ def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
     """Through `quant_matmul` as the model calls it: leading dimensions kept, a streaming path for
     a few rows, tiles beyond (here 3 tiles of 128 rows and a ragged one), and torch's dequantizer
     where the C kernels are off."""
-    monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 576)
-    rows, cols = 400, 576
+    monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 1024)
+    rows, cols = 400, 1024
     blocks = random_blocks(fmt, rows, cols, seed=n)
     x = torch.randn(n, 1, cols, generator=torch.Generator().manual_seed(n))
     weights = dequantize(blocks, fmt)
     out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols, int8)
     assert out.shape == (n, 1, rows) and out.dtype == torch.float32
     error = (out.reshape(n, rows).double() - x.reshape(n, cols).double() @ weights.T).abs()
-    int8_path = int8 and n <= quant_linear.SMALL_BATCH and native.library() is not None
+    int8_path = int8 and fmt in INT8 and n <= quant_linear.SMALL_BATCH and native.library()
     bound = activation_bound if int8_path else rounding_bound
     assert error.le(bound(x.reshape(n, cols), weights)).all()
 
@@ -198,10 +208,10 @@ def test_models_take_float_activations_unless_the_setting_says_int8(monkeypatch)
 @pytest.mark.usefixtures("native_path")
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
 def test_an_embedding_lookup_dequantizes_just_its_rows(fmt):
-    blocks = random_blocks(fmt, 50, 96, seed=4)
-    table = quant_linear.QuantizedTensor(torch.from_numpy(blocks), fmt, 96)
+    blocks = random_blocks(fmt, 50, 256, seed=4)
+    table = quant_linear.QuantizedTensor(torch.from_numpy(blocks), fmt, 256)
     ids = torch.tensor([[3, 49, 3], [0, 7, 12]])
     rows = table.take_rows(ids)
-    assert rows.shape == (2, 3, 96) and rows.dtype == torch.float32
+    assert rows.shape == (2, 3, 256) and rows.dtype == torch.float32
     expected = dequantize(blocks, fmt)[ids]
     torch.testing.assert_close(rows.double(), expected, rtol=2**-24, atol=0)

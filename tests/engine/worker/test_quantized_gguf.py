@@ -139,3 +139,21 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
         agreeing += next((i for i, (a, b) in enumerate(pairs) if a != b), len(pairs))
         total += len(exact.token_ids)
     assert agreeing >= 0.9 * total, (answers["none"], quantized_text)
+
+
+@pytest.mark.real_model
+def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_model):
+    """Gemma 3 270M's Q4_K_M file: Q5_0 (its 640-wide rows), Q4_K, Q6_K and Q8_0 tensors. A
+    fused q/k/v whose parts differ in format (v in Q8_0) is dequantized, as exact mode does."""
+    path = real_model("gemma-3-270m")
+    prompts = ["The capital of France is", "Two plus two equals"]
+    answers = {}
+    for mode in ("none", "gguf"):
+        llm = LLM(path, num_kv_blocks=64, quantization=mode)
+        outputs = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=16))
+        answers[mode] = [list(o.outputs[0].token_ids) for o in outputs]
+    model = llm.engine.runner.model
+    packed = [getattr(m, "packed", None) for m in model.modules()]
+    formats = {p.fmt for p in packed if isinstance(p, QuantizedWeight)}
+    assert {Format.Q5_0, Format.Q4_K, Format.Q6_K, Format.Q8_0} <= formats
+    assert answers["gguf"] == answers["none"]  # all 32 tokens on the machine that wrote this
