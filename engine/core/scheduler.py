@@ -55,7 +55,7 @@ from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
 
 # Unless a target is set, a step holding realtime work may cost this many times a step of the
 # realtime decodes alone: their inter-token latency then stays within about this much of idle.
-IDLE_STEP_MULTIPLE = 1.75
+IDLE_STEP_MULTIPLE = 2.0
 # Steps stay sized for realtime requests for this many steps after the last one leaves.
 LINGER_STEPS = 20
 # The kinds of step the step cost model keeps a bias for (StepCostModel.bias): steps sized for
