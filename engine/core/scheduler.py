@@ -20,9 +20,10 @@ Invariants of such a step:
   beside realtime decodes is cut to the budget, to no less than a block, so that one long
   prompt does not stall the other streams;
 - the batch's running sequences keep their KV blocks and take turns, round robin in arrival
-  order from where the last step stopped: with R of them and at least k batch tokens a step,
-  each runs at least once every ceil(R / k) steps (R steps at worst, at k = 1), and none is
-  preempted for it.
+  order from where the last step stopped, and none is preempted for it: with R of them and at
+  least k of them run in each step that runs batch work (k >= 1), each runs at least once every
+  N = 2 * ceil(R / k) steps (a realtime prefill's step of its own, never two in a row, may come
+  between); 2R steps at worst.
 The steps stay short for `LINGER_STEPS` steps after the last realtime request leaves: a
 client's next request usually follows soon, and a full batch step begun just before it arrives
 would hold its first token up by up to a whole step. With no realtime request present or
