@@ -113,6 +113,10 @@ def _check(status: int, fmt: Format) -> None:
         raise ValueError(f"the C kernels do not read {fmt.name} rows of this width")
 
 
+def _concat(blocks: list[torch.Tensor]) -> torch.Tensor:
+    return torch.cat(blocks) if len(blocks) > 1 else blocks[0]
+
+
 @dataclass(frozen=True)
 class QuantizedTensor:
     """A weight `[rows, cols]` as its stored blocks (uint8 `[rows, fmt.row_bytes(cols)]`): what
@@ -145,27 +149,44 @@ class QuantizedTensor:
 class QuantizedWeight:
     """A linear's weight kept in its blocks: `weight(x, bias)` is x @ W.T + bias by
     `quant_matmul`, for float32 x on the CPU, on the activations `int8_activations()` said when
-    it was made. Built from the linear's parts in order (q, k and v of a fused projection),
-    which share one format and width (see `join`)."""
+    it was made. Built from the linear's parts in order (q, k and v of a fused projection, all
+    of one width): consecutive parts of one format share one array of blocks, a run; a weight of
+    several runs (Gemma 3's q and k in Q5_0, v in Q8_0) multiplies each and concatenates the
+    outputs."""
 
-    def __init__(self, blocks: torch.Tensor, fmt: Format, cols: int):
-        self.blocks, self.fmt, self.cols = blocks.contiguous(), fmt, cols
+    def __init__(self, runs: list[tuple[torch.Tensor, Format]], cols: int):
+        self.runs = [(blocks.contiguous(), fmt) for blocks, fmt in runs]
+        self.cols = cols
         self.int8 = int8_activations()
 
     @classmethod
     def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
-        """The parts' rows one after the other; None where their formats or widths differ
-        (a file may store q and v of one layer in different formats)."""
-        first = parts[0]
-        if any(p.fmt is not first.fmt or p.cols != first.cols for p in parts):
+        """The parts' rows one after the other; None where their widths differ."""
+        if any(p.cols != parts[0].cols for p in parts):
             return None
-        blocks = torch.cat([p.blocks for p in parts]) if len(parts) > 1 else first.blocks
-        return cls(blocks, first.fmt, first.cols)
+        runs: list[list[QuantizedTensor]] = []
+        for part in parts:
+            if runs and runs[-1][0].fmt is part.fmt:
+                runs[-1].append(part)
+            else:
+                runs.append([part])
+        # A lone part's blocks are shared, not copied: a tied LM head's are the embedding's.
+        joined = [(_concat([p.blocks for p in run]), run[0].fmt) for run in runs]
+        return cls(joined, parts[0].cols)
+
+    @property
+    def formats(self) -> tuple[Format, ...]:
+        return tuple(fmt for _, fmt in self.runs)
+
+    @property
+    def rows(self) -> int:
+        return sum(blocks.shape[0] for blocks, _ in self.runs)
 
     @property
     def nbytes(self) -> int:
-        return self.blocks.numel()
+        return sum(blocks.numel() for blocks, _ in self.runs)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        out = quant_matmul(x, self.blocks, self.fmt, self.cols, self.int8)
+        outs = [quant_matmul(x, b, fmt, self.cols, self.int8) for b, fmt in self.runs]
+        out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out.add_(bias)

@@ -115,11 +115,11 @@ def _repack(model: nn.Module, pack: Callable[[torch.Tensor], PackedWeight | None
 
 
 def quantize_linears(model: nn.Module) -> tuple[int, int]:
-    """Each linear whose checkpoint tensors all came as blocks of one format computes on them
-    (`QuantizedWeight`) and its float weight is emptied; one whose parts came otherwise has
-    them dequantized into its weight. The LM head takes its own blocks, or a tied embedding's
-    (an embedding looks its rows up in its blocks already). Returns how many linears are
-    quantized and the bytes their blocks hold."""
+    """Each linear whose checkpoint tensors all came as blocks computes on them
+    (`QuantizedWeight`, a run of blocks per format) and its float weight is emptied; one with a
+    part that did not has the others dequantized into its weight beside it. The LM head takes
+    its own blocks, or a tied embedding's (an embedding looks its rows up in its blocks
+    already). Returns how many linears are quantized and the bytes their blocks hold."""
     embeddings = [
         m
         for m in model.modules()

@@ -197,12 +197,12 @@ def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
 
 def test_models_take_float_activations_unless_the_setting_says_int8(monkeypatch):
     blocks = torch.from_numpy(random_blocks(Format.Q8_0, 4, 32))
-    assert not quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32).int8
+    assert not quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int8")
-    assert quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32).int8
+    assert quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int4")
     with pytest.raises(ValueError, match="float32 or int8"):
-        quant_linear.QuantizedWeight(blocks, Format.Q8_0, 32)
+        quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32)
 
 
 @pytest.mark.usefixtures("native_path")

@@ -31,26 +31,34 @@ def quantized(weights: np.ndarray, fmt: Format) -> QuantizedTensor:
     return QuantizedTensor(torch.from_numpy(blocks), fmt, weights.shape[1])
 
 
-def test_a_fused_linear_keeps_its_parts_blocks_only_in_one_format():
+def test_a_fused_linear_keeps_its_parts_blocks_in_runs_of_one_format():
     rng = np.random.default_rng(0)
-    q, k = rng.standard_normal((64, 96)), rng.standard_normal((32, 96))
+    q, k, v = (rng.standard_normal((rows, 96)) for rows in (64, 32, 32))
     x = torch.randn(2, 96)
-    same = ColumnParallelLinear(96, [64, 32], bias=False, what="test")
-    same.weight_loader(same.weight, quantized(q, Format.Q8_0), 0)
-    same.weight_loader(same.weight, quantized(k, Format.Q8_0), 1)
-    mixed = ColumnParallelLinear(96, [64, 32], bias=False, what="test")
-    mixed.weight_loader(mixed.weight, quantized(q, Format.Q8_0), 0)
-    mixed.weight_loader(mixed.weight, quantized(k, Format.Q4_1), 1)
-    model = torch.nn.ModuleList([same, mixed])
-    assert quantize_linears(model) == (1, 96 * 3 * Format.Q8_0.block_bytes)
-    assert isinstance(same.packed, QuantizedWeight) and same.weight.numel() == 0
-    # The mixed one holds its parts dequantized, as exact mode would have loaded them.
-    assert mixed.packed is None
-    expected = torch.cat([quantized(q, Format.Q8_0)[:], quantized(k, Format.Q4_1)[:]])
-    torch.testing.assert_close(mixed.weight.data, expected, rtol=0, atol=0)
-    weights = torch.cat([quantized(q, Format.Q8_0)[:], quantized(k, Format.Q8_0)[:]])
-    # Within the int8 activations' error (tests/kernels/test_quant_matmul.py bounds it exactly).
-    assert ((same(x) - x @ weights.T).abs() <= 0.01 * (x.abs() @ weights.abs().T)).all()
+
+    def fused(*parts: QuantizedTensor | torch.Tensor) -> ColumnParallelLinear:
+        linear = ColumnParallelLinear(96, [64, 32, 32], bias=False, what="test")
+        for index, part in enumerate(parts):
+            linear.weight_loader(linear.weight, part, index)
+        return linear
+
+    parts = [quantized(q, Format.Q4_1), quantized(k, Format.Q4_1), quantized(v, Format.Q8_0)]
+    mixed = fused(*parts)
+    one = fused(*(quantized(w, Format.Q8_0) for w in (q, k, v)))
+    partly = fused(parts[0], parts[1], torch.from_numpy(v).float())
+    model = torch.nn.ModuleList([mixed, one, partly])
+    q8_bytes = 128 * 3 * Format.Q8_0.block_bytes
+    mixed_bytes = 96 * 3 * Format.Q4_1.block_bytes + 32 * 3 * Format.Q8_0.block_bytes
+    assert quantize_linears(model) == (2, q8_bytes + mixed_bytes)
+    assert mixed.packed.formats == (Format.Q4_1, Format.Q8_0) and mixed.weight.numel() == 0
+    assert one.packed.formats == (Format.Q8_0,) and one.packed.rows == 128
+    weights = torch.cat([p[:] for p in parts])
+    # The float path: float32's rounding alone (tests/kernels/test_quant_matmul.py bounds it).
+    assert ((mixed(x) - x @ weights.T).abs() <= 1e-5 * (x.abs() @ weights.abs().T)).all()
+    # One part not in blocks: the others are dequantized beside it, as exact mode loads them.
+    assert partly.packed is None
+    expected = torch.cat([parts[0][:], parts[1][:], torch.from_numpy(v).float()])
+    torch.testing.assert_close(partly.weight.data, expected, rtol=0, atol=0)
 
 
 def test_a_row_parallel_linear_with_a_float_checkpoint_stays_as_it_was():
@@ -123,7 +131,9 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
     ]
     assert len(linears) == 30 * 4
     assert all(isinstance(m.packed, QuantizedWeight) and m.weight.numel() == 0 for m in linears)
-    assert model.lm_head.packed.fmt is Format.Q8_0 and model.lm_head.packed.blocks.shape[0] == 49152
+    assert model.lm_head.packed.formats == (Format.Q8_0,) and model.lm_head.packed.rows == 49152
+    (head_blocks, _), lookup = model.lm_head.packed.runs[0], model.embed_tokens.quantized
+    assert head_blocks.data_ptr() == lookup.blocks.data_ptr()  # one copy for both
     assert model.embed_tokens.weight.numel() == 0  # its lookups read the blocks
     logged = "121 linears compute on their GGUF blocks: 92.0 MiB; the model's other parameters"
     assert f"{logged} hold 0.1 MiB" in caplog.text
@@ -143,8 +153,8 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
 
 @pytest.mark.real_model
 def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_model):
-    """Gemma 3 270M's Q4_K_M file: Q5_0 (its 640-wide rows), Q4_K, Q6_K and Q8_0 tensors. A
-    fused q/k/v whose parts differ in format (v in Q8_0) is dequantized, as exact mode does."""
+    """Gemma 3 270M's Q4_K_M file: Q5_0 (its 640-wide rows), Q4_K, Q6_K and Q8_0 tensors, a
+    fused q/k/v's parts in different formats (v in Q8_0)."""
     path = real_model("gemma-3-270m")
     prompts = ["The capital of France is", "Two plus two equals"]
     answers = {}
@@ -154,6 +164,8 @@ def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_mo
         answers[mode] = [list(o.outputs[0].token_ids) for o in outputs]
     model = llm.engine.runner.model
     packed = [getattr(m, "packed", None) for m in model.modules()]
-    formats = {p.fmt for p in packed if isinstance(p, QuantizedWeight)}
-    assert {Format.Q5_0, Format.Q4_K, Format.Q6_K, Format.Q8_0} <= formats
+    formats = {p.formats for p in packed if isinstance(p, QuantizedWeight)}
+    # q/k/v in two runs where v is Q8_0; gate/up, the output and down projections in one.
+    assert (Format.Q5_0, Format.Q8_0) in formats
+    assert {(Format.Q5_0,), (Format.Q4_K,), (Format.Q6_K,), (Format.Q8_0,)} <= formats
     assert answers["gguf"] == answers["none"]  # all 32 tokens on the machine that wrote this
