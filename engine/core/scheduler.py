@@ -16,9 +16,10 @@ measure of its steps (`step_cost`: its fit, scaled by what idle and sized steps 
 really taken), and never more than `low_priority_token_budget` tokens.
 Invariants of such a step:
 - it costs at most its budget plus one scheduled request's share: at least one batch token
-  runs, so realtime traffic slows batch work and never stops it; and a realtime prefill chunk
-  beside realtime decodes is cut to the budget, to no less than a block, so that one long
-  prompt does not stall the other streams;
+  runs, so realtime traffic slows batch work and never stops it; a realtime prefill chunk
+  beside realtime decodes is cut to PREFILL_STEP_MULTIPLE budgets (to no less than a block), so
+  that one long prompt does not stall the other streams, while a short one, run whole, gets its
+  first token from one step;
 - the batch's running sequences keep their KV blocks and take turns, round robin in arrival
   order from where the last step stopped, and none is preempted for it: with R of them and at
   least k of them run in each step that runs batch work (k >= 1), each runs at least once every
@@ -57,6 +58,9 @@ from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
 # Unless a target is set, a step holding realtime work may cost this many times a step of the
 # realtime decodes alone: their inter-token latency then stays within about this much of idle.
 IDLE_STEP_MULTIPLE = 2.0
+# A realtime prefill beside realtime decodes may take a step this many budgets long: a gap of
+# about twice the target for the other streams (their inter-token p99), one step for its TTFT.
+PREFILL_STEP_MULTIPLE = 2.0
 # Steps stay sized for realtime requests for this many steps after the last one leaves.
 LINGER_STEPS = 20
 # The kinds of step the step cost model keeps a bias for (StepCostModel.bias): steps sized for
@@ -311,15 +315,16 @@ class Scheduler:
 
     def _realtime_prefill_room(self, lead: int | None, step_seconds: float | None) -> float | None:
         """Seconds the lead priority's prefill chunks may take beside its decodes in a sized step:
-        what the step leaves them; None (unbounded) when none of them decodes, nothing then
-        waiting on the step but the prefills' own first tokens."""
+        what a step of PREFILL_STEP_MULTIPLE budgets leaves them; None (unbounded) when none of
+        them decodes, nothing then waiting on the step but the prefills' own first tokens."""
         if step_seconds is None:
             return None
         decodes = [r for r in self.running if _decoding(r, lead)]
         if not decodes:
             return None
         work = sum((StepWork.of_chunk(r.num_computed_tokens, 1) for r in decodes), StepWork())
-        return step_seconds - self._scale * self.step_cost.cost.seconds(work)
+        decoding = self._scale * self.step_cost.cost.seconds(work)
+        return PREFILL_STEP_MULTIPLE * step_seconds - decoding
 
     def _cut_prefill(self, start: int, num_new: int) -> int:
         """A lead-priority prefill chunk of `num_new` tokens from `start`, cut to the prefill
