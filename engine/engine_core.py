@@ -25,7 +25,7 @@ from pagedbatch.engine.core.encoder_cache import EncoderCache
 from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.core.request import Request, RequestStatus, TokenLogprob
 from pagedbatch.engine.core.scheduler import ScheduledRequest, Scheduler
-from pagedbatch.engine.core.step_cost import StepCostModel
+from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
 from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sample.sampler import Sampler, edits_logits
 from pagedbatch.engine.sample.structured_output import StructuredOutput
@@ -114,6 +114,9 @@ class EngineCore:
         self.sampler = Sampler(self.grammars.apply_masks)
         self._compiling: list[_Compiling] = []
         self._failed: list[Request] = []
+        # The last step's kind, work and start: the next step's start ends its iteration (see
+        # `pause`).
+        self._last_step: tuple[str, StepWork, float] | None = None
 
     # Requests ----------------------------------------------------------------------------------
 
@@ -141,6 +144,11 @@ class EngineCore:
         """Drop what is kept for a finished request's sampling (its grammar, its token counts)."""
         self.grammars.release(request.request_id)
         self.sampler.release(request.request_id)
+
+    def pause(self) -> None:
+        """The engine has no work left: the next step follows a wait, which no token of the
+        last step waited on."""
+        self._last_step = None
 
     def _fail_own(self, request: Request, error: str, cause: Exception | None = None) -> None:
         """`fail`, for a request the core ends itself: reported in the next step's output."""
@@ -179,6 +187,10 @@ class EngineCore:
     # The step ----------------------------------------------------------------------------------
 
     def step(self) -> CoreOutput:
+        began = time.perf_counter()
+        if self._last_step is not None:  # what a token of the last step waited on
+            kind, work, last_began = self._last_step
+            self.step_cost.observe_iteration(kind, work, began - last_began)
         self._schedule_compiled()
         pool = self.kv.pool
         queries, hits = pool.prefix_queries, pool.prefix_hits
@@ -206,8 +218,9 @@ class EngineCore:
                     if token is not None:
                         sampled.append(self._append(request, token, logprob))
             if self.step_cost is not None:
-                seconds = time.perf_counter() - run_started
-                self.step_cost.observe(out.work, seconds, out.kind)
+                self.step_cost.observe(out.work, time.perf_counter() - run_started)
+        measured = self.step_cost is not None and out.kind is not None
+        self._last_step = (out.kind, out.work, began) if measured else None
         failed, self._failed = self._failed, []
         encoded_after, cached_after = self._encoder_counts()
         return CoreOutput(

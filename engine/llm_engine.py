@@ -209,6 +209,8 @@ class LLMEngine:
         began = time.monotonic()
         self.outputs.expire_deadlines(began)
         outputs, stats = self.outputs.process(self.core.step(), began)
+        if not self.has_unfinished_requests():
+            self.core.pause()
         for logger in self.loggers:
             logger.record(stats)
         return outputs

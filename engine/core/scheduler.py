@@ -57,7 +57,7 @@ from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
 
 # Unless a target is set, a step holding realtime work may cost this many times a step of the
 # realtime decodes alone: their inter-token latency then stays within about this much of idle.
-IDLE_STEP_MULTIPLE = 2.0
+IDLE_STEP_MULTIPLE = 1.9
 # A realtime prefill beside realtime decodes may take a step this many budgets long: a gap of
 # about twice the target for the other streams (their inter-token p99), one step for its TTFT.
 PREFILL_STEP_MULTIPLE = 2.0

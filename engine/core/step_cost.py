@@ -11,11 +11,12 @@ the model, the machine and its load without being told any of them. The schedule
 much low-priority work fits in a step of a given length.
 
 One line through steps of every size misses most where the scheduler needs it: at small steps
-(on a CPU a few tokens cost little more than one, the weights being read once either way). So
-each kind of step the scheduler names as it schedules it (an idle realtime step, a step sized
-for realtime requests) also keeps how far its steps' times have lately been from the line,
-`bias(kind)`, a moving average of their ratio, by which the scheduler scales what the line says
-for steps of that kind.
+(on a CPU a few tokens cost little more than one, the weights being read once either way); and
+a streamed token waits on more than the model: the whole engine iteration, whose outputs (and
+the other threads that take them) grow with its batch. So each kind of step the scheduler names
+as it schedules it (an idle realtime step, a step sized for realtime requests) also keeps how
+far its iterations' times have lately been from the line, `bias(kind)`, a moving average of
+their ratio, by which the scheduler scales what the line says for steps of that kind.
 """
 
 from __future__ import annotations
@@ -67,12 +68,8 @@ class StepCostModel:
         self.cost: StepCost | None = None  # None until fitted on enough, and sensible
         self._bias: dict[str, float] = {}
 
-    def observe(self, work: StepWork, seconds: float, kind: str | None = None) -> None:
-        """A step of `work` took `seconds`; `kind`: what the scheduler named it, if anything."""
-        if kind is not None and self.cost is not None:
-            ratio = seconds / self.cost.seconds(work)
-            last = self._bias.get(kind)
-            self._bias[kind] = ratio if last is None else last + BIAS_WEIGHT * (ratio - last)
+    def observe(self, work: StepWork, seconds: float) -> None:
+        """A step of `work` ran the model for `seconds`."""
         self._steps.append((work.tokens, work.context, seconds))
         self._since_fit += 1
         if len(self._steps) >= MIN_STEPS and self._since_fit >= REFIT_EVERY:
@@ -80,6 +77,15 @@ class StepCostModel:
             # A window that tells nothing (steps all alike: a run of realtime steps of one size)
             # keeps the last fit: it knew more than nothing.
             self.cost = self._fit() or self.cost
+
+    def observe_iteration(self, kind: str, work: StepWork, seconds: float) -> None:
+        """A step of `work`, of the scheduler's `kind`, took `seconds` from its start to the
+        next's, which followed it at once."""
+        if self.cost is None:
+            return
+        ratio = seconds / self.cost.seconds(work)
+        last = self._bias.get(kind)
+        self._bias[kind] = ratio if last is None else last + BIAS_WEIGHT * (ratio - last)
 
     def bias(self, kind: str) -> float:
         """How many times what the fit says steps of this kind have lately taken; 1.0 before

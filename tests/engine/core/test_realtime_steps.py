@@ -172,8 +172,7 @@ def test_greedy_outputs_of_both_priorities_match_transformers_however_steps_are_
 def batch_tokens_in_a_sized_step(idle_bias: float, sized_bias: float) -> int:
     cost = known_cost(0.010, 0.001)
     for kind, bias in ((IDLE, idle_bias), (SIZED, sized_bias)):
-        for _ in range(10):  # too few steps to refit: the cost stays as known
-            cost.observe(StepWork(2, 20), bias * cost.cost.seconds(StepWork(2, 20)), kind)
+        cost.observe_iteration(kind, StepWork(2, 20), bias * cost.cost.seconds(StepWork(2, 20)))
     sched = Scheduler(KVCacheManager(1024, BLOCK, True), 32, 64, "priority", None, None, cost)
     for i in range(12):
         sched.add(req(f"b{i}", 4, BATCH, i))

@@ -4,7 +4,13 @@ import random
 
 import pytest
 
-from pagedbatch.engine.core.step_cost import MIN_STEPS, REFIT_EVERY, StepCostModel, StepWork
+from pagedbatch.engine.core.step_cost import (
+    BIAS_WEIGHT,
+    MIN_STEPS,
+    REFIT_EVERY,
+    StepCostModel,
+    StepWork,
+)
 
 
 def test_a_chunk_attends_each_of_its_positions_context():
@@ -60,7 +66,8 @@ def test_each_kind_of_step_keeps_how_far_its_steps_are_from_the_fit():
         work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
         model.observe(work, 0.01 + 0.001 * work.tokens)
     assert model.bias("idle") == model.bias("sized") == 1.0  # none seen
-    for _ in range(REFIT_EVERY - 1):  # no refit between: the same line throughout
-        model.observe(StepWork(1, 50), 0.5 * model.cost.seconds(StepWork(1, 50)), "idle")
-    assert model.bias("idle") == pytest.approx(0.5)
+    work = StepWork(1, 50)
+    for ratio in (0.5, 0.5, 1.5):
+        model.observe_iteration("idle", work, ratio * model.cost.seconds(work))
+    assert model.bias("idle") == pytest.approx(0.5 + BIAS_WEIGHT * (1.5 - 0.5))
     assert model.bias("sized") == 1.0
