@@ -16,7 +16,10 @@ a streamed token waits on more than the model: the whole engine iteration, whose
 the other threads that take them) grow with its batch. So each kind of step the scheduler names
 as it schedules it (an idle realtime step, a step sized for realtime requests) also keeps how
 far its iterations' times have lately been from the line, `bias(kind)`, a moving average of
-their ratio, by which the scheduler scales what the line says for steps of that kind.
+their ratio, by which the scheduler scales what the line says for steps of that kind. A refit
+keeps what each kind's steps took: its bias is re-expressed against the new line at the last
+step of that kind, so that idle steps measured long ago (none run while batch work is present)
+stay what they were, wherever the batch's steps have since moved the line.
 """
 
 from __future__ import annotations
@@ -67,6 +70,7 @@ class StepCostModel:
         self._since_fit = 0
         self.cost: StepCost | None = None  # None until fitted on enough, and sensible
         self._bias: dict[str, float] = {}
+        self._last_work: dict[str, StepWork] = {}  # each kind's last step, where its bias holds
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """A step of `work` ran the model for `seconds`."""
@@ -76,7 +80,11 @@ class StepCostModel:
             self._since_fit = 0
             # A window that tells nothing (steps all alike: a run of realtime steps of one size)
             # keeps the last fit: it knew more than nothing.
-            self.cost = self._fit() or self.cost
+            fitted = self._fit()
+            if fitted is not None and self.cost is not None:
+                for kind, at in self._last_work.items():
+                    self._bias[kind] *= self.cost.seconds(at) / fitted.seconds(at)
+            self.cost = fitted or self.cost
 
     def observe_iteration(self, kind: str, work: StepWork, seconds: float) -> None:
         """A step of `work`, of the scheduler's `kind`, took `seconds` from its start to the
@@ -86,6 +94,7 @@ class StepCostModel:
         ratio = seconds / self.cost.seconds(work)
         last = self._bias.get(kind)
         self._bias[kind] = ratio if last is None else last + BIAS_WEIGHT * (ratio - last)
+        self._last_work[kind] = work
 
     def bias(self, kind: str) -> float:
         """How many times what the fit says steps of this kind have lately taken; 1.0 before

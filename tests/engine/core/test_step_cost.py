@@ -8,6 +8,7 @@ from pagedbatch.engine.core.step_cost import (
     BIAS_WEIGHT,
     MIN_STEPS,
     REFIT_EVERY,
+    WINDOW,
     StepCostModel,
     StepWork,
 )
@@ -71,3 +72,17 @@ def test_each_kind_of_step_keeps_how_far_its_steps_are_from_the_fit():
         model.observe_iteration("idle", work, ratio * model.cost.seconds(work))
     assert model.bias("idle") == pytest.approx(0.5 + BIAS_WEIGHT * (1.5 - 0.5))
     assert model.bias("sized") == 1.0
+
+
+def test_a_refit_keeps_what_each_kinds_steps_took():
+    model = StepCostModel()
+    for i in range(MIN_STEPS + REFIT_EVERY):
+        work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
+        model.observe(work, 0.01 + 0.001 * work.tokens)
+    idle = StepWork(1, 50)
+    model.observe_iteration("idle", idle, 0.02)
+    for i in range(WINDOW):  # the machine's steps now cost 30 ms more, and a token twice as much
+        work = StepWork(1 + i * 7 % 300, 1 + i * 13 % 9000)
+        model.observe(work, 0.04 + 0.002 * work.tokens)
+    assert model.cost.fixed == pytest.approx(0.04, rel=0.01)
+    assert model.bias("idle") * model.cost.seconds(idle) == pytest.approx(0.02)
