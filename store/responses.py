@@ -306,9 +306,9 @@ def conversation(
         raise ResponseNotFinished(row.id, row.status)
     turns: list[list[dict[str, Any]]] = []
     read = 0
-    while row is not None:
+    while row is not None and len(turns) < max_turns:
         read += _stored_bytes(blobs, row, "input_items") + _stored_bytes(blobs, row, "response")
-        if len(turns) == max_turns or read > max_bytes:
+        if read > max_bytes:
             break
         turns.append(_document(blobs, row, "input_items") + _body(blobs, row)["output"])
         earlier = row.previous_response_id
