@@ -178,3 +178,21 @@ def test_a_conversation_past_what_one_request_reads_needs_truncation_auto(serve_
     )
     assert fourth.output_text == whole.output_text
     assert fourth.usage.input_tokens == whole.usage.input_tokens
+
+
+def test_a_conversation_whose_newest_turn_is_past_the_bytes_starts_afresh_under_auto(
+    serve_batches,
+):
+    client = serve_batches(response_history_max_bytes=1024).client()
+    first = client.responses.create(input="word " * 400, **GREEDY)  # over 1 KiB stored
+
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(input="Next.", previous_response_id=first.id, **GREEDY)
+    assert caught.value.body["code"] == "context_length_exceeded"
+    # Under auto every earlier turn is dropped: the model sees the new input alone.
+    alone = client.responses.create(
+        input="Next.", previous_response_id=first.id, truncation="auto", **GREEDY
+    )
+    fresh = client.responses.create(input="Next.", **GREEDY)
+    assert alone.output_text == fresh.output_text
+    assert alone.usage.input_tokens == fresh.usage.input_tokens

@@ -300,7 +300,7 @@ def prepare_response(
     OpenAIError 400 naming the field at fault."""
     if history_cut and request.truncation != "auto":
         raise conversation_too_long(request.previous_response_id or "")
-    _refuse_unsupported(request, history)
+    _refuse_unsupported(request, continued=bool(history) or history_cut)
     own = _own_items(request)
     where = (
         ["input"] if isinstance(request.input, str) else [f"input[{i}]" for i in range(len(own))]
@@ -430,8 +430,10 @@ def _text_bytes(item: Any) -> int:
     return sum(len(text.strip().encode()) for text in texts)
 
 
-def _refuse_unsupported(request: ResponseCreateRequest, history: Sequence[Any]) -> None:
-    if request.previous_response_id is not None and not history:
+def _refuse_unsupported(request: ResponseCreateRequest, continued: bool) -> None:
+    """`continued`: the conversation `previous_response_id` names was found (read, or cut
+    down to nothing by the bounds on reading it)."""
+    if request.previous_response_id is not None and not continued:
         # Only the store knows an earlier response; without it, nothing continues one.
         raise not_supported("previous_response_id", "previous_response_id")
     if request.input is None or request.input == []:
