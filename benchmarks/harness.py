@@ -529,14 +529,24 @@ def postgres_database(prefix: str) -> Iterator[PostgresDatabase]:
             admin.execute(sql.SQL("DROP DATABASE {} WITH (FORCE)").format(sql.Identifier(name)))
 
 
+def _redis_indexes_of_this_process() -> list[int]:
+    """Redis database indexes 1-15 (0 is the service's own), split among pytest-xdist's workers
+    (`PYTEST_XDIST_WORKER` gw0, gw1, ...) when the tests run in parallel."""
+    workers = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+    worker = int(os.environ.get("PYTEST_XDIST_WORKER", "gw0").removeprefix("gw"))
+    return list(range(1, 16))[worker::workers]
+
+
 @contextlib.contextmanager
 def redis_database(index: int | None = None) -> Iterator[str]:
     """The URL of a Redis database index (by default an empty one), flushed now and on exit."""
     import redis
 
     if index is None:
-        # Tests pick indexes 1-15 at random: take an empty one to keep clear of a running test.
-        candidates = random.sample(range(1, 16), 15)
+        # Take an empty index, to keep clear of a running test. Parallel test processes
+        # (pytest-xdist) each pick from their own share of 1-15, so two never take one together.
+        candidates = _redis_indexes_of_this_process()
+        random.shuffle(candidates)
         index = next(
             (i for i in candidates if redis.Redis.from_url(f"{REDIS_URL}/{i}").dbsize() == 0),
             candidates[0],

@@ -18,7 +18,7 @@ import torch
 # set here, before any test module is imported.
 if not torch.cuda.is_available():
     os.environ.setdefault("TRITON_INTERPRET", "1")
-from services import *  # noqa: F403 - postgres_url, s3_server, s3_settings_env
+from services import *  # noqa: F403 - postgres_url, redis_url, s3_server, s3_settings_env
 
 # Services the tests start without a model serve the random tiny one (fast, offline), not the
 # trained default; tests of the default clear this.

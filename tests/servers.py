@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import os
-import random
 import subprocess
 import sys
 import time
@@ -22,9 +21,8 @@ from typing import Any
 
 import httpx
 import openai
-import redis
 from harness import free_port as free_port  # re-exported to the test modules
-from harness import healthy, start_process, stop_processes, wait_until
+from harness import healthy, redis_database, start_process, stop_processes, wait_until
 from harness import kill as kill  # re-exported to the test modules
 from redis.asyncio import Redis as AsyncRedis
 from services import postgres_schema
@@ -136,16 +134,12 @@ def distributed_deployment(
 ) -> Iterator[Deployment]:
     """`running_deployment` on a PostgreSQL schema and a Redis database of its own (its queue,
     its keys), the Redis database emptied before and after."""
-    broker = f"redis://127.0.0.1:6379/{random.randrange(1, 16)}"
-    redis.Redis.from_url(broker).flushdb()
-    try:
-        with (
-            postgres_schema(postgres_url) as database_url,
-            running_deployment(tmp, model, database_url, broker, settings) as deployment,
-        ):
-            yield deployment
-    finally:
-        redis.Redis.from_url(broker).flushdb()
+    with (
+        redis_database() as broker,
+        postgres_schema(postgres_url) as database_url,
+        running_deployment(tmp, model, database_url, broker, settings) as deployment,
+    ):
+        yield deployment
 
 
 PROCESS_START_SECONDS = 60  # a process loads a model and migrates the database first

@@ -12,7 +12,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 
 import pytest
-from harness import S3Server, SeaweedFS, postgres_database
+from harness import S3Server, SeaweedFS, postgres_database, redis_database
 from sqlalchemy import make_url, text
 
 from pagedbatch.store.db import make_engine
@@ -22,6 +22,7 @@ __all__ = [
     "SeaweedFS",
     "postgres_schema",
     "postgres_url",
+    "redis_url",
     "s3_server",
     "s3_settings_env",
 ]
@@ -54,6 +55,14 @@ def postgres_schema(database_url: str) -> Iterator[str]:
             conn.execute(text("SET LOCAL lock_timeout = '30s'"))
             conn.execute(text(f'DROP SCHEMA "{schema}" CASCADE'))
         admin.dispose()
+
+
+@pytest.fixture
+def redis_url() -> Iterator[str]:
+    """A Redis database of the test's own on the local server (a broker, its keys), emptied
+    before and after."""
+    with redis_database() as url:
+        yield url
 
 
 @pytest.fixture(scope="session")

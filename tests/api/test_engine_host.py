@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import asyncio
 import json
-import random
 import threading
 import time
 from collections import Counter
@@ -19,7 +18,6 @@ from typing import Any
 import httpx
 import openai
 import pytest
-import redis
 import uvicorn
 from redis.asyncio import Redis as AsyncRedis
 from servers import engine_records, eventually
@@ -33,7 +31,6 @@ from pagedbatch.service import api_only, open_store
 from pagedbatch.settings import Settings
 from pagedbatch.store.engine_registry import EngineRecord, publish
 
-REDIS = "redis://127.0.0.1:6379"
 HEARTBEAT = 0.2
 SECRET = "s3cret"
 DEAD = "http://127.0.0.1:9"  # nothing listens there: a host that died a moment ago
@@ -58,14 +55,6 @@ def record(engine_id: str, **fields: Any) -> EngineRecord:
     return EngineRecord(id=engine_id, **{**defaults, **fields})
 
 
-@pytest.fixture
-def broker() -> Iterator[str]:
-    url = f"{REDIS}/{random.randrange(1, 16)}"  # a database of our own, emptied before and after
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
-
-
 @pytest.fixture(scope="module")
 def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
     llm = AsyncLLM(str(tiny_llama), served_model_name="tiny", num_kv_blocks=128)
@@ -74,10 +63,10 @@ def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
 
 
 @pytest.fixture
-def settings(tmp_path: Path, broker: str, tiny_llama: Path) -> Settings:
+def settings(tmp_path: Path, redis_url: str, tiny_llama: Path) -> Settings:
     return Settings(
         data_dir=tmp_path / "data",
-        broker_url=broker,
+        broker_url=redis_url,
         model=str(tiny_llama),
         served_model_name="tiny",
         engine_heartbeat_seconds=HEARTBEAT,
@@ -159,9 +148,9 @@ def test_a_host_registers_while_it_runs_and_withdraws_when_it_stops(settings, st
     assert engine_records(settings.broker_url) == []  # withdrawn at once, not left to expire
 
 
-def test_a_record_no_longer_renewed_expires_after_three_heartbeats(broker):
+def test_a_record_no_longer_renewed_expires_after_three_heartbeats(redis_url):
     async def publish_once() -> None:
-        client = AsyncRedis.from_url(broker)
+        client = AsyncRedis.from_url(redis_url)
         try:
             await publish(client, record("gone"), HEARTBEAT)
         finally:
@@ -169,8 +158,8 @@ def test_a_record_no_longer_renewed_expires_after_three_heartbeats(broker):
 
     asyncio.run(publish_once())
     published = time.monotonic()
-    assert [r.id for r in engine_records(broker)] == ["gone"]
-    eventually(lambda: engine_records(broker) == [], timeout=10 * HEARTBEAT)
+    assert [r.id for r in engine_records(redis_url)] == ["gone"]
+    eventually(lambda: engine_records(redis_url) == [], timeout=10 * HEARTBEAT)
     assert time.monotonic() - published >= 3 * HEARTBEAT - 0.05
 
 
@@ -221,13 +210,13 @@ def test_the_api_streams_from_the_host_and_passes_over_one_that_is_gone(settings
 
 
 def test_a_forwarded_request_runs_the_pipeline_once_on_the_host(
-    tmp_path, broker, tiny_llama, start_host
+    tmp_path, redis_url, tiny_llama, start_host
 ):
     """The API only checks and forwards: the content filter screens the prompt once, on the
     host, whose refusal the client gets through the API."""
     settings = Settings(
         data_dir=tmp_path / "data",
-        broker_url=broker,
+        broker_url=redis_url,
         model=str(tiny_llama),
         served_model_name="tiny",
         engine_heartbeat_seconds=HEARTBEAT,
@@ -377,8 +366,8 @@ def replace_settings(settings: Settings, **changes: Any) -> Settings:
     return settings.model_copy(update=changes)
 
 
-async def _publish(broker: str, engine_record: EngineRecord) -> None:
-    client = AsyncRedis.from_url(broker)
+async def _publish(redis_url: str, engine_record: EngineRecord) -> None:
+    client = AsyncRedis.from_url(redis_url)
     try:
         await publish(client, engine_record, heartbeat_seconds=10)
     finally:

@@ -7,18 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import random
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
 import httpx
 import openai
-import pytest
-import redis
 from fastapi.testclient import TestClient
 from servers import free_port, wait_for_batch, wait_for_health
 
@@ -111,19 +107,11 @@ def test_variables_set_the_embedded_engine_and_its_limit_holds_at_both_doors(
     assert (done["custom_id"], done["response"]["status_code"]) == ("longest", 200)
 
 
-@pytest.fixture
-def broker() -> Iterator[str]:
-    url = f"redis://127.0.0.1:6379/{random.randrange(1, 16)}"  # emptied before and after
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
-
-
 def test_a_worker_runs_with_its_engine_flags_and_the_api_reports_them(
-    tmp_path: Path, tiny_llama: Path, broker: str
+    tmp_path: Path, tiny_llama: Path, redis_url: str
 ):
     args = build_parser().parse_args(
-        ["worker", "--broker-url", broker, "--data-dir", str(tmp_path / "data")]
+        ["worker", "--broker-url", redis_url, "--data-dir", str(tmp_path / "data")]
         + ["--model", str(tiny_llama), "--served-model-name", "tiny", *FLAGS]
         + ["--engine-heartbeat-seconds", "0.2"]
     )

@@ -7,7 +7,6 @@ worker's engine host reserves."""
 
 from __future__ import annotations
 
-import random
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -15,7 +14,6 @@ from pathlib import Path
 import httpx
 import openai
 import pytest
-import redis
 from servers import STORAGES, engine_records, eventually
 from sqlalchemy import select
 from sqlalchemy.orm import Session, sessionmaker
@@ -210,14 +208,6 @@ def test_only_admin_keys_touch_the_spend_limit(serve_batches):
 
 
 @pytest.fixture
-def broker() -> Iterator[str]:
-    url = f"redis://127.0.0.1:6379/{random.randrange(1, 16)}"
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
-
-
-@pytest.fixture
 def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
     llm = AsyncLLM(str(tiny_llama), served_model_name="tiny", num_kv_blocks=128)
     yield llm
@@ -225,12 +215,12 @@ def engine(tiny_llama: Path) -> Iterator[AsyncLLM]:
 
 
 def test_through_the_distributed_api_the_engine_host_reserves_once(
-    tmp_path, broker, engine, tiny_llama
+    tmp_path, redis_url, engine, tiny_llama
 ):
     settings = Settings(
         data_dir=tmp_path / "data",
         database_url=f"sqlite:///{tmp_path / 'db.sqlite'}",
-        broker_url=broker,
+        broker_url=redis_url,
         model=str(tiny_llama),
         served_model_name="tiny",
         engine_heartbeat_seconds=0.2,
@@ -244,7 +234,7 @@ def test_through_the_distributed_api_the_engine_host_reserves_once(
     host = EngineHost(services, "worker-1")
     host.start()
     try:
-        eventually(lambda: len(engine_records(broker)) == 1)
+        eventually(lambda: len(engine_records(redis_url)) == 1)
         with serving(api_only(settings)) as url:
             alice = openai.OpenAI(base_url=f"{url}/v1", api_key="alice", max_retries=0)
             outcomes = at_once(20, lambda: chat(alice))

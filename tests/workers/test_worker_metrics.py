@@ -3,13 +3,9 @@ a worker's own metrics server."""
 
 from __future__ import annotations
 
-import random
 import threading
-from collections.abc import Iterator
 
 import httpx
-import pytest
-import redis
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.core import Metric
 from prometheus_client.parser import text_string_to_metric_families
@@ -19,8 +15,6 @@ from pagedbatch.settings import Settings
 from pagedbatch.store.queue import InProcessQueue, QueueDepthCollector, TaskQueue
 from pagedbatch.workers.celery_app import QUEUE, CeleryQueue, make_celery
 from pagedbatch.workers.metrics import serve_metrics
-
-REDIS = "redis://127.0.0.1:6379"
 
 
 def scrape(queue: TaskQueue) -> list[Metric]:
@@ -61,16 +55,8 @@ def test_in_process_depth_counts_tasks_waiting_for_a_thread_per_lane():
         queue.shutdown()
 
 
-@pytest.fixture
-def broker() -> Iterator[str]:
-    url = f"{REDIS}/{random.randrange(1, 16)}"  # a Redis database of our own
-    redis.Redis.from_url(url).flushdb()
-    yield url
-    redis.Redis.from_url(url).flushdb()
-
-
-def test_celery_depth_is_the_length_of_the_queue_in_redis(broker: str):
-    app = make_celery(Settings(broker_url=broker), run=lambda name, args: None)
+def test_celery_depth_is_the_length_of_the_queue_in_redis(redis_url: str):
+    app = make_celery(Settings(broker_url=redis_url), run=lambda name, args: None)
     queue = CeleryQueue(app)
     assert queue_depths(queue) == {QUEUE: 0}
     for _ in range(3):
