@@ -15,7 +15,21 @@ from pagedbatch.addresses import is_loopback
 logger = logging.getLogger(__name__)
 
 NONE = type(None)
-ARCHS = ("llama", "qwen2", "mistral", "gemma3", "llava", "qwen2_vl", "qwen2_audio", "bert")
+ARCHS = (
+    "llama",
+    "qwen2",
+    "mistral",
+    "gemma3",
+    "qwen3",
+    "phi3",
+    "gemma2",
+    "mixtral",
+    "qwen3_moe",
+    "llava",
+    "qwen2_vl",
+    "qwen2_audio",
+    "bert",
+)
 SIZES = ("tiny", "small", "medium")
 
 

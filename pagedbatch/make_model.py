@@ -18,7 +18,10 @@ like a context-hungry language model:
   them produces different tokens;
 - Gemma 3, which normalises queries, keys and what each sublayer writes, and ties its LM head to
   its embeddings, gets the same behaviour from its norms' scales, its query_pre_attn_scalar and
-  small embeddings (see GEMMA_EMBED_RMS).
+  small embeddings (see GEMMA_EMBED_RMS); Gemma 2 likewise, less the query and key norms, its
+  soft-caps low enough to act (see `_gemma2_config`); Qwen3 from its q/k norms' scales;
+- the mixtures of experts (Mixtral, Qwen3-MoE) get routers whose logits spread as attention
+  scores do, so that tokens of one prompt go to different experts.
 
 Every tensor is drawn from its own generator, seeded from the model seed and the tensor's name:
 the same arguments give the same bytes, and config overrides that keep a tensor's shape (a
@@ -54,6 +57,11 @@ ARCHITECTURES = {
     "qwen2": "Qwen2ForCausalLM",
     "mistral": "MistralForCausalLM",
     "gemma3": "Gemma3ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+    "phi3": "Phi3ForCausalLM",
+    "gemma2": "Gemma2ForCausalLM",
+    "mixtral": "MixtralForCausalLM",
+    "qwen3_moe": "Qwen3MoeForCausalLM",
     "llava": "LlavaForConditionalGeneration",
     "qwen2_vl": "Qwen2VLForConditionalGeneration",
     "qwen2_audio": "Qwen2AudioForConditionalGeneration",
@@ -159,6 +167,18 @@ QWEN2_BIASES = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")
 # Gemma 3 normalises what attention and the MLP write (post-attention and post-feedforward norms):
 # those norms' scales, not the o and down projections', set how much each sublayer writes.
 GEMMA_SUBLAYER_SCALE = 1.5
+# Router logits' standard deviation: each token's top experts are clear, and differ by token.
+ROUTER_SCALE = 2.0
+# Experts per layer and per token of the generated mixtures of experts.
+NUM_EXPERTS = {"mixtral": 4, "qwen3_moe": 8}
+EXPERTS_PER_TOKEN = 2
+# Each checkpoint's names for a layer's experts, their router and their projections (gate, up,
+# down), as the models on the Hub are saved.
+EXPERT_NAMES = {
+    "mixtral": ("block_sparse_moe", ("w1", "w3", "w2")),
+    "qwen3_moe": ("mlp", ("gate_proj", "up_proj", "down_proj")),
+}
+GEMMA_TYPES = ("gemma3_text", "gemma2")
 # Gemma 3 ties its LM head to its embeddings, so a token's embedding favours the token itself as
 # the next one: where embeddings dominate the residual stream, greedy output cycles through a few
 # tokens. They enter it at this RMS (after Gemma's sqrt(hidden) scaling), well below what the
@@ -236,6 +256,41 @@ def model_config(
     elif arch == "mistral":
         # Mistral 7B v0.1's window: longer than tiny's context, so it acts only when overridden.
         config["sliding_window"] = 4096
+    elif arch in ("qwen3", "qwen3_moe"):
+        # As Qwen2's window, off unless overridden; no q/k/v biases.
+        config |= {"attention_bias": False, "use_sliding_window": False, "sliding_window": None}
+        config["max_window_layers"] = shape.num_layers // 2
+        if arch == "qwen3_moe":
+            # Experts of a third of the dense MLP, as Qwen3-30B-A3B's; top-k weights left as
+            # the softmax gives them (norm_topk_prob false, transformers' default), where
+            # Mixtral's are renormalised: the two routings between them.
+            config |= {
+                "num_experts": NUM_EXPERTS[arch],
+                "num_experts_per_tok": EXPERTS_PER_TOKEN,
+                "moe_intermediate_size": shape.intermediate_size // 3,
+                "norm_topk_prob": False,
+                "decoder_sparse_step": 1,
+                "mlp_only_layers": [],
+                "router_aux_loss_coef": 0.001,
+            }
+    elif arch == "phi3":
+        config |= {
+            "original_max_position_embeddings": shape.max_position_embeddings,
+            "sliding_window": None,
+            "pad_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+            "resid_pdrop": 0.0,
+            "embd_pdrop": 0.0,
+        }
+    elif arch == "mixtral":
+        config |= {
+            "sliding_window": None,
+            "num_local_experts": NUM_EXPERTS[arch],
+            "num_experts_per_tok": EXPERTS_PER_TOKEN,
+            "router_jitter_noise": 0.0,
+            "router_aux_loss_coef": 0.001,
+        }
+    elif arch == "gemma2":
+        config = _gemma2_config(config, shape)
     else:
         config = _gemma3_config(config, shape)
     return config | (config_overrides or {})
@@ -272,6 +327,28 @@ def _gemma3_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
         "use_bidirectional_attention": False,
         "tie_word_embeddings": True,
         "pad_token_id": SPECIAL_TOKEN_IDS[ENDOFTEXT],
+    }
+
+
+def _gemma2_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
+    """Gemma 2's config as transformers 5 writes it (Gemma2Config), on `base`'s shape: Gemma 3's
+    layer outline without q/k norms, sliding and full layers alternating, one RoPE, and both
+    soft-caps. Gemma 2's caps (50 on attention scores, 30 on logits) would barely touch the
+    tiny model's scores (a standard deviation of about three) and logits (five): these act."""
+    gemma3 = _gemma3_config(base, shape)
+    drop = ("use_bidirectional_attention", "rope_parameters")
+    config = {key: value for key, value in gemma3.items() if key not in drop}
+    return config | {
+        "model_type": "gemma2",
+        # Without q/k norms the projections' scale sets the scores; this makes it felt.
+        "query_pre_attn_scalar": base["head_dim"] // 2,
+        "layer_types": [
+            "sliding_attention" if (i + 1) % 2 else "full_attention"
+            for i in range(shape.num_layers)
+        ],
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
+        "attn_logit_softcapping": 5.0,
+        "final_logit_softcapping": 10.0,
     }
 
 
@@ -732,7 +809,9 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
     q_dim = config["num_attention_heads"] * head_dim
     kv_dim = config["num_key_value_heads"] * head_dim
     inter = config["intermediate_size"]
-    gemma = config["model_type"] == "gemma3_text"
+    model_type = config["model_type"]
+    gemma = model_type in GEMMA_TYPES
+    experts = EXPERT_NAMES.get(model_type)
     weights: dict[str, torch.Tensor] = {}
 
     def normal(name: str, shape: tuple[int, ...], std: float) -> None:
@@ -753,23 +832,50 @@ def init_weights(config: dict[str, Any], seed: int) -> dict[str, torch.Tensor]:
             "self_attn.k_proj": (kv_dim, hidden, QK_SCALE),
             "self_attn.v_proj": (kv_dim, hidden, 1.0),
             "self_attn.o_proj": (hidden, q_dim, O_SCALE),
-            "mlp.gate_proj": (inter, hidden, 1.0),
-            "mlp.up_proj": (inter, hidden, 1.0),
-            "mlp.down_proj": (hidden, inter, MLP_SCALE),
         }
+        if experts is None:
+            projections |= {
+                "mlp.gate_proj": (inter, hidden, 1.0),
+                "mlp.up_proj": (inter, hidden, 1.0),
+                "mlp.down_proj": (hidden, inter, MLP_SCALE),
+            }
+        else:
+            block, (gate, up, down) = experts
+            expert_inter = config.get("moe_intermediate_size", inter)
+            num_experts = config.get("num_experts") or config["num_local_experts"]
+            projections[f"{block}.gate"] = (num_experts, hidden, ROUTER_SCALE)
+            for e in range(num_experts):
+                projections |= {
+                    f"{block}.experts.{e}.{gate}": (expert_inter, hidden, 1.0),
+                    f"{block}.experts.{e}.{up}": (expert_inter, hidden, 1.0),
+                    f"{block}.experts.{e}.{down}": (hidden, expert_inter, MLP_SCALE),
+                }
         for name, (rows, cols, scale) in projections.items():
             normal(f"{layer}{name}.weight", (rows, cols), scale / cols**0.5)
-            if config["model_type"] in ("qwen2", "qwen2_vl_text") and name in QWEN2_BIASES:
+            if model_type in ("qwen2", "qwen2_vl_text") and name in QWEN2_BIASES:
                 normal(f"{layer}{name}.bias", (rows,), BIAS_SCALE * scale)
         norm(f"{layer}input_layernorm.weight")
         if gemma:
             norm(f"{layer}post_attention_layernorm.weight", scale=GEMMA_SUBLAYER_SCALE)
             norm(f"{layer}pre_feedforward_layernorm.weight")
             norm(f"{layer}post_feedforward_layernorm.weight", scale=GEMMA_SUBLAYER_SCALE)
-            norm(f"{layer}self_attn.q_norm.weight", head_dim)
-            norm(f"{layer}self_attn.k_norm.weight", head_dim)
         else:
             norm(f"{layer}post_attention_layernorm.weight")
+        if model_type == "gemma3_text":
+            norm(f"{layer}self_attn.q_norm.weight", head_dim)
+            norm(f"{layer}self_attn.k_norm.weight", head_dim)
+        elif model_type in ("qwen3", "qwen3_moe"):
+            # Queries and keys of unit RMS, scaled as the projections scale the others' (QK_SCALE).
+            norm(f"{layer}self_attn.q_norm.weight", head_dim, scale=QK_SCALE)
+            norm(f"{layer}self_attn.k_norm.weight", head_dim, scale=QK_SCALE)
+        if model_type == "phi3":  # its q/k/v and its gate/up are one tensor each
+            attn, mlp = f"{layer}self_attn.", f"{layer}mlp."
+            weights[f"{attn}qkv_proj.weight"] = torch.cat(
+                [weights.pop(f"{attn}{p}_proj.weight") for p in "qkv"]
+            )
+            weights[f"{mlp}gate_up_proj.weight"] = torch.cat(
+                [weights.pop(f"{mlp}{p}_proj.weight") for p in ("gate", "up")]
+            )
     if gemma:  # the LM head is the embedding, its rows of norm GEMMA_EMBED_RMS
         norm("model.norm.weight", scale=LM_HEAD_SCALE / GEMMA_EMBED_RMS)
     else:

@@ -81,7 +81,7 @@ class Attention(nn.Module):
         q, k = self.rotate(positions, q, k, meta)
         key_cache, value_cache = kv_cache
         ops.reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
-        out = ops.paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
+        out = self.attend(q, key_cache, value_cache, meta)
         return self.o_proj(out.reshape(num_tokens, self.q_size))
 
     def rotate(
@@ -90,6 +90,17 @@ class Attention(nn.Module):
         """Queries `[T, heads, D]` and keys `[T, kv_heads, D]` as attention reads and caches them:
         rotated by position. (A subclass may transform them first: Gemma 3 normalises them.)"""
         return self.rotary(positions, q, k, meta.rope_seq_lens)
+
+    def attend(
+        self,
+        q: torch.Tensor,
+        key_cache: torch.Tensor,
+        value_cache: torch.Tensor,
+        meta: AttentionMetadata,
+    ) -> torch.Tensor:
+        """Each query's attention over its sequence's cached keys. (A subclass may score them
+        otherwise: Gemma 2 soft-caps the scores.)"""
+        return ops.paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
 
 
 class MLP(nn.Module):
@@ -106,12 +117,16 @@ class MLP(nn.Module):
 
 
 class DecoderLayer(nn.Module):
+    # What a variant of the same layer changes (Qwen3's normalised queries and keys, an MoE).
+    attention_class: type[Attention] = Attention
+    mlp_class: type[nn.Module] = MLP
+
     def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
         super().__init__()
         self.input_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.self_attn = Attention(cfg, rotary, sliding_window)
+        self.self_attn = self.attention_class(cfg, rotary, sliding_window)
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
-        self.mlp = MLP(cfg)
+        self.mlp = self.mlp_class(cfg)
 
     def forward(
         self,
@@ -140,6 +155,7 @@ class LlamaForCausalLM(nn.Module):
     embedding_class: type[VocabParallelEmbedding] = VocabParallelEmbedding
     norm_class: type[nn.Module] = RMSNorm
     rotary_class: type[RotaryEmbedding] = RotaryEmbedding
+    layer_class: type[DecoderLayer] = DecoderLayer
 
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -162,7 +178,7 @@ class LlamaForCausalLM(nn.Module):
         """The layers, each `layer(positions, x, residual, kv_cache, meta) -> (x, residual)`."""
         # The table covers the context the config declares, which max_model_len never passes.
         rotary = self.rotary_class.from_config(cfg.raw, cfg.head_dim, cfg.max_position_embeddings)
-        return [DecoderLayer(cfg, rotary, cfg.sliding_windows[i]) for i in range(cfg.num_layers)]
+        return [self.layer_class(cfg, rotary, window) for window in cfg.sliding_windows]
 
     def forward(
         self,
@@ -185,6 +201,14 @@ class LlamaForCausalLM(nn.Module):
         """Logits over the whole vocabulary, on every rank."""
         return self.lm_head.compute_logits(hidden)
 
+    def parameter_for(self, name: str) -> tuple[str, int | None]:
+        """The parameter that checkpoint tensor `name` (less its `model.` prefix) fills, and
+        which part of it where it is fused (None: the whole)."""
+        for part, (fused, index) in self._FUSED.items():
+            if f".{part}." in name:
+                return name.replace(part, fused), index
+        return name, None
+
     def load_weights(self, weights: Iterable[tuple[str, Loaded]]) -> None:
         """Loads (name, tensor) pairs named as transformers names them; each parameter reads only
         this rank's slice (from a `CheckpointTensor`, only those bytes of the file)."""
@@ -192,12 +216,7 @@ class LlamaForCausalLM(nn.Module):
         for ckpt_name, tensor in weights:
             if "rotary_emb.inv_freq" in ckpt_name:
                 continue
-            name = ckpt_name.removeprefix("model.")
-            shard = None
-            for part, (fused, index) in self._FUSED.items():
-                if f".{part}." in name:
-                    name, shard = name.replace(part, fused), index
-                    break
+            name, shard = self.parameter_for(ckpt_name.removeprefix("model."))
             # A tied head's weight is the embedding's: the checkpoint may hold a copy.
             tied = self.lm_head is None or self.cfg.tie_word_embeddings
             if name == "lm_head.weight" and name not in loads and tied:

@@ -21,6 +21,7 @@ from pagedbatch.engine.worker.models.llama import LlamaForCausalLM, LlamaForSequ
 from pagedbatch.engine.worker.models.llava import LlavaForConditionalGeneration
 from pagedbatch.engine.worker.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from pagedbatch.engine.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
+from pagedbatch.engine.worker.models.qwen3 import Qwen3ForCausalLM
 
 ENTRY_POINT_GROUP = "pagedbatch.models"
 
@@ -37,6 +38,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "MistralForSequenceClassification": LlamaForSequenceClassification,
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
+    "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
