@@ -19,6 +19,7 @@ from pagedbatch.engine.worker.models.bert import BertModel
 from pagedbatch.engine.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.worker.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagedbatch.engine.worker.models.llava import LlavaForConditionalGeneration
+from pagedbatch.engine.worker.models.phi3 import Phi3ForCausalLM
 from pagedbatch.engine.worker.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from pagedbatch.engine.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedbatch.engine.worker.models.qwen3 import Qwen3ForCausalLM
@@ -39,6 +40,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "Qwen2ForSequenceClassification": LlamaForSequenceClassification,
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
+    "Phi3ForCausalLM": Phi3ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
