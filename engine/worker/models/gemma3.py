@@ -133,6 +133,9 @@ class Gemma3MLP(MLP):
 
 
 class Gemma3DecoderLayer(nn.Module):
+    # Built as (cfg, rotary, sliding_window, query_pre_attn_scalar); Gemma 2's has no q/k norms.
+    attention_class: type[Attention] = Gemma3Attention
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -143,7 +146,7 @@ class Gemma3DecoderLayer(nn.Module):
         super().__init__()
         eps = cfg.rms_norm_eps
         self.input_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
-        self.self_attn = Gemma3Attention(cfg, rotary, sliding_window, query_pre_attn_scalar)
+        self.self_attn = self.attention_class(cfg, rotary, sliding_window, query_pre_attn_scalar)
         self.post_attention_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.mlp = Gemma3MLP(cfg)

@@ -16,6 +16,7 @@ from importlib.metadata import entry_points
 import torch
 
 from pagedbatch.engine.worker.models.bert import BertModel
+from pagedbatch.engine.worker.models.gemma2 import Gemma2ForCausalLM
 from pagedbatch.engine.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.worker.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagedbatch.engine.worker.models.llava import LlavaForConditionalGeneration
@@ -41,6 +42,7 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "Gemma3ForCausalLM": Gemma3ForCausalLM,
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
+    "Gemma2ForCausalLM": Gemma2ForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,
