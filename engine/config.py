@@ -93,14 +93,15 @@ class EngineArgs:
         "so that generated text stays token-identical to float32's",
         choices=MATMUL_PRECISIONS,
     )
-    quantization: str = arg(
-        "none",
+    quantization: str | None = arg(
+        None,
         doc="a GGUF model's linear layers: gguf keeps the file's Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, "
         "Q5_K and Q6_K weights in their blocks and multiplies on them (CPU, float32, one rank; "
         "a fifth of the memory; "
         "none's arithmetic in another order, so outputs match none's but for rare near-ties; "
         "other formats are dequantized); none dequantizes every weight to the model's dtype "
-        "at load",
+        "at load, the exact mode; default: what the checkpoint holds (gguf for a GGUF with "
+        "such blocks where gguf runs, otherwise none)",
         choices=("none", "gguf"),
     )
     device: str = arg(

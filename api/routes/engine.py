@@ -44,7 +44,8 @@ class EngineLoad(BaseModel):
     settings: dict[str, Any] | None = Field(
         description="The engine's settings in force (EngineArgs, as PAGEDBATCH_* variables and "
         "flags name them), with what it resolved at start for auto and unset ones: "
-        "served_model_name, dtype, device, max_model_len, num_kv_blocks. Null unless the "
+        "served_model_name, dtype, matmul_precision, quantization, device, max_model_len, "
+        "num_kv_blocks. Null unless the "
         "request bears an admin key or the service has no keys.",
     )
 
@@ -104,6 +105,7 @@ def settings_in_force(engine: LLMEngine) -> dict[str, Any]:
         "served_model_name": engine.model_name,
         "dtype": str(engine.runner.dtype).removeprefix("torch."),
         "matmul_precision": engine.runner.matmul_precision,
+        "quantization": engine.runner.quantization,
         "device": str(engine.runner.device),
         "max_model_len": engine.max_model_len,
         "num_kv_blocks": engine.runner.num_blocks,

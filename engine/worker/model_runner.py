@@ -21,7 +21,7 @@ import torch
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderWork
 from pagedbatch.engine.core.scheduler import ScheduledRequest
-from pagedbatch.engine.worker import decode_graphs, distributed, gguf
+from pagedbatch.engine.worker import decode_graphs, distributed
 from pagedbatch.engine.worker.decode_graphs import DecodeGraphs
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed_memory
@@ -34,6 +34,7 @@ from pagedbatch.engine.worker.parallel_layers import (
     quantize_linears,
 )
 from pagedbatch.engine.worker.pooler import pool_chunks
+from pagedbatch.engine.worker.quantization import resolve_quantization
 from pagedbatch.engine.worker.shard_threads import ShardThreads
 from pagedbatch.kernels import native, ops
 from pagedbatch.kernels.attention import prepare_attention
@@ -205,7 +206,9 @@ class ModelRunner:
         self.matmul_precision = resolve_matmul_precision(
             args.matmul_precision, cfg, self.device, self.dtype, native.cpu_flags()
         )
-        self.quantization = args.quantization
+        self.quantization = resolve_quantization(
+            args.quantization, cfg, self.device, self.dtype, tp.size, self.matmul_precision
+        )
         self.model = self._load_model(rows, pack=self.shard_threads.count < 2)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
@@ -253,8 +256,6 @@ class ModelRunner:
             model = model_cls(self.cfg)
         model = model.to(self.dtype)
         quantized = self.quantization == "gguf"
-        if quantized:
-            self._check_quantizable()
         model.load_weights(iterate_weights(self.cfg.path, keep_quantized=quantized))
         if quantized:
             count, nbytes = quantize_linears(model)
@@ -270,18 +271,6 @@ class ModelRunner:
         elif pack:
             pack_weights(model, rows)
         return model.eval()
-
-    def _check_quantizable(self) -> None:
-        """quantization gguf's conditions: the quantized kernels are CPU float32 ones, and a
-        rank's slice of the blocks is not taken yet."""
-        if self.cfg.path.suffix != gguf.SUFFIX or not self.cfg.path.is_file():
-            raise ValueError("quantization gguf needs a GGUF model file")
-        if self.device.type != "cpu" or self.dtype != torch.float32:
-            raise ValueError("quantization gguf runs on the CPU in float32 only, for now")
-        if self.tp.size != 1 or self.matmul_precision == "bfloat16":
-            raise ValueError(
-                "quantization gguf runs on one rank, with matmul_precision highest, for now"
-            )
 
     @property
     def kv_bytes_per_block(self) -> int:

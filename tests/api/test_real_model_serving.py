@@ -21,7 +21,9 @@ BATCH_CHATS = CHATS[:3]
 @pytest.fixture
 def served(serve_batches, real_model):
     gguf_file = real_model("smollm2-135m-instruct")
-    return gguf_file, serve_batches(model=str(gguf_file), served_model_name=None)
+    # Exact mode, as transformers dequantizes the weights.
+    server = serve_batches(model=str(gguf_file), served_model_name=None, quantization="none")
+    return gguf_file, server
 
 
 def expected(server, gguf_file, chat) -> tuple[list[int], list[int]]:

@@ -1,5 +1,7 @@
 """Trained GGUF checkpoints served as they are: greedy chat answers equal transformers' own GGUF
-loading of the same file, token for token, ending on the model's own end token."""
+loading of the same file, token for token, ending on the model's own end token. In exact mode
+(quantization none), as transformers dequantizes the weights; the kept blocks are checked against
+exact mode in tests/engine/worker/test_quantized_gguf.py."""
 
 from __future__ import annotations
 
@@ -18,7 +20,9 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=MAX_TOKENS)
 @pytest.fixture(scope="module", params=list(MODELS))
 def served(request, real_model) -> tuple[str, Path, LLM]:
     gguf_file = real_model(request.param)
-    llm = LLM(gguf_file, num_kv_blocks=512, chat_template=MODELS[request.param])
+    llm = LLM(
+        gguf_file, num_kv_blocks=512, chat_template=MODELS[request.param], quantization="none"
+    )
     return request.param, gguf_file, llm
 
 

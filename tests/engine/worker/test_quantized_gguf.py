@@ -114,7 +114,9 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
     answers = {}
     for mode in ("none", "gguf"):
         with caplog.at_level(logging.INFO):
-            llm = LLM(path, num_kv_blocks=64, quantization=mode)
+            # Unset, quantization is what the file holds: gguf.
+            llm = LLM(path, num_kv_blocks=64, quantization=None if mode == "gguf" else mode)
+        assert llm.engine.runner.quantization == mode
         chats = [
             llm.tokenizer.apply_chat_template(
                 [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
