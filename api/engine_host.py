@@ -119,6 +119,7 @@ def engine_host_app(
     model = engine.engine.model_name
     figures: dict[str, Any] = {"running": 0, "waiting": 0, "kv_usage": 0.0}
     engine_settings = settings_in_force(engine.engine)
+    resident = engine.engine.resident.as_dict()
     rate = TokenRate()
     beats = 0
 
@@ -143,6 +144,7 @@ def engine_host_app(
             max_admitted=admission.limit,
             beat=beats,
             settings=engine_settings,
+            resident=resident,
             **figures,
         )
 

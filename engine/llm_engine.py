@@ -32,6 +32,7 @@ from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
 from pagedbatch.engine.worker.model_runner import ModelRunner
+from pagedbatch.engine.worker.resident import ResidentSize
 
 logger = logging.getLogger(__name__)
 
@@ -60,6 +61,9 @@ class LLMEngine:
         except ValueError:
             self.core.runner.shutdown()
             raise
+        # What the model holds in memory (rank 0's share), as get_stats() reports it.
+        self.resident = ResidentSize.of(self.runner.model, self.runner.kv_caches)
+        logger.info("%s resident: %s", self.model_name, self.resident.describe())
         # For callers to make images and clips ready with, off the engine thread; None: the
         # model takes none.
         self.image_processor: ImageProcessor | None = None
@@ -237,6 +241,7 @@ class LLMEngine:
             "kv_usage": pool.usage,
             "kv_blocks_ever_used": pool.blocks_ever_used,
             "kv_bytes_per_block": self.core.runner.kv_bytes_per_block,
+            "resident": self.resident.as_dict(),
             "prefix_cache_queries": pool.prefix_queries,
             "prefix_cache_hits": pool.prefix_hits,
             "preemptions": self.scheduler.num_preemptions,

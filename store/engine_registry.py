@@ -32,6 +32,7 @@ class EngineRecord:
     beat: int  # counts this host's heartbeats: a new value means new figures
     tokens_per_second: float | None = None  # generated, over about the last 10 s
     settings: dict[str, Any] = field(default_factory=dict)  # the engine's, in force
+    resident: dict[str, int] | None = None  # what its model holds in memory (ResidentSize)
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

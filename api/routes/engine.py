@@ -31,6 +31,22 @@ EMBEDDED_ENGINE_ID = "embedded"
 STATS_TIMEOUT_SECONDS = 2.0
 
 
+class ResidentMemory(BaseModel):
+    """What the engine's model holds in memory (on a GPU, device memory), one rank's share;
+    fixed at start."""
+
+    weights_bytes: int = Field(
+        description="Float parameters and buffers (packed copies of weights included)."
+    )
+    quantized_bytes: int = Field(
+        description="Quantized blocks the kernels multiply on (quantization gguf); 0 otherwise."
+    )
+    kv_cache_bytes: int = Field(
+        description="The KV cache, allocated whole at start (on CPU its pages are committed as "
+        "blocks are first used)."
+    )
+
+
 class EngineLoad(BaseModel):
     id: str
     model: str
@@ -40,6 +56,10 @@ class EngineLoad(BaseModel):
     tokens_per_second: float | None = Field(
         description="Tokens generated per second over about the last 10 s; null on the first "
         "reading."
+    )
+    resident: ResidentMemory | None = Field(
+        description="What the engine's model holds in memory; null from a worker that does not "
+        "report it."
     )
     settings: dict[str, Any] | None = Field(
         description="The engine's settings in force (EngineArgs, as PAGEDBATCH_* variables and "
@@ -71,6 +91,7 @@ async def engine_stats(services: ServicesDep, admin: AdminOrTenantDep) -> Engine
                 waiting=h.waiting,
                 kv_usage=h.kv_usage,
                 tokens_per_second=h.tokens_per_second,
+                resident=h.resident,
                 settings=h.settings if admin else None,
             )
             for h in hosts
@@ -92,6 +113,7 @@ async def engine_stats(services: ServicesDep, admin: AdminOrTenantDep) -> Engine
         tokens_per_second=services.generation_rate.update(
             stats["generation_tokens"], time.monotonic()
         ),
+        resident=stats["resident"],
         settings=settings_in_force(engine.engine) if admin else None,
     )
     return EngineStats(available=True, engines=[load])

@@ -293,6 +293,8 @@ def test_engine_stats_are_the_live_hosts_heartbeats(settings, start_host):
     assert engine["id"] == "worker-1" and engine["model"] == "tiny"
     assert (engine["running"], engine["waiting"]) == (0, 0)
     assert engine["tokens_per_second"] >= 0
+    # The host's model, as it reported it at start.
+    assert engine["resident"]["kv_cache_bytes"] > 0 and engine["resident"]["weights_bytes"] > 0
 
 
 def test_a_full_host_answers_429_with_retry_after_through_the_api(settings, start_host):

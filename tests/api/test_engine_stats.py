@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import httpx
 
-LOAD = {"id", "model", "running", "waiting", "kv_usage", "tokens_per_second"}
+LOAD = {"id", "model", "running", "waiting", "kv_usage", "tokens_per_second", "resident"}
 
 
 def stats(url: str, key: str | None = None) -> httpx.Response:
@@ -21,6 +21,9 @@ def test_a_tenant_sees_load_figures_but_no_settings_nor_paths(serve_batches, tin
     [engine] = response.json()["engines"]
     assert engine["settings"] is None
     assert set(engine) == LOAD | {"settings"}
+    # The model's resident size is a load figure, fixed at start.
+    resident = server.embedded.context.engine.engine.resident
+    assert engine["resident"] == resident.as_dict() and resident.kv_cache_bytes > 0
     assert str(tiny_llama) not in response.text
 
 

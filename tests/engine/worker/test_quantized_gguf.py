@@ -126,7 +126,7 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
         outputs = llm.generate(chats, SamplingParams(temperature=0.0, max_tokens=24))
         answers[mode] = [o.outputs[0] for o in outputs]
         if mode == "gguf":
-            model = llm.engine.runner.model
+            model, resident = llm.engine.runner.model, llm.engine.resident
     # Every linear on its blocks, the float weights gone; the tied head on the embedding's.
     linears = [
         m for m in model.modules() if isinstance(m, ColumnParallelLinear | RowParallelLinear)
@@ -137,6 +137,10 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
     (head_blocks, _), lookup = model.lm_head.packed.runs[0], model.embed_tokens.quantized
     assert head_blocks.data_ptr() == lookup.blocks.data_ptr()  # one copy for both
     assert model.embed_tokens.weight.numel() == 0  # its lookups read the blocks
+    # Resident: each linear's blocks and the embedding's once; the float weights are the norms'
+    # and RoPE's tables.
+    assert resident.quantized_bytes == sum(m.packed.nbytes for m in linears) + lookup.blocks.numel()
+    assert resident.weights_bytes < 4 * 2**20
     logged = "121 linears compute on their GGUF blocks: 92.0 MiB; the model's other parameters"
     assert f"{logged} hold 0.1 MiB" in caplog.text
 
