@@ -20,10 +20,12 @@ from pagedbatch.engine.worker.models.gemma2 import Gemma2ForCausalLM
 from pagedbatch.engine.worker.models.gemma3 import Gemma3ForCausalLM
 from pagedbatch.engine.worker.models.llama import LlamaForCausalLM, LlamaForSequenceClassification
 from pagedbatch.engine.worker.models.llava import LlavaForConditionalGeneration
+from pagedbatch.engine.worker.models.mixtral import MixtralForCausalLM
 from pagedbatch.engine.worker.models.phi3 import Phi3ForCausalLM
 from pagedbatch.engine.worker.models.qwen2_audio import Qwen2AudioForConditionalGeneration
 from pagedbatch.engine.worker.models.qwen2_vl import Qwen2VLForConditionalGeneration
 from pagedbatch.engine.worker.models.qwen3 import Qwen3ForCausalLM
+from pagedbatch.engine.worker.models.qwen3_moe import Qwen3MoeForCausalLM
 
 ENTRY_POINT_GROUP = "pagedbatch.models"
 
@@ -43,6 +45,8 @@ _BUILTIN: dict[str, type[torch.nn.Module]] = {
     "Qwen3ForCausalLM": Qwen3ForCausalLM,
     "Phi3ForCausalLM": Phi3ForCausalLM,
     "Gemma2ForCausalLM": Gemma2ForCausalLM,
+    "MixtralForCausalLM": MixtralForCausalLM,
+    "Qwen3MoeForCausalLM": Qwen3MoeForCausalLM,
     "LlavaForConditionalGeneration": LlavaForConditionalGeneration,
     "Qwen2VLForConditionalGeneration": Qwen2VLForConditionalGeneration,
     "Qwen2AudioForConditionalGeneration": Qwen2AudioForConditionalGeneration,

@@ -20,14 +20,15 @@ from pagedbatch.engine.worker.parallel_layers import (
 class ParameterLoads:
     """The parameters of `model` (a tied one once, under its first name) and which of their
     slots have been filled: a parameter has one slot, a fused one (a `ColumnParallelLinear` of
-    several parts) one per part, named `name#part`."""
+    several parts, or a module whose `parts_of(name)` says how many, as the experts of a
+    mixture) one per part, named `name#part`."""
 
     def __init__(self, model: nn.Module):
         self.params = dict(model.named_parameters())
         self.slots: set[str] = set()
         for name in self.params:
-            owner = model.get_submodule(name.rpartition(".")[0])
-            parts = len(owner.sizes) if isinstance(owner, ColumnParallelLinear) else 1
+            owner_name, _, leaf = name.rpartition(".")
+            parts = _parts(model.get_submodule(owner_name), leaf)
             self.slots |= {f"{name}#{i}" for i in range(parts)} if parts > 1 else {name}
         self._filled: set[str] = set()
 
@@ -57,3 +58,11 @@ class ParameterLoads:
         )
         if missing:
             raise ValueError(f"checkpoint lacks tensors for: {', '.join(missing[:8])}")
+
+
+def _parts(owner: nn.Module, leaf: str) -> int:
+    """How many parts `owner`'s parameter `leaf` loads in."""
+    if isinstance(owner, ColumnParallelLinear):
+        return len(owner.sizes)
+    parts_of = getattr(owner, "parts_of", None)
+    return 1 if parts_of is None else parts_of(leaf)
