@@ -65,6 +65,7 @@ def test_the_embedded_engine_reports_its_load_and_rate(serve_batches):
         assert first["available"] is True
         [engine] = first["engines"]
         assert engine.pop("settings")["served_model_name"] == "tiny"  # test_engine_settings.py
+        assert engine.pop("resident")["kv_cache_bytes"] > 0  # test_engine_stats.py
         assert engine == {
             "id": "embedded",
             "model": "tiny",
