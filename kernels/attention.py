@@ -358,6 +358,16 @@ def _build_plan(
     return _Plan(_decode_chunks(meta, decode, starts, window, dtype, max_rows), prefill)
 
 
+def decode_rows(meta: AttentionMetadata, sliding_window: int | None) -> _DecodeRows | None:
+    """The C decode kernel's rows of a step whose sequences all have one query token (the plan
+    `paged_attention` follows on a CPU with the C kernels); None for any other step."""
+    if meta.max_query_len != 1:
+        return None
+    if sliding_window is not None and sliding_window >= meta.max_seq_len:
+        sliding_window = None
+    return _plan(meta, sliding_window, torch.float32, 0, True).decode_rows
+
+
 def _first_key(position: int, window: int | None) -> int:
     """The earliest key a query at `position` attends."""
     return 0 if window is None else max(0, position - window + 1)

@@ -1,5 +1,5 @@
-"""The CPU kernels written in C (`cpu_attention.c`, `cpu_rotary.c`, `quant_matmul.c`), compiled
-on first use with the machine's C compiler and loaded with ctypes.
+"""The CPU kernels written in C (`cpu_attention.c`, `cpu_rotary.c`, `quant_matmul.c`,
+`decode_layer.c`), compiled on first use with the machine's C compiler and loaded with ctypes.
 
 They are plain C with OpenMP, not a torch extension: compiling one takes about a second, where a
 file including torch's headers takes a minute. The library is built for this CPU
@@ -28,7 +28,8 @@ logger = logging.getLogger(__name__)
 
 SETTING = "PAGEDBATCH_NATIVE_KERNELS"
 SOURCES = tuple(
-    Path(__file__).with_name(name) for name in ("cpu_attention.c", "cpu_rotary.c", "quant_matmul.c")
+    Path(__file__).with_name(name)
+    for name in ("cpu_attention.c", "cpu_rotary.c", "quant_matmul.c", "decode_layer.c")
 )
 # -std=c11 alone would turn off fused multiply-adds (ISO C's default contraction rule).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -62,6 +63,10 @@ SIGNATURES: dict[str, list[type]] = {
     "quant_dequantize": [
         _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
         _i32, _ptr,  # threads, out
+    ],
+    "quant_decode_layer": [
+        _ptr, _ptr,  # the layer's struct, the step's (decode_layer.py)
+        _ptr, _ptr, _i32, _ptr,  # x, residual, whether there is one, out
     ],
     "quant_kernel_isa": [],
 }  # fmt: skip

@@ -58,7 +58,7 @@ def build_portable(tmp_path) -> ctypes.CDLL:
     target = tmp_path / "quant_portable.so"
     flags = [f for f in native.FLAGS if f != "-march=native"]
     compiler = shutil.which("cc") or shutil.which("gcc")
-    source = str(native.SOURCES[-1])
+    source = next(str(s) for s in native.SOURCES if s.name == "quant_matmul.c")
     subprocess.run([compiler, *flags, source, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
     for name in ("quant_matmul_float", "quant_matmul_int8", "quant_dequantize", "quant_kernel_isa"):

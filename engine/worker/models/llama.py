@@ -26,8 +26,10 @@ from pagedbatch.engine.worker.parallel_layers import (
     RowParallelLinear,
     VocabParallelEmbedding,
 )
-from pagedbatch.kernels import ops
+from pagedbatch.kernels import native, ops
 from pagedbatch.kernels.attention import AttentionMetadata
+from pagedbatch.kernels.decode_layer import DecodeLayer, DecodeStep, LayerShape, fusable, run_layer
+from pagedbatch.kernels.quant_linear import SMALL_BATCH
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -142,6 +144,49 @@ class DecoderLayer(nn.Module):
         return self.mlp(x), residual
 
 
+def decode_layers(layers: Iterable[nn.Module], kv_caches: list[KVCache]) -> list[DecodeLayer]:
+    """The layers as `decode_layer.c` runs them on a decode step, where every one is a plain
+    Llama layer (no subclass's changes) on quantized weights without biases, with float32 KV
+    caches and the C kernels built; [] where any is not."""
+    if native.library() is None:
+        return []
+    fused = []
+    for layer, (key_cache, value_cache) in zip(layers, kv_caches, strict=True):
+        if not (
+            type(layer) is DecoderLayer
+            and type(attn := layer.self_attn) is Attention
+            and type(layer.mlp) is MLP
+            and type(layer.input_layernorm) is RMSNorm
+            and type(layer.post_attention_layernorm) is RMSNorm
+            and type(attn.rotary) is RotaryEmbedding
+            and attn.rotary.rope_type != "dynamic"
+            and key_cache.dtype == value_cache.dtype == torch.float32
+        ):
+            return []
+        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
+        if not all(fusable(m.packed) and m.bias is None and m.tp.size == 1 for m in linears):
+            return []
+        shape = LayerShape(
+            attn.num_heads,
+            attn.num_kv_heads,
+            attn.head_dim,
+            layer.input_layernorm.eps,
+            attn.scale,
+            attn.sliding_window,
+        )
+        norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight)
+        fused.append(
+            DecodeLayer(
+                tuple(m.packed for m in linears),
+                (norms[0], norms[1].detach()),
+                shape,
+                attn.rotary.cos_sin_cache,
+                (key_cache, value_cache),
+            )
+        )
+    return fused
+
+
 class LlamaForCausalLM(nn.Module):
     # checkpoint name fragment -> (fused parameter fragment, shard index)
     _FUSED = {
@@ -191,11 +236,54 @@ class LlamaForCausalLM(nn.Module):
         """Hidden states of every token in the flattened batch; `inputs_embeds`, where given,
         replace the tokens' embeddings (a vision-language model's, with its images in)."""
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
-        residual = None
-        for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
-            x, residual = layer(positions, x, residual, kv_cache, meta)
+        fused = self._fused_decode(x, positions, kv_caches, meta)
+        if fused is not None:
+            x, residual = fused
+        else:
+            residual = None
+            for layer, kv_cache in zip(self.layers, kv_caches, strict=True):
+                x, residual = layer(positions, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    # The layers as decode_layer.c runs them ([] where it cannot: see `decode_layers`), made on
+    # the first decode step, once the KV caches exist; and the key cache they were made with.
+    _decode_layers: tuple[torch.Tensor, list[DecodeLayer]] | None = None
+
+    def _fused_decode(
+        self,
+        x: torch.Tensor,
+        positions: torch.Tensor,
+        kv_caches: list[KVCache],
+        meta: AttentionMetadata,
+    ) -> tuple[torch.Tensor, torch.Tensor] | None:
+        """(x, residual) after every layer, each in one C call, on a step of a few one-token
+        sequences; None where the layers take their torch path."""
+        if not (
+            meta.max_query_len == 1
+            and x.shape[0] <= SMALL_BATCH
+            and x.dtype == torch.float32
+            and x.device.type == "cpu"
+            and positions.dim() == 1
+            and kv_caches
+        ):
+            return None
+        if self._decode_layers is None or self._decode_layers[0] is not kv_caches[0][0]:
+            self._decode_layers = (kv_caches[0][0], decode_layers(self.layers, kv_caches))
+        layers = self._decode_layers[1]
+        if not layers:
+            return None
+        x = x.contiguous().clone()  # written in place: an embedding given may be kept elsewhere
+        residual = torch.empty_like(x)
+        steps: dict[int | None, DecodeStep | None] = {}
+        for i, layer in enumerate(layers):
+            window = layer.shape.sliding_window
+            if window not in steps:
+                steps[window] = DecodeStep.of(meta, positions, window)
+            step = steps[window]
+            assert step is not None  # a step of one-token sequences has decode rows
+            run_layer(layer, step, x, residual, has_residual=i > 0)
+        return x, residual
 
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
         """Logits over the whole vocabulary, on every rank."""

@@ -1,0 +1,140 @@
+/* A Llama decoder layer for a decode step on quantized weights, in one call: on a step of a few
+ * one-token sequences the layer's arithmetic is small, and the two dozen torch ops and Python
+ * frames a layer takes otherwise cost as much as reading its weights (SmolLM2-135M, one
+ * request: about half the step).
+ *
+ * The layer, for n tokens (rows of x), as models/llama.py's DecoderLayer computes it:
+ *   r = x + residual (or x, for the first layer)           the residual stream, written back
+ *   h = rms_norm(r) * norm1
+ *   q, k, v = h @ qkv.T; q and k rotated by position (cpu_rotary.c, bitwise torch's formula)
+ *   k and v written to the token's cache slot; q attends its sequence (cpu_attention.c)
+ *   r = r + attention @ o.T; h = rms_norm(r) * norm2
+ *   out = (silu(h @ gate.T) * (h @ up.T)) @ down.T
+ * The matrix products are quant_matmul.c's streaming paths. The norms and SiLU are computed here
+ * in float32, their sums in another order than torch's: results differ from the unfused layer's
+ * in the last bits, as quantization gguf's products already do from exact mode's.
+ */
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                       int64_t n, int num_threads, float *out);
+int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                      int64_t n, int num_threads, float *out);
+int rotary_embedding(const int64_t *positions, int64_t num_tokens, const float *query,
+                     int64_t q_stride, int64_t q_heads, const float *key, int64_t k_stride,
+                     int64_t k_heads, int64_t head_dim, const float *cos_sin, int64_t rows,
+                     int num_threads, float *q_out, float *k_out);
+int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
+                           const int32_t *block_tables, int64_t table_width,
+                           const int64_t *token_rows, const int64_t *table_rows,
+                           const int64_t *first_keys, const int64_t *seq_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int num_threads, float *out);
+
+/* A linear's weight in one run of blocks (quant_linear.QuantizedWeight). */
+struct quant_linear {
+    int32_t type;  /* ggml type */
+    int32_t int8;  /* nonzero: int8 activations (quant_matmul_int8) */
+    const uint8_t *blocks;
+    int64_t rows, cols;
+};
+
+/* What a layer holds: fixed from load on (decode_layer.py builds it once). */
+struct decode_layer {
+    struct quant_linear qkv, o, gate_up, down;
+    const float *norm1, *norm2;
+    float eps, scale;
+    int64_t heads, kv_heads, head_dim;
+    const float *cos_sin;
+    int64_t cos_sin_rows;
+    float *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    int64_t block_size;
+};
+
+/* What a step gives every layer: its tokens' positions and cache slots, and the decode rows of
+ * attention.py's plan (sequence i's query is token token_rows[i]). */
+struct decode_step {
+    int64_t tokens;
+    const int64_t *positions, *slots;
+    const int32_t *tables;
+    int64_t table_width;
+    const int64_t *token_rows, *table_rows, *first_keys, *seq_lens;
+    int64_t seqs;
+    int32_t threads;
+};
+
+static int matmul(const struct quant_linear *w, const float *x, int64_t n, int threads,
+                  float *out) {
+    return (w->int8 ? quant_matmul_int8 : quant_matmul_float)(w->type, w->blocks, w->rows,
+                                                              w->cols, x, n, threads, out);
+}
+
+/* out = x / sqrt(mean(x^2) + eps) * weight, one row of `size`. */
+static void rms_norm_row(const float *x, const float *weight, int64_t size, float eps,
+                         float *out) {
+    float sum = 0.0f;
+#pragma omp simd reduction(+ : sum)
+    for (int64_t i = 0; i < size; ++i) sum += x[i] * x[i];
+    const float inverse = 1.0f / sqrtf(sum / (float)size + eps);
+#pragma omp simd
+    for (int64_t i = 0; i < size; ++i) out[i] = weight[i] * (x[i] * inverse);
+}
+
+/* Returns 0; -1 where a position has no row in the rotary table, -2 where scratch or the
+ * attention's scores could not be allocated. `out` may be `x`. */
+int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s, const float *x,
+                       float *residual, int32_t has_residual, float *out) {
+    const int64_t n = s->tokens, hidden = l->o.rows, inter = l->down.cols;
+    const int64_t q_size = l->heads * l->head_dim, kv_size = l->kv_heads * l->head_dim;
+    const int64_t qkv_size = q_size + 2 * kv_size, threads = s->threads;
+    float *scratch = malloc(sizeof(float) * (size_t)(n * (hidden + qkv_size + 2 * q_size +
+                                                          kv_size + 3 * inter)));
+    if (!scratch) return -2;
+    float *h = scratch, *qkv = h + n * hidden, *q = qkv + n * qkv_size, *k = q + n * q_size;
+    float *attn = k + n * kv_size, *gate_up = attn + n * q_size, *act = gate_up + n * 2 * inter;
+    int status = 0;
+
+    for (int64_t t = 0; t < n; ++t) {
+        float *r = residual + t * hidden;
+        const float *xt = x + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) r[i] = has_residual ? xt[i] + r[i] : xt[i];
+        rms_norm_row(r, l->norm1, hidden, l->eps, h + t * hidden);
+    }
+    if ((status = matmul(&l->qkv, h, n, threads, qkv))) goto done;
+    status = rotary_embedding(s->positions, n, qkv, qkv_size, l->heads, qkv + q_size, qkv_size,
+                              l->kv_heads, l->head_dim, l->cos_sin, l->cos_sin_rows, 1, q, k);
+    if (status) goto done;
+    for (int64_t t = 0; t < n; ++t) {
+        const int64_t slot = s->slots[t] * kv_size;
+        memcpy(l->key_cache + slot, k + t * kv_size, sizeof(float) * kv_size);
+        memcpy(l->value_cache + slot, qkv + t * qkv_size + q_size + kv_size,
+               sizeof(float) * kv_size);
+    }
+    if (paged_decode_attention(q, l->key_cache, l->value_cache, s->tables, s->table_width,
+                               s->token_rows, s->table_rows, s->first_keys, s->seq_lens, s->seqs,
+                               l->heads, l->kv_heads, l->head_dim, l->block_size, l->scale,
+                               (int)threads, attn)) {
+        status = -2;
+        goto done;
+    }
+    float *o = h; /* h is read no more */
+    if ((status = matmul(&l->o, attn, n, threads, o))) goto done;
+    for (int64_t t = 0; t < n; ++t) {
+        float *r = residual + t * hidden;
+        for (int64_t i = 0; i < hidden; ++i) r[i] += o[t * hidden + i];
+        rms_norm_row(r, l->norm2, hidden, l->eps, h + t * hidden);
+    }
+    if ((status = matmul(&l->gate_up, h, n, threads, gate_up))) goto done;
+    for (int64_t t = 0; t < n; ++t) {
+        const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
+        for (int64_t i = 0; i < inter; ++i)
+            act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+    }
+    status = matmul(&l->down, act, n, threads, out);
+done:
+    free(scratch);
+    return status;
+}

@@ -1,0 +1,144 @@
+"""A Llama decoder layer on quantized weights, run for a decode step in one C call
+(`decode_layer.c`): the norms, the four products, rotary, the cache write, attention and SiLU,
+where the layer otherwise takes two dozen torch ops and their Python frames.
+
+`DecodeLayer` holds what a layer's call needs from load on (pointers into the weights, the norm
+weights, the rotary table, the layer's KV cache); `DecodeStep` what a step gives every layer (its
+tokens' positions and cache slots, the attention kernel's rows). Both keep the tensors they point
+into alive. The caller checks that the layer is one this computes (see models/llama.py).
+"""
+
+from __future__ import annotations
+
+import ctypes
+from dataclasses import dataclass
+
+import torch
+
+from pagedbatch.kernels import native
+from pagedbatch.kernels.attention import AttentionMetadata, decode_rows
+from pagedbatch.kernels.quant_linear import QuantizedWeight
+
+_i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
+
+
+class _Linear(ctypes.Structure):
+    _fields_ = [("type", _i32), ("int8", _i32), ("blocks", _ptr), ("rows", _i64), ("cols", _i64)]
+
+
+class _Layer(ctypes.Structure):
+    _fields_ = [
+        *((name, _Linear) for name in ("qkv", "o", "gate_up", "down")),
+        ("norm1", _ptr), ("norm2", _ptr), ("eps", _f32), ("scale", _f32),
+        ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
+        ("cos_sin", _ptr), ("cos_sin_rows", _i64),
+        ("key_cache", _ptr), ("value_cache", _ptr), ("block_size", _i64),
+    ]  # fmt: skip
+
+
+class _Step(ctypes.Structure):
+    _fields_ = [
+        ("tokens", _i64), ("positions", _ptr), ("slots", _ptr),
+        ("tables", _ptr), ("table_width", _i64),
+        ("token_rows", _ptr), ("table_rows", _ptr), ("first_keys", _ptr), ("seq_lens", _ptr),
+        ("seqs", _i64), ("threads", _i32),
+    ]  # fmt: skip
+
+
+def fusable(weight: object) -> bool:
+    """Whether a linear's weight is one `DecodeLayer` multiplies with: blocks of one format."""
+    return isinstance(weight, QuantizedWeight) and len(weight.runs) == 1
+
+
+def _linear(weight: QuantizedWeight) -> _Linear:
+    ((blocks, fmt),) = weight.runs
+    return _Linear(fmt.ggml_type, int(weight.int8), blocks.data_ptr(), blocks.shape[0], weight.cols)
+
+
+@dataclass(frozen=True)
+class LayerShape:
+    heads: int
+    kv_heads: int
+    head_dim: int
+    eps: float
+    scale: float  # attention's
+    sliding_window: int | None
+
+
+class DecodeLayer:
+    """One layer's weights and KV cache, as `quant_decode_layer` reads them."""
+
+    def __init__(
+        self,
+        linears: tuple[QuantizedWeight, QuantizedWeight, QuantizedWeight, QuantizedWeight],
+        norms: tuple[torch.Tensor, torch.Tensor],
+        shape: LayerShape,
+        cos_sin: torch.Tensor,
+        kv_cache: tuple[torch.Tensor, torch.Tensor],
+    ):
+        qkv, o, gate_up, down = linears
+        self.shape = shape
+        # Kept alive: the structure points into them.
+        self._tensors = (*norms, cos_sin.contiguous(), *kv_cache)
+        norm1, norm2, table, key_cache, value_cache = self._tensors
+        self.struct = _Layer(
+            _linear(qkv), _linear(o), _linear(gate_up), _linear(down),
+            norm1.data_ptr(), norm2.data_ptr(), shape.eps, shape.scale,
+            shape.heads, shape.kv_heads, shape.head_dim,
+            table.data_ptr(), table.shape[0],
+            key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
+        )  # fmt: skip
+        self.hidden = o.rows
+
+
+class DecodeStep:
+    """A step's tokens for every layer of one sliding window; None from `of` where the step is
+    not one-token sequences only."""
+
+    def __init__(self, struct: _Step, tensors: tuple[torch.Tensor, ...]):
+        self.struct = struct
+        self._tensors = tensors
+
+    @classmethod
+    def of(
+        cls, meta: AttentionMetadata, positions: torch.Tensor, window: int | None
+    ) -> DecodeStep | None:
+        rows = decode_rows(meta, window)
+        if rows is None:
+            return None
+        positions = positions.to(torch.int64).contiguous()
+        slots = meta.slot_mapping.to(torch.int64).contiguous()
+        struct = _Step(
+            positions.numel(), positions.data_ptr(), slots.data_ptr(),
+            rows.tables.data_ptr(), rows.tables.shape[1],
+            rows.token_rows.data_ptr(), rows.table_rows.data_ptr(),
+            rows.first_keys.data_ptr(), rows.seq_lens.data_ptr(),
+            rows.token_rows.numel(), torch.get_num_threads(),
+        )  # fmt: skip
+        tensors = (positions, slots, rows.tables, rows.token_rows, rows.table_rows)
+        return cls(struct, (*tensors, rows.first_keys, rows.seq_lens))
+
+
+def run_layer(
+    layer: DecodeLayer,
+    step: DecodeStep,
+    x: torch.Tensor,
+    residual: torch.Tensor,
+    has_residual: bool,
+) -> None:
+    """The layer on x `[tokens, hidden]` (float32, contiguous), overwritten with its output;
+    `residual` (the same shape) becomes x + residual (x alone without `has_residual`) plus the
+    attention's output: the residual stream the next layer adds to."""
+    lib = native.library()
+    if lib is None:
+        raise RuntimeError("the fused decode layer needs the C kernels")
+    status = lib.quant_decode_layer(
+        ctypes.byref(layer.struct), ctypes.byref(step.struct),
+        x.data_ptr(), residual.data_ptr(), int(has_residual), x.data_ptr(),
+    )  # fmt: skip
+    if status == -1:
+        raise IndexError("a position is past the rotary table")
+    if status == -2:
+        raise MemoryError("the fused decode layer could not allocate its scratch")
+    if status != 0:
+        raise ValueError("the C kernels do not read this layer's weight format")

@@ -1,0 +1,153 @@
+"""A decode step's layers in one C call each (`decode_layer.c`, through models/llama.py) against
+the same layers' torch path: the same hidden states and KV cache entries to float32's rounding
+(the norms' and SiLU's sums run in another order), for a Llama on quantized weights; other
+steps and other layers keep the torch path."""
+
+from __future__ import annotations
+
+import shutil
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from gguf import GGMLQuantizationType
+from gguf.quants import quantize
+from safetensors.torch import load_file
+
+from pagedbatch.engine import LLM
+from pagedbatch.engine.worker.models import llama
+from pagedbatch.engine.worker.models.llama import decode_layers
+from pagedbatch.kernels.attention import prepare_attention
+from pagedbatch.kernels.decode_layer import run_layer
+from pagedbatch.kernels.quant_blocks import Format
+from pagedbatch.kernels.quant_linear import SMALL_BATCH, QuantizedTensor, QuantizedWeight
+
+pytestmark = pytest.mark.skipif(
+    shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
+)
+
+PARTS = {
+    "qkv_proj": ("self_attn", ("q_proj", "k_proj", "v_proj")),
+    "o_proj": ("self_attn", ("o_proj",)),
+    "gate_up_proj": ("mlp", ("gate_proj", "up_proj")),
+    "down_proj": ("mlp", ("down_proj",)),
+}
+
+
+def quantized_model(checkpoint: Path, fmt: Format) -> tuple[LLM, torch.nn.Module]:
+    """The checkpoint's engine with every decoder linear on its weights quantized to `fmt`."""
+    llm = LLM(checkpoint, num_kv_blocks=32)
+    model = llm.engine.runner.model
+    weights = load_file(str(checkpoint / "model.safetensors"))
+    kind = GGMLQuantizationType(fmt.ggml_type)
+    for i, layer in enumerate(model.layers):
+        for fused, (block, names) in PARTS.items():
+            parts = []
+            for name in names:
+                w = weights[f"model.layers.{i}.{block}.{name}.weight"].numpy()
+                blocks = quantize(w.astype(np.float32), kind)
+                parts.append(QuantizedTensor(torch.from_numpy(blocks), fmt, w.shape[1]))
+            getattr(getattr(layer, block), fused).packed = QuantizedWeight.join(parts)
+    return llm, model
+
+
+def decode_step(llm: LLM, seq_lens: list[int]) -> tuple:
+    """A step of one token for each sequence, its earlier keys and values random in the cache."""
+    runner = llm.engine.runner
+    block_size = runner.block_size
+    generator = torch.Generator().manual_seed(len(seq_lens))
+    for key_cache, value_cache in runner.kv_caches:
+        key_cache.copy_(torch.randn(key_cache.shape, generator=generator))
+        value_cache.copy_(torch.randn(value_cache.shape, generator=generator))
+    width = max(-(-n // block_size) for n in seq_lens)
+    tables, next_block = [], 0
+    for n in seq_lens:
+        used = -(-n // block_size)
+        tables.append([*range(next_block, next_block + used), *[0] * (width - used)])
+        next_block += used
+    meta = prepare_attention(
+        query_start_loc=torch.arange(len(seq_lens) + 1),
+        seq_lens=torch.tensor(seq_lens),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        block_size=block_size,
+    )
+    vocab = llm.engine.model_config.vocab_size
+    ids = torch.randint(0, vocab, (len(seq_lens),), generator=generator)
+    return ids, meta
+
+
+def layers_one_by_one(model, ids, meta, kv_caches) -> torch.Tensor:
+    """The model's torch path: each layer's own forward."""
+    x, residual = model.embed_tokens(ids), None
+    for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
+        x, residual = layer(meta.positions, x, residual, kv_cache, meta)
+    return model.norm(x, residual)[0]
+
+
+@pytest.fixture
+def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """One entry per layer run in one call: `run_layer` counted as models/llama.py calls it."""
+    calls: list[int] = []
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return run_layer(*args, **kwargs)
+
+    monkeypatch.setattr(llama, "run_layer", counted)
+    return calls
+
+
+@pytest.mark.parametrize("fmt", [Format.Q4_1, Format.Q8_0, Format.Q5_0])
+@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 70, 17], list(range(9, 9 + SMALL_BATCH))])
+@torch.inference_mode()
+def test_a_decode_step_in_one_call_a_layer_matches_the_layers_torch_path(
+    tiny_llama, fmt, seq_lens, fused_calls
+):
+    llm, model = quantized_model(tiny_llama, fmt)
+    kv_caches = llm.engine.runner.kv_caches
+    ids, meta = decode_step(llm, seq_lens)
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    slots = meta.slot_mapping
+    written = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
+               for k, v in kv_caches]  # fmt: skip
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    for (k, v), (k_torch, v_torch) in zip(kv_caches, written, strict=True):
+        torch.testing.assert_close(k.view(-1, *k.shape[2:])[slots], k_torch, rtol=1e-4, atol=1e-4)
+        torch.testing.assert_close(v.view(-1, *v.shape[2:])[slots], v_torch, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_a_sliding_window_is_followed(make_checkpoint, fused_calls):
+    llm, model = quantized_model(make_checkpoint("mistral", sliding_window=48), Format.Q8_0)
+    kv_caches = llm.engine.runner.kv_caches
+    assert model.layers[0].self_attn.sliding_window == 48
+    ids, meta = decode_step(llm, [48 + 40, 3])
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@torch.inference_mode()
+def test_prefills_and_large_batches_keep_the_torch_path(tiny_llama, fused_calls):
+    llm, model = quantized_model(tiny_llama, Format.Q8_0)
+    kv_caches = llm.engine.runner.kv_caches
+    ids, meta = decode_step(llm, list(range(9, 10 + SMALL_BATCH)))
+    prefill = prepare_attention(
+        torch.tensor([0, 3]), torch.tensor([3]), meta.block_tables[:1], meta.block_size
+    )
+    for step_ids, step in ((ids, meta), (ids[:3], prefill)):
+        expected = layers_one_by_one(model, step_ids, step, kv_caches)
+        assert torch.equal(model(step_ids, step.positions, kv_caches, step), expected)
+    assert fused_calls == []
+
+
+def test_float_weights_and_biased_projections_are_not_fused(tiny_llama, tiny_qwen2):
+    runner = LLM(tiny_llama, num_kv_blocks=16).engine.runner
+    assert decode_layers(runner.model.layers, runner.kv_caches) == []
+    llm, qwen2 = quantized_model(tiny_qwen2, Format.Q8_0)
+    assert qwen2.layers[0].self_attn.qkv_proj.bias is not None
+    assert decode_layers(qwen2.layers, llm.engine.runner.kv_caches) == []
