@@ -26,6 +26,7 @@ from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.core.request import Request, RequestStatus, TokenLogprob
 from pagedbatch.engine.core.scheduler import ScheduledRequest, Scheduler
 from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
+from pagedbatch.engine.sample import prompt_logprobs
 from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sample.sampler import Sampler, edits_logits
 from pagedbatch.engine.sample.structured_output import StructuredOutput
@@ -207,6 +208,9 @@ class EngineCore:
                 block_tables = self.kv.block_table.gather(ids)
             encoder = self.encoder_cache.take_work() if self.encoder_cache is not None else None
             logits = self.runner.execute(out.scheduled, block_tables, encoder)
+            scored, self.runner.scored_prompt = self.runner.scored_prompt, None
+            if scored is not None:
+                prompt_logprobs.record(out.scheduled, scored)
             if self.pooling is not None:
                 pooled = self._pool(out.scheduled, logits)
             else:

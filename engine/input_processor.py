@@ -102,6 +102,7 @@ class InputProcessor:
                     media=tuple(media),
                     mrope_positions=positions,
                     mrope_delta=delta,
+                    scores_prompt=i == 0 and params.prompt_logprobs is not None,
                 )
             )
         return children

@@ -28,7 +28,7 @@ from dataclasses import dataclass, field
 
 from transformers import PreTrainedTokenizerBase
 
-from pagedbatch.engine.core.request import Request, RequestStatus
+from pagedbatch.engine.core.request import Request, RequestStatus, TokenLogprob
 from pagedbatch.engine.detokenizer import IncrementalDetokenizer
 from pagedbatch.engine.engine_core import CoreOutput, EngineCore, SampledToken
 from pagedbatch.engine.metrics.step import StepStats
@@ -43,6 +43,7 @@ class _RequestState:
     order: int  # when it was added: outputs come in this order
     kind: RequestOutputKind
     completions: list[_Completion] = field(default_factory=list)
+    sent_prompt_logprobs: bool = False  # DELTA: an output carried them
 
 
 @dataclass(eq=False)
@@ -212,6 +213,7 @@ class OutputProcessor:
             request_id=state.request_id,
             prompt_token_ids=first.prompt_token_ids,
             outputs=completions,
+            prompt_logprobs=_prompt_logprobs(state),
             finished=finished,
             num_cached_tokens=first.num_cached_tokens,
             num_image_tokens=media_tokens(first.media, "image"),
@@ -244,6 +246,19 @@ def _pooling_output(state: _RequestState) -> RequestOutput | None:
         metrics=_metrics(request),
         embedding=request.embedding,
     )
+
+
+def _prompt_logprobs(state: _RequestState) -> list[TokenLogprob | None] | None:
+    """The prompt's logprobs, once its first completion has scored all of it (None for its first
+    token); a DELTA request's only in its first output that has them."""
+    request = state.completions[0].request
+    if not request.scores_prompt or len(request.prompt_logprobs) < request.num_prompt_tokens - 1:
+        return None
+    if state.kind is RequestOutputKind.DELTA:
+        if state.sent_prompt_logprobs:
+            return None
+        state.sent_prompt_logprobs = True
+    return [None, *request.prompt_logprobs]
 
 
 def _cumulative(completion: _Completion) -> CompletionOutput:

@@ -56,6 +56,10 @@ class RequestOutput:
     num_audio_tokens: int = 0  # prompt tokens that audio clips' embeddings fill
     error: str | None = None
     metrics: RequestMetrics | None = None
+    # Each prompt token's logprob (None for the first, which nothing precedes), when
+    # `SamplingParams.prompt_logprobs` asked; set once the prompt has run (a DELTA request's
+    # outputs carry it once).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
     # An embedding model's request: its vector (1-D float32, pooled, cut to the dimensions
     # asked for and normalized as asked), and `outputs` is empty. None where it did not finish
     # (aborted, timed out: `error` says which where it failed).
@@ -85,6 +89,7 @@ class RequestOutput:
             old.refusal = new.refusal or old.refusal
         self.outputs.sort(key=lambda completion: completion.index)
         self.finished = later.finished
+        self.prompt_logprobs = self.prompt_logprobs or later.prompt_logprobs
         self.num_cached_tokens = later.num_cached_tokens
         self.error = later.error
         self.metrics = later.metrics

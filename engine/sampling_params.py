@@ -59,6 +59,9 @@ class SamplingParams:
     include_stop_str_in_output: bool = False
     ignore_eos: bool = False
     logprobs: int | None = None  # top-k logprobs per generated token; 0 = the sampled token only
+    # vLLM's: each prompt token's logprob and the top-k at its position (see
+    # sample.prompt_logprobs); on the output as `prompt_logprobs`, None for the first token.
+    prompt_logprobs: int | None = None
     skip_special_tokens: bool = True
     # Added to the named tokens' logits before sampling (OpenAI's logit_bias); the engine checks
     # the ids against the model's vocabulary.
@@ -85,7 +88,8 @@ class SamplingParams:
             value = got[0] if got else getattr(self, name)
             return ValueError(f"{name} {why}, got {value!r}")
 
-        for name in ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs"):
+        integers = ("n", "max_tokens", "min_tokens", "top_k", "seed", "logprobs", "prompt_logprobs")
+        for name in integers:
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or isinstance(value, bool)):
                 raise bad(name, "must be an integer")
@@ -113,6 +117,8 @@ class SamplingParams:
             raise bad("repetition_penalty", "must be positive and finite")
         if self.logprobs is not None and not 0 <= self.logprobs <= MAX_LOGPROBS:
             raise bad("logprobs", f"must be between 0 and {MAX_LOGPROBS}")
+        if self.prompt_logprobs is not None and not 0 <= self.prompt_logprobs <= MAX_LOGPROBS:
+            raise bad("prompt_logprobs", f"must be between 0 and {MAX_LOGPROBS}")
         if len(self.stop) > MAX_STOP_STRINGS:
             raise bad("stop", f"must hold at most {MAX_STOP_STRINGS} strings", len(self.stop))
         if stops := [s for s in self.stop if not _is_stop(s)]:

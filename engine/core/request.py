@@ -117,6 +117,11 @@ class Request:
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
     output_logprobs: list[TokenLogprob] = field(default_factory=list)
+    # Whether this completion scores its prompt (`sampling_params.prompt_logprobs`; the first of
+    # a request's completions does it for all), and the logprobs of prompt tokens 1, 2, ...
+    # scored so far (see `sample.prompt_logprobs`).
+    scores_prompt: bool = False
+    prompt_logprobs: list[TokenLogprob] = field(default_factory=list)
     # The first token's raw logits row, float32, when `sampling_params.scores` asks for it.
     scores: torch.Tensor | None = field(default=None, repr=False)
     # A pooling request's: what the chunks computed so far contributed (a mean's running sum,
@@ -172,7 +177,10 @@ class Request:
     @property
     def reads_prefix_cache(self) -> bool:
         """Whether cached KV may stand in for computing its prompt: not where pooling needs the
-        hidden states of every token (a mean) or of the first (CLS), which the cache lacks."""
+        hidden states of every token (a mean) or of the first (CLS), which the cache lacks; nor
+        where the prompt is scored, which needs the logits of every position."""
+        if self.scores_prompt:
+            return False
         return self.pooling_type is None or self.pooling_type == "last"
 
     @property

@@ -21,6 +21,12 @@ import torch
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderWork
 from pagedbatch.engine.core.scheduler import ScheduledRequest
+from pagedbatch.engine.sample.prompt_logprobs import (
+    PromptRows,
+    ScoredRows,
+    prompt_rows,
+    score_rows,
+)
 from pagedbatch.engine.worker import decode_graphs, distributed
 from pagedbatch.engine.worker.decode_graphs import DecodeGraphs
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
@@ -118,6 +124,8 @@ class StepInput:
     media_rows: list[tuple[int, bytes, int, int]] = field(default_factory=list)
     # A model with M-RoPE: every token's positions along time, height and width, [3, tokens].
     mrope_positions: np.ndarray | None = None
+    # The rows whose logits score prompt tokens (requests asking for prompt logprobs).
+    prompt_rows: PromptRows | None = None
 
     @classmethod
     def build(
@@ -134,8 +142,10 @@ class StepInput:
         query_start_loc = [0]
         sample_rows: list[int] = []
         media_rows: list[tuple[int, bytes, int, int]] = []
+        first_rows: list[int] = []
         for s in scheduled:
             first_row = len(input_ids)
+            first_rows.append(first_row)
             for item in s.request.media:
                 start, end = max(s.start, item.offset), min(s.end, item.end)
                 if start < end:
@@ -149,6 +159,7 @@ class StepInput:
             query_start_loc.append(len(input_ids))
             if s.samples:
                 sample_rows.append(len(input_ids) - 1)
+        scoring = prompt_rows(scheduled, first_rows)
         return cls(
             input_ids=input_ids,
             query_start_loc=query_start_loc,
@@ -158,6 +169,7 @@ class StepInput:
             encoder=encoder,
             media_rows=media_rows,
             mrope_positions=np.concatenate(mrope_columns, axis=1) if mrope else None,
+            prompt_rows=scoring if scoring.rows else None,
         )
 
 
@@ -247,6 +259,8 @@ class ModelRunner:
         # Image and audio embeddings by content hash, as the engine's EncoderCache says (a
         # multimodal model's; every rank keeps its own copy).
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
+        # The last step's scored prompt rows (its `prompt_rows`), beside the logits it returned.
+        self.scored_prompt: ScoredRows | None = None
 
     def _load_model(self, rows: int, pack: bool) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
@@ -349,8 +363,7 @@ class ModelRunner:
         if self.decode_graphs is not None and _plain_decode(step):
             hidden = self.decode_graphs.run(step.input_ids, step.seq_lens, step.block_tables)
             if hidden is not None:
-                rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
-                return self.model.compute_logits(hidden[rows]).float()
+                return self._logits(hidden, step)
         meta = prepare_attention(
             query_start_loc=torch.tensor(step.query_start_loc, device=device),
             seq_lens=torch.tensor(step.seq_lens, device=device),
@@ -370,8 +383,15 @@ class ModelRunner:
             hidden = self.model(input_ids, positions, self.kv_caches, meta)
         if self.cfg.pooling is not None:
             return pool_chunks(hidden, step.query_start_loc, self.cfg.pooling.pooling_type)
-        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=device)
-        return self.model.compute_logits(hidden[rows]).float()
+        return self._logits(hidden, step)
+
+    def _logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor:
+        """The sampled rows' logits; the prompt rows' scores kept in `scored_prompt`."""
+        scoring = step.prompt_rows
+        compute = self.model.compute_logits
+        self.scored_prompt = None if scoring is None else score_rows(hidden, scoring, compute)
+        rows = torch.tensor(step.sample_rows, dtype=torch.long, device=hidden.device)
+        return compute(hidden[rows]).float()
 
     def _run_encoder(self, step: StepInput) -> torch.Tensor:
         """An encoder's step: whole sequences, packed, pooled; the pooled rows in the step's

@@ -14,6 +14,7 @@ from pagedbatch.protocol.schemas.common import (
     INT32_MAX,
     FreeJSON,
     Name,
+    PromptLogprobs,
     SamplingRequest,
     Text,
     Usage,
@@ -314,6 +315,7 @@ class ChatCompletion(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     service_tier: str | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
 
 
 class FunctionCallDelta(BaseModel):

@@ -20,7 +20,7 @@ from pydantic import (
     model_validator,
 )
 
-from pagedbatch.engine.sampling_params import MAX_LOGIT_BIAS, MAX_N, MAX_STOP_CHARS
+from pagedbatch.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's bound; the engine's own (MAX_STOP_STRINGS) is looser
 INT32_MAX = 2**31 - 1
@@ -121,6 +121,8 @@ class SamplingRequest(RequestBody):
     repetition_penalty: float = Field(1.0, gt=0.0, le=100.0)
     ignore_eos: bool = False
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
+    # Each prompt token's logprob and the top k at its position (vLLM's max_logprobs bounds k).
+    prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
 
     @field_validator("stream_options")
     @classmethod
@@ -128,6 +130,26 @@ class SamplingRequest(RequestBody):
         if not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
+
+    @field_validator("prompt_logprobs")
+    @classmethod
+    def _not_streamed(cls, value: int, info: ValidationInfo) -> int:
+        if info.data.get("stream"):
+            raise ValueError("prompt_logprobs are not available when stream is true")
+        return value
+
+
+class PromptLogprob(BaseModel):
+    """A token's logprob at a prompt position, in vLLM's shape (`prompt_logprobs` lists one dict
+    per position, None for the first, from token id to this)."""
+
+    logprob: float
+    rank: int  # 1 = the likeliest token at the position
+    decoded_token: str
+
+
+# A position's prompt token and the top k there, by token id (keys are strings in JSON).
+PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
 class PromptTokensDetails(BaseModel):

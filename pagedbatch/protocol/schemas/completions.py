@@ -6,7 +6,14 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, Field
 
-from pagedbatch.protocol.schemas.common import INT32_MAX, SamplingRequest, Text, TokenId, Usage
+from pagedbatch.protocol.schemas.common import (
+    INT32_MAX,
+    PromptLogprobs,
+    SamplingRequest,
+    Text,
+    TokenId,
+    Usage,
+)
 
 MAX_LOGPROBS = 5
 # Prompts in one request, each run `n` times; realtime admission bounds prompts × n further.
@@ -46,6 +53,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: Literal["stop", "length", "content_filter"] | None  # null until a stream ends
     logprobs: CompletionLogprobs | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
 
 
 class Completion(BaseModel):

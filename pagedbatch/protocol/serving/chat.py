@@ -50,6 +50,7 @@ from pagedbatch.protocol.serving.common import (
     usage,
 )
 from pagedbatch.protocol.serving.media import PART_MODALITY, decode_media, place_media, takes
+from pagedbatch.protocol.serving.prompt_logprobs import prompt_logprobs
 from pagedbatch.protocol.structured_output import RequestedOutput, from_openai
 from pagedbatch.protocol.tool_calls import ToolCall as ToolCallText
 from pagedbatch.protocol.tool_calls import parse_tool_calls
@@ -103,6 +104,7 @@ class PreparedChat:
             model=self.model,
             choices=choices,
             usage=usage(outputs),
+            prompt_logprobs=prompt_logprobs(output.prompt_logprobs, self.pieces),
         )
 
     def split(self, text: str, complete: bool = True) -> tuple[str | None, list[ToolCallText]]:

@@ -317,6 +317,7 @@ def sampling_params(
             stop=request.stop,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
+            prompt_logprobs=request.prompt_logprobs,
             logit_bias=request.logit_bias,
             structured=structured,
             # A stream is sent piece by piece; anything else is answered whole.

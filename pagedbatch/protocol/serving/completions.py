@@ -38,6 +38,7 @@ from pagedbatch.protocol.serving.common import (
     sampling_params,
     usage,
 )
+from pagedbatch.protocol.serving.prompt_logprobs import prompt_logprobs
 
 
 @dataclass
@@ -65,6 +66,7 @@ class PreparedCompletion:
                     text=echoed + choice.text,
                     finish_reason=finish_reason(choice, output),
                     logprobs=self._logprobs(choice, len(echoed)),
+                    prompt_logprobs=prompt_logprobs(output.prompt_logprobs, self.pieces),
                 )
                 for choice in output.outputs
             )

@@ -1,0 +1,121 @@
+"""vLLM's scoring fields through the official SDK (`extra_body`) at both doors, on the embedded
+service: prompt_logprobs in vLLM's response shape, equal to transformers' float32 log-softmax
+over the prompt; what is out of bounds is an OpenAI-shaped 400."""
+
+from __future__ import annotations
+
+from functools import cache
+from pathlib import Path
+
+import openai
+import pytest
+import torch
+from test_batches import create, finished, read_lines
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+pytestmark = pytest.mark.parametrize("storage", ["embedded"], indirect=True)
+
+TOLERANCE = 1e-4
+K = 3
+MESSAGES = [{"role": "user", "content": "Score every token of this prompt"}]
+
+
+@cache
+def _oracle(model_dir: Path) -> AutoModelForCausalLM:
+    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+
+
+@torch.inference_mode()
+def expected_logprobs(model_dir: Path, prompt: list[int]) -> torch.Tensor:
+    """Row i: the log-softmax that scores prompt token i + 1."""
+    logits = _oracle(model_dir)(torch.tensor([prompt])).logits[0, :-1]
+    return torch.log_softmax(logits.float(), dim=-1)
+
+
+def chat_prompt(model_dir: Path) -> list[int]:
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    encoded = tokenizer.apply_chat_template(MESSAGES, add_generation_prompt=True, return_dict=True)
+    return encoded["input_ids"]
+
+
+def assert_vllm_shape(model_dir: Path, prompt: list[int], scored: list) -> None:
+    """`scored` is vLLM's prompt_logprobs for `prompt`: None, then per position a dict (ids as
+    JSON keys) holding the prompt's token and the top K, each {logprob, rank, decoded_token}."""
+    assert scored[0] is None and len(scored) == len(prompt)
+    rows = expected_logprobs(model_dir, prompt)
+    for row, position, token in zip(rows, scored[1:], prompt[1:], strict=True):
+        entry = position[str(token)]
+        assert abs(entry["logprob"] - row[token].item()) < TOLERANCE
+        top = torch.topk(row, K)
+        ranked = {int(t): e for t, e in position.items() if e["rank"] <= K}
+        assert sorted(ranked) == sorted(top.indices.tolist())
+        for token_id, value in zip(top.indices.tolist(), top.values.tolist(), strict=True):
+            assert abs(ranked[token_id]["logprob"] - value) < TOLERANCE
+            assert isinstance(ranked[token_id]["decoded_token"], str)
+        assert len(position) in (K, K + 1)
+
+
+def test_prompt_logprobs_at_the_realtime_door(serve_batches, tiny_llama):
+    client = serve_batches().client()
+    prompt = [1, 450, 4996, 1354, 1701, 432, 1204, 975, 278, 13366, 11203]
+    extra = {"prompt_logprobs": K}
+    completion = client.completions.create(
+        model="tiny", prompt=prompt, max_tokens=2, n=2, extra_body=extra
+    )
+    for choice in completion.choices:
+        assert_vllm_shape(tiny_llama, prompt, choice.model_extra["prompt_logprobs"])
+    chat = client.chat.completions.create(
+        model="tiny", messages=MESSAGES, max_tokens=2, extra_body=extra
+    )
+    assert_vllm_shape(tiny_llama, chat_prompt(tiny_llama), chat.model_extra["prompt_logprobs"])
+    plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
+    assert plain.model_extra["prompt_logprobs"] is None
+
+
+def test_prompt_logprobs_in_batch_lines(serve_batches, tiny_llama):
+    client = serve_batches().client()
+    prompt = [1, 3251, 338, 263, 1243, 310, 278, 9853, 3402]
+    body = {"model": "tiny", "max_tokens": 2, "prompt_logprobs": K}
+    lines = [
+        {
+            "custom_id": "chat",
+            "method": "POST",
+            "url": "/v1/chat/completions",
+            "body": {**body, "messages": MESSAGES},
+        },
+        {
+            "custom_id": "completion",
+            "method": "POST",
+            "url": "/v1/completions",
+            "body": {**body, "prompt": prompt},
+        },
+    ]
+    chat_batch = finished(client, create(client, lines[:1]).id)
+    completion_batch = finished(client, create(client, lines[1:], endpoint="/v1/completions").id)
+    (chat,) = read_lines(client, chat_batch.output_file_id)
+    (completion,) = read_lines(client, completion_batch.output_file_id)
+    assert_vllm_shape(
+        tiny_llama, chat_prompt(tiny_llama), chat["response"]["body"]["prompt_logprobs"]
+    )
+    choice = completion["response"]["body"]["choices"][0]
+    assert_vllm_shape(tiny_llama, prompt, choice["prompt_logprobs"])
+
+
+@pytest.mark.parametrize(
+    "body",
+    [
+        {"prompt_logprobs": 21},
+        {"prompt_logprobs": -1},
+        {"prompt_logprobs": 2, "stream": True},
+    ],
+)
+def test_prompt_logprobs_out_of_bounds_are_400s(serve_batches, body):
+    client = serve_batches().client()
+    for create_call, args in (
+        (client.chat.completions.create, {"messages": MESSAGES}),
+        (client.completions.create, {"prompt": "Hello"}),
+    ):
+        with pytest.raises(openai.BadRequestError) as caught:
+            create_call(model="tiny", max_tokens=2, extra_body=body, **args)
+        error = caught.value.body
+        assert error["param"] == "prompt_logprobs" and error["type"] == "invalid_request_error"
