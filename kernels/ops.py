@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedbatch.kernels import activation, attention, norm, rotary
+from pagedbatch.kernels import activation, attention, moe, norm, rotary
 from pagedbatch.kernels.attention import AttentionMetadata
 
 SETTING = "PAGEDBATCH_KERNELS"
@@ -35,9 +35,12 @@ class Kernels(NamedTuple):
     fused_add_rms_norm: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     silu_and_mul: Callable[..., torch.Tensor]
     apply_rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
+    fused_experts: Callable[..., torch.Tensor]
 
 
-def _kernels(attn: ModuleType, norms: ModuleType, act: ModuleType, rope: ModuleType) -> Kernels:
+def _kernels(
+    attn: ModuleType, norms: ModuleType, act: ModuleType, rope: ModuleType, experts: ModuleType
+) -> Kernels:
     return Kernels(
         paged_attention=attn.paged_attention,
         reshape_and_cache=attn.reshape_and_cache,
@@ -45,10 +48,11 @@ def _kernels(attn: ModuleType, norms: ModuleType, act: ModuleType, rope: ModuleT
         fused_add_rms_norm=norms.fused_add_rms_norm,
         silu_and_mul=act.silu_and_mul,
         apply_rotary_embedding=rope.apply_rotary_embedding,
+        fused_experts=experts.fused_experts,
     )
 
 
-TORCH = _kernels(attention, norm, activation, rotary)
+TORCH = _kernels(attention, norm, activation, rotary, moe)
 
 # keyed by Tensor.is_cuda: the one property that decides, and cheap to read
 _chosen: dict[bool, Kernels] = {}
@@ -84,9 +88,15 @@ def _choose(on_cuda: bool) -> Kernels:
             f"{SETTING}={setting} on CPU tensors runs Triton's interpreter: "
             "set TRITON_INTERPRET=1 before the process imports Triton"
         )
-    from pagedbatch.kernels import triton_activation, triton_attention, triton_norm, triton_rotary
+    from pagedbatch.kernels import (
+        triton_activation,
+        triton_attention,
+        triton_moe,
+        triton_norm,
+        triton_rotary,
+    )
 
-    return _kernels(triton_attention, triton_norm, triton_activation, triton_rotary)
+    return _kernels(triton_attention, triton_norm, triton_activation, triton_rotary, triton_moe)
 
 
 def paged_attention(
@@ -133,3 +143,13 @@ def apply_rotary_embedding(
     cos_sin_cache: torch.Tensor,
 ) -> tuple[torch.Tensor, torch.Tensor]:
     return kernels_for(query).apply_rotary_embedding(positions, query, key, cos_sin_cache)
+
+
+def fused_experts(
+    x: torch.Tensor,
+    w13: torch.Tensor,
+    w2: torch.Tensor,
+    topk_weights: torch.Tensor,
+    topk_ids: torch.Tensor,
+) -> torch.Tensor:
+    return kernels_for(x).fused_experts(x, w13, w2, topk_weights, topk_ids)

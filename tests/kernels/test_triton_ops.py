@@ -95,7 +95,21 @@ except RuntimeError as e:
     assert "the Triton kernels need the triton package" in result.stdout
 
 
-def test_engine_generates_the_torch_path_tokens(tiny_llama, monkeypatch, device):
+@pytest.mark.parametrize(
+    "arch",
+    [
+        "llama",
+        # The experts' kernel too; in the interpreter 40 s, so on a GPU only (its tests beside
+        # the torch one run everywhere: test_triton_moe.py).
+        pytest.param(
+            "mixtral",
+            marks=pytest.mark.skipif(
+                not torch.cuda.is_available(), reason="slow in the interpreter"
+            ),
+        ),
+    ],
+)
+def test_engine_generates_the_torch_path_tokens(make_checkpoint, arch, monkeypatch, device):
     """Prompts that cross block boundaries, prefilled in chunks beside decodes, on a tiny pool."""
     prompts = [[11, 502, 73, 9, 1200, 64, 31, 880, 7, 45, 600, 21, 3000], [5, 17, 401, 96, 23]]
     greedy = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
@@ -103,7 +117,7 @@ def test_engine_generates_the_torch_path_tokens(tiny_llama, monkeypatch, device)
     def generate(setting: str) -> list[list[int]]:
         use(monkeypatch, setting)
         llm = LLM(
-            tiny_llama,
+            make_checkpoint(arch),
             device=device,
             dtype="float32",
             block_size=4,

@@ -4,9 +4,9 @@ the router's probabilities.
 
 The experts' weights are 3-D parameters, `w13` `[experts, 2 * intermediate, hidden]` (each
 expert's gate rows then its up rows) and `w2` `[experts, hidden, intermediate]`, loaded from the
-checkpoint's per-expert tensors. Computed as a grouped matmul: the step's (token, expert) pairs
-sorted by expert, each expert touched runs one matmul over its tokens' rows, and the weighted
-rows are summed back into their tokens in expert order, as transformers sums them.
+checkpoint's per-expert tensors. Computed as a grouped matmul (`ops.fused_experts`): the step's
+(token, expert) pairs sorted by expert, one matmul per expert touched on CPU; on GPU, one
+Triton launch for every expert's gate/up and one for their down.
 
 Tensor-parallel as the dense MLP is: every rank holds every expert's slice of the intermediate
 features (its rows of gate and up, its columns of down) and the whole router; each rank's partial
@@ -19,7 +19,6 @@ import re
 from collections.abc import Sequence
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from pagedbatch.engine.worker import distributed
@@ -58,23 +57,7 @@ class Experts(nn.Module):
     ) -> torch.Tensor:
         """x `[tokens, hidden]`; each token's experts `topk_ids` `[tokens, k]` and their
         weights. Returns this rank's part of the weighted sum `[tokens, hidden]`."""
-        top_k = topk_ids.shape[1]
-        order = topk_ids.flatten().argsort(stable=True)
-        counts = torch.bincount(topk_ids.flatten(), minlength=self.num_experts).tolist()
-        tokens = order // top_k
-        rows = x.index_select(0, tokens)
-        scales = topk_weights.flatten().index_select(0, order)[:, None]
-        out = torch.empty_like(rows)
-        start = 0
-        for expert, count in enumerate(counts):
-            if count == 0:
-                continue
-            end = start + count
-            hidden = ops.silu_and_mul(F.linear(rows[start:end], self.w13[expert]))
-            out[start:end] = F.linear(hidden, self.w2[expert]) * scales[start:end]
-            start = end
-        # index_add_ adds rows in order: each token's experts' outputs in expert order.
-        return torch.zeros_like(x).index_add_(0, tokens, out)
+        return ops.fused_experts(x, self.w13, self.w2, topk_weights, topk_ids)
 
     def _expert(self, index: int) -> int:
         if not 0 <= index < self.num_experts:

@@ -13,7 +13,6 @@ from transformers import AutoModelForCausalLM
 
 from pagedbatch.cli import main
 from pagedbatch.engine import LLM
-from pagedbatch.engine.worker.models.moe import Experts
 
 ARCHS = {"mixtral": "MixtralForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM"}
 
@@ -48,24 +47,6 @@ def test_the_tiny_checkpoints_route_a_prompt_to_every_expert(moe):
     for logits in out.router_logits:
         chosen = logits.topk(top_k, dim=-1).indices
         assert set(chosen.flatten().tolist()) == set(range(logits.shape[-1]))
-
-
-@torch.inference_mode()
-def test_the_grouped_matmul_is_each_tokens_weighted_sum_of_its_experts():
-    generator = torch.Generator().manual_seed(0)
-    experts = Experts(num_experts=5, hidden_size=16, intermediate_size=24)
-    experts.w13.copy_(torch.randn(experts.w13.shape, generator=generator))
-    experts.w2.copy_(torch.randn(experts.w2.shape, generator=generator))
-    x = torch.randn(9, 16, generator=generator)
-    ids = torch.stack([torch.randperm(5, generator=generator)[:2] for _ in range(9)])
-    ids[:, 0] = 3  # one expert every token uses; experts 0-4 otherwise as drawn
-    weights = torch.rand(9, 2, generator=generator)
-    expected = torch.zeros_like(x)
-    for t in range(9):
-        for e, w in zip(ids[t].tolist(), weights[t], strict=True):
-            gate, up = (experts.w13[e] @ x[t]).chunk(2)
-            expected[t] += w * (experts.w2[e] @ (torch.nn.functional.silu(gate) * up))
-    torch.testing.assert_close(experts(x, weights, ids), expected, rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize(
