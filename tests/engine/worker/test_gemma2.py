@@ -35,6 +35,18 @@ def test_logprobs_are_transformers_log_softmax_of_the_capped_logits(gemma2, orac
         assert [t for t, _ in entry.top] == torch.topk(row, 5).indices.tolist()
 
 
+def test_two_ranks_give_the_tokens_of_one(gemma2):
+    # Each rank soft-caps its own heads' scores; the LM head's logits are capped once gathered.
+    prompts = [list(range(100, 140)), list(range(7, 12)), list(range(300, 390))]
+    args = {"num_kv_blocks": 64, "max_num_batched_tokens": 64}
+    expected = [o.token_ids for o in LLM(gemma2, **args).generate(prompts, GREEDY)]
+    llm = LLM(gemma2, tensor_parallel_size=2, **args)
+    try:
+        assert [o.token_ids for o in llm.generate(prompts, GREEDY)] == expected
+    finally:
+        llm.shutdown()
+
+
 @torch.inference_mode()
 def test_the_tiny_checkpoints_attention_cap_changes_its_output(gemma2):
     prompt = torch.tensor([random_prompts(1, 90, 90, seed=3)[0]])
