@@ -21,7 +21,13 @@
  * multiplies tiles of them with a float32 GEMM.
  *
  * The x86 AVX2 path (with FMA and F16C) is compiled where the target has them (-march=native);
- * elsewhere the portable scalar path is, which computes the same integer sums.
+ * elsewhere the portable scalar path is, which computes the same integer sums. Where the target
+ * also has AVX-512 (F, BW, VL) and VNNI: the float path takes a block a 512-bit vector (its 32
+ * weights as 16 lanes times x[0:16] plus 16 times x[16:32]), the same products as the AVX2
+ * path's summed in another order; the int8 path sums a block's products with one VNNI dot
+ * product (vpdpbusd) where AVX2 takes two instructions. On an AMD EPYC (Zen 4), one thread, a
+ * Q4_1 3072 x 576 matrix: float 0.211 -> 0.165 ms; int8 with 512-bit vectors of two blocks
+ * (their nibbles gathered by three inserts) was slower than AVX2's, 0.163 against 0.126.
  */
 #include <math.h>
 #include <stdint.h>
@@ -31,6 +37,10 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define QUANT_AVX2 1
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
+#define QUANT_AVX512 1
+#endif
 #endif
 
 enum { BLOCK = 32, SUPER_BLOCK = 256 };
@@ -112,8 +122,12 @@ static inline __m256i nibble_products(const uint8_t *qs, const int8_t *xq) {
     const __m128i packed = _mm_loadu_si128((const __m128i *)qs);
     const __m256i nibbles = _mm256_and_si256(
         _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-    const __m256i pairs = _mm256_maddubs_epi16(nibbles, _mm256_loadu_si256((const __m256i *)xq));
-    return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+    const __m256i x = _mm256_loadu_si256((const __m256i *)xq);
+#ifdef QUANT_AVX512
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), nibbles, x);
+#else
+    return _mm256_madd_epi16(_mm256_maddubs_epi16(nibbles, x), _mm256_set1_epi16(1));
+#endif
 }
 
 /* The same for 32 signed weights: |w| times xq carrying w's sign (maddubs's unsigned side must
@@ -121,8 +135,13 @@ static inline __m256i nibble_products(const uint8_t *qs, const int8_t *xq) {
 static inline __m256i int8_products(const int8_t *w, const int8_t *xq) {
     const __m256i wv = _mm256_loadu_si256((const __m256i *)w);
     const __m256i xv = _mm256_loadu_si256((const __m256i *)xq);
+#ifdef QUANT_AVX512
+    return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(wv, wv),
+                               _mm256_sign_epi8(xv, wv));
+#else
     const __m256i pairs = _mm256_maddubs_epi16(_mm256_sign_epi8(wv, wv), _mm256_sign_epi8(xv, wv));
     return _mm256_madd_epi16(pairs, _mm256_set1_epi16(1));
+#endif
 }
 #else
 static inline int32_t nibble_products(const uint8_t *qs, const int8_t *xq) {
@@ -174,9 +193,45 @@ static float row_dot_int8(int type, const uint8_t *row, int64_t blocks, const in
 #endif
 }
 
-/* Which path was compiled: 2 for AVX2, 0 for the portable one. */
+#ifdef QUANT_AVX512
+/* row_dot_float a block a vector: its low nibbles' 16 weights (Q8_0: its first 16) times
+ * x[0:16] plus the other 16 times x[16:32], in 16 float lanes. */
+static float row_dot_float_avx512(int type, const uint8_t *row, int64_t blocks, const float *x,
+                                  const float *xsum) {
+    const int64_t stride = block_bytes(type);
+    __m512 acc = _mm512_setzero_ps();
+    float extra = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
+        const float d = half_at(row);
+        __m512 lo, hi;
+        if (type == Q8_0) {
+            lo = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 2))));
+            hi = _mm512_cvtepi32_ps(
+                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 18))));
+        } else {
+            const __m512i v = _mm512_cvtepu8_epi32(
+                _mm_loadu_si128((const __m128i *)(row + (type == Q4_1 ? 4 : 2))));
+            lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
+            hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
+            if (type == Q4_0)
+                extra -= 8.0f * d * xsum[b];
+            else
+                extra += half_at(row + 2) * xsum[b];
+        }
+        const __m512 s = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x),
+                                         _mm512_mul_ps(hi, _mm512_loadu_ps(x + 16)));
+        acc = _mm512_fmadd_ps(s, _mm512_set1_ps(d), acc);
+    }
+    return _mm512_reduce_add_ps(acc) + extra;
+}
+#endif
+
+/* Which path was compiled: 3 for AVX-512 with VNNI, 2 for AVX2, 0 for the portable one. */
 int quant_kernel_isa(void) {
-#ifdef QUANT_AVX2
+#if defined(QUANT_AVX512)
+    return 3;
+#elif defined(QUANT_AVX2)
     return 2;
 #else
     return 0;
@@ -338,6 +393,9 @@ static inline __m256 half_block_float(__m128i v, int is_signed, const float *x) 
  * in registers, the activations used as they are (no int8 rounding). */
 static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const float *x,
                            const float *xsum) {
+#ifdef QUANT_AVX512
+    return row_dot_float_avx512(type, row, blocks, x, xsum);
+#else
     const int64_t stride = block_bytes(type);
     float extra = 0.0f;
 #ifdef QUANT_AVX2
@@ -382,6 +440,7 @@ static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const f
 #else
     return acc + extra;
 #endif
+#endif /* QUANT_AVX512 */
 }
 
 /* out[n, rows] = x @ dequantized(w).T with the activations as they are (see row_dot_float).

@@ -53,10 +53,11 @@ def activation_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return (amax / 254) @ w_abs.T * 1.001 + rounding_bound(x, weights)
 
 
-def build_portable(tmp_path) -> ctypes.CDLL:
-    """quant_matmul.c built for no particular CPU: the portable path (on x86-64, SSE2 only)."""
-    target = tmp_path / "quant_portable.so"
-    flags = [f for f in native.FLAGS if f != "-march=native"]
+def build_portable(tmp_path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
+    """quant_matmul.c built for no particular CPU: the portable path (on x86-64, SSE2 only); or,
+    with `extra_flags`, for what they say."""
+    target = tmp_path / f"quant_portable{'-'.join(extra_flags)}.so"
+    flags = [f for f in native.FLAGS if f != "-march=native"] + list(extra_flags)
     compiler = shutil.which("cc") or shutil.which("gcc")
     source = next(str(s) for s in native.SOURCES if s.name == "quant_matmul.c")
     subprocess.run([compiler, *flags, source, "-o", str(target), "-lm"], check=True)
@@ -67,12 +68,20 @@ def build_portable(tmp_path) -> ctypes.CDLL:
     return lib
 
 
-@pytest.fixture(scope="module", params=["native", "portable"])
+# The CPU's AVX2 path without its AVX-512 one, where it has both: each is checked.
+AVX2_ONLY = ("-march=native", "-mno-avx512f")
+
+
+@pytest.fixture(scope="module", params=["native", "portable", "avx2"])
 def lib(request, tmp_path_factory) -> ctypes.CDLL:
     if shutil.which("cc") is None and shutil.which("gcc") is None:
         pytest.skip("no C compiler")
     if request.param == "portable":
         return build_portable(tmp_path_factory.mktemp("portable"))
+    if request.param == "avx2":
+        if "avx512f" not in native.cpu_flags():
+            pytest.skip("native is the AVX2 path already")
+        return build_portable(tmp_path_factory.mktemp("avx2"), AVX2_ONLY)
     native.library.cache_clear()
     built = native.library()
     assert built is not None, "the C kernels did not build; see the warning"
@@ -165,13 +174,17 @@ def test_what_the_kernels_do_not_read_is_refused(lib):
 
 
 @needs_compiler
-def test_the_native_build_takes_avx2_where_the_cpu_has_it(tmp_path):
+def test_the_native_build_takes_avx512_or_avx2_where_the_cpu_has_it(tmp_path):
     native.library.cache_clear()
     lib = native.library()
     assert lib is not None
-    has_avx2 = {"avx2", "fma", "f16c"} <= native.cpu_flags()
-    assert lib.quant_kernel_isa() == (2 if has_avx2 else 0)
+    flags = native.cpu_flags()
+    has_avx2 = {"avx2", "fma", "f16c"} <= flags
+    has_avx512 = has_avx2 and {"avx512f", "avx512bw", "avx512dq", "avx512_vnni"} <= flags
+    assert lib.quant_kernel_isa() == (3 if has_avx512 else 2 if has_avx2 else 0)
     assert build_portable(tmp_path).quant_kernel_isa() == 0
+    if has_avx512:
+        assert build_portable(tmp_path, AVX2_ONLY).quant_kernel_isa() == 2
 
 
 @pytest.mark.usefixtures("native_path")
