@@ -3,6 +3,8 @@ sampling, and the engine's own bookkeeping, per scenario.
 
     python benchmarks/step_profile.py                       # small llama; ~3 min
     python benchmarks/step_profile.py --model SmolLM2-135M-Instruct.Q4_1.gguf   # a GGUF or a dir
+    python benchmarks/step_profile.py --model SmolLM2-135M-Instruct.Q4_1.gguf --quantization gguf \
+        --decode 1 --prompt-len 64 --no-prefill      # one request's decode step on the blocks
 
 Each part is timed by wrapping the function that does it (on the CPU every call is synchronous,
 so a wall-clock timer around it is exact; the wrappers cost about a microsecond a call):
@@ -12,6 +14,8 @@ so a wall-clock timer around it is exact; the wrappers cost about a microsecond 
   (writing the step's K/V);
 - norms, rotary, activation: `ops.rms_norm`/`fused_add_rms_norm`, `ops.apply_rotary_embedding`,
   `ops.silu_and_mul`;
+- fused_layers: the decoder layers that run in one C call each (`decode_layer.c`: a decode step
+  on quantized weights), everything in them, matmuls and attention included;
 - lm_head: `compute_logits`; sampling: the core's `_sample`;
 - model_other: the rest of `ModelRunner.run` (embedding lookup, attention metadata, views, copies);
 - engine_other: the rest of `step()` (scheduling, block tables, batch building, detokenizing,
@@ -45,6 +49,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -53,9 +58,11 @@ from harness import ensure_model, log, measure_gemm_peak, measure_read_gbps, pri
 from pagedbatch.engine import LLMEngine, SamplingParams
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.worker import parallel_layers
+from pagedbatch.engine.worker.models import llama
 from pagedbatch.kernels import ops
 
 PARTS = (
+    "fused_layers",
     "matmul",
     "attention",
     "norms",
@@ -178,7 +185,9 @@ def instrumented(engine: LLMEngine, timers: Timers) -> Iterator[None]:
         (ops, "apply_rotary_embedding", "rotary", None),
         (ops, "silu_and_mul", "activation", None),
         (parallel_layers.Packed, "__call__", "matmul", linear_work),
+        (parallel_layers.QuantizedWeight, "__call__", "matmul", linear_work),
         (parallel_layers.F, "linear", "matmul", linear_work),
+        (llama, "run_layer", "fused_layers", None),
     ]
     saved = [(owner, name, getattr(owner, name)) for owner, name, _, _ in patches]
     model = engine.runner.model
@@ -218,6 +227,7 @@ def scenario(
         EngineArgs(
             model=model,
             dtype="float32",
+            quantization=args.quantization,
             max_num_seqs=max(num_seqs, 1),
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_gib=args.kv_cache_gib,
@@ -292,14 +302,19 @@ def against_limits(
             "attention_gflop": round(attention.flops / steps / 1e9, 3),
         },
         "achieved": {
-            "matmul_gflops": round(matmul.flops / seconds["matmul"] / 1e9, 1),
-            "lm_head_gflops": round(lm_head.flops / seconds["lm_head"] / 1e9, 1),
-            "attention_gbps": round(attention.bytes_read / seconds["attention"] / 1e9, 2),
+            "matmul_gflops": _rate(matmul.flops, seconds.get("matmul")),
+            "lm_head_gflops": _rate(lm_head.flops, seconds.get("lm_head")),
+            "attention_gbps": _rate(attention.bytes_read, seconds.get("attention")),
         },
         "step_ms_mean": round(total / steps * 1000, 2),
         "floor_ms": round(floor_s / steps * 1000, 2),
         "speedup_at_limits": round(total / floor_s, 3),
     }
+
+
+def _rate(work: float, seconds: float | None) -> float | None:
+    """Work per second, in billions; None for a part not timed (inside the fused layers)."""
+    return round(work / seconds / 1e9, 2) if seconds else None
 
 
 def main() -> None:
@@ -313,8 +328,19 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument(
+        "--quantization", default="none", choices=("none", "gguf"), help="as the engine's"
+    )
+    p.add_argument("--no-prefill", action="store_true", help="the decode scenarios only")
     args = p.parse_args()
-    model = str(ensure_model(args.model, args.size))
+    if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
+        p.error("--quantization gguf needs a GGUF --model")
+    # quantization gguf reads the GGUF itself; exact mode its float32 copy.
+    model = (
+        str(Path(args.model).expanduser().resolve())
+        if args.quantization == "gguf"
+        else str(ensure_model(args.model, args.size))
+    )
     torch.manual_seed(0)
     limits = Limits(gemm_gflops=measure_gemm_peak(reps=10), read_gbps=measure_read_gbps(reps=5))
     report: dict[str, Any] = {
@@ -328,8 +354,9 @@ def main() -> None:
         report[f"decode-{n}"] = scenario(
             model, f"decode-{n}", n, args.prompt_len, args.steps, args, limits
         )
-    log("prefill")
-    report["prefill"] = scenario(model, "prefill", 64, 512, args.steps, args, limits)
+    if not args.no_prefill:
+        log("prefill")
+        report["prefill"] = scenario(model, "prefill", 64, 512, args.steps, args, limits)
     print_report(report)
 
 
