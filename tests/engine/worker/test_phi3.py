@@ -4,7 +4,12 @@ tensors split across two ranks as Llama's separate ones do."""
 
 import pytest
 import torch
-from greedy_checks import GREEDY, assert_greedy_matches_in_every_batching
+from greedy_checks import (
+    GREEDY,
+    assert_greedy_matches_in_every_batching,
+    assert_matches_oracle,
+    random_prompts,
+)
 from safetensors.torch import load_file
 from transformers import AutoModelForCausalLM, Phi3ForCausalLM
 
@@ -50,3 +55,11 @@ def test_make_model_writes_fused_tensors_transformers_phi3_loads(tmp_path):
     )
     assert type(model) is Phi3ForCausalLM
     assert info["missing_keys"] == info["unexpected_keys"] == info["mismatched_keys"] == set()
+
+
+def test_a_sliding_window_matches_transformers(make_checkpoint, oracle):
+    # Phi-3-mini-4k slides every layer's window (2047 tokens); 16 here, inside the prompts.
+    model_dir = make_checkpoint("phi3", sliding_window=16)
+    prompts = random_prompts(3, 30, 60, seed=3)
+    outputs = LLM(model_dir, num_kv_blocks=128).generate(prompts, GREEDY)
+    assert_matches_oracle(oracle, model_dir, prompts, outputs)
