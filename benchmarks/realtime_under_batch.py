@@ -93,8 +93,25 @@ def server_child(spec_path: Path) -> None:
     engine = service.context.engine
     assert engine is not None
 
+    core = engine.engine.core
+
     async def engine_stats() -> dict[str, Any]:
-        return await engine.get_stats()
+        stats = await engine.get_stats()
+        # How the steps sized for realtime requests came out against their budgets, and the
+        # engine's fitted step cost (read off the engine thread: numbers, a torn read at worst).
+        cost = core.step_cost
+        fit = cost.cost
+        stats["step_kinds"] = {
+            kind: {
+                "steps": cost.iterations[kind],
+                "seconds": cost.iteration_seconds.get(kind, 0.0),
+                "offset_s": cost.offset(kind),
+            }
+            for kind in list(cost.iterations)
+        }
+        stats["sized_budget_seconds"] = core.scheduler.sized_budget_seconds
+        stats["step_cost_fit"] = None if fit is None else vars(fit)
+        return stats
 
     service.app.add_api_route(STATS_PATH, engine_stats, methods=["GET"])
     try:
@@ -262,9 +279,31 @@ def window(
         "preemptions": s1["preemptions"] - s0["preemptions"],
         "steps_shortened": s1["steps_shortened"] - s0["steps_shortened"],
         "batch_tokens_deferred": s1["batch_tokens_deferred"] - s0["batch_tokens_deferred"],
+        "step_kinds": {
+            kind: _kind_window(s0["step_kinds"].get(kind), k1)
+            for kind, k1 in s1["step_kinds"].items()
+        },
+        "sized_budget_mean_ms": _per_step_ms(
+            s1["sized_budget_seconds"] - s0["sized_budget_seconds"],
+            s1["step_kinds"].get("sized", {}).get("steps", 0)
+            - s0["step_kinds"].get("sized", {}).get("steps", 0),
+        ),
+        "step_cost_fit_at_end": s1["step_cost_fit"],
         "running_at_end": s1["running"],
         "waiting_at_end": s1["waiting"],
     }
+
+
+def _per_step_ms(seconds: float, steps: int) -> float | None:
+    return round(1000 * seconds / steps, 1) if steps else None
+
+
+def _kind_window(k0: dict[str, Any] | None, k1: dict[str, Any]) -> dict[str, Any]:
+    """One kind of step's iterations in a window: how many, their mean, the bias at its end."""
+    k0 = k0 or {"steps": 0, "seconds": 0.0}
+    steps = k1["steps"] - k0["steps"]
+    mean = _per_step_ms(k1["seconds"] - k0["seconds"], steps)
+    return {"steps": steps, "mean_iteration_ms": mean, "offset_ms": round(1000 * k1["offset_s"], 1)}
 
 
 def wait_saturated(server: Server, client: Any, batch_id: str, timeout: float) -> float:
@@ -321,8 +360,10 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
 
     log("phase 1: realtime requests, engine idle")
     wait_for_quiet(args.quiet_wait)
+    before = server.stats()
     idle = realtime_phase(client, args, "idle")
     report["idle"] = latency_report(idle)
+    report["idle_engine"] = window(before, server.stats(), report["idle"]["tokens"])
 
     log(f"phase 2: a batch of {args.batch_lines} lines alone")
     uploaded = client.files.create(file=("batch.jsonl", batch_file(args)), purpose="batch")

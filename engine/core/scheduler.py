@@ -12,8 +12,8 @@ running), so that its first token is not held up by batch work. Otherwise a step
 realtime work is sized for it: every running realtime sequence decodes, and the others (batch
 lines) add only what fits in the step's budget, `realtime_target_seconds` or, unset,
 `IDLE_STEP_MULTIPLE` times what a step of the realtime decodes alone costs, by the engine's
-measure of its steps (`step_cost`: its fit, scaled by what idle and sized steps have lately
-really taken), and never more than `low_priority_token_budget` tokens.
+measure of its steps (`step_cost`: its fit, plus what idle and sized steps have lately really
+taken beyond it), and never more than `low_priority_token_budget` tokens.
 Invariants of such a step:
 - it costs at most its budget plus one scheduled request's share: at least one batch token
   runs, so realtime traffic slows batch work and never stops it; a realtime prefill chunk
@@ -53,7 +53,7 @@ from dataclasses import dataclass, field
 from pagedbatch.engine.core.encoder_cache import EncoderCache
 from pagedbatch.engine.core.kv_cache_manager import KVCacheManager, cdiv
 from pagedbatch.engine.core.request import Request, RequestStatus
-from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
+from pagedbatch.engine.core.step_cost import IDLE, SIZED, StepCostModel, StepWork
 
 # Unless a target is set, a step holding realtime work may cost this many times a step of the
 # realtime decodes alone: their inter-token latency then stays within about this much of idle.
@@ -63,10 +63,8 @@ IDLE_STEP_MULTIPLE = 1.9
 PREFILL_STEP_MULTIPLE = 2.0
 # Steps stay sized for realtime requests for this many steps after the last one leaves.
 LINGER_STEPS = 20
-# The kinds of step the step cost model keeps a bias for (StepCostModel.bias): steps sized for
-# realtime requests, and idle steps, of at most IDLE_MAX_SEQS decodes and nothing else (what an
-# engine serving realtime streams alone runs), the step a sized one is measured against.
-SIZED, IDLE = "sized", "idle"
+# Idle steps (StepCostModel.offset) hold at most this many decodes and nothing else: what an
+# engine serving realtime streams alone runs.
 IDLE_MAX_SEQS = 8
 
 
@@ -93,7 +91,7 @@ class SchedulerOutput:
     # Tokens of lower-priority running requests that a step sized for realtime work left to later
     # steps: one for each decode not run, the next chunk (up to a step's) of each prefill.
     deferred_tokens: int = 0
-    kind: str | None = None  # SIZED, IDLE or neither (None): for StepCostModel.bias
+    kind: str | None = None  # SIZED, IDLE or neither (None): for StepCostModel.offset
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +105,7 @@ class SchedulerOutput:
 
 
 def _insort(
-    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, float]]
+    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, int, float]]
 ) -> None:
     """`bisect.insort` by `key`, without the search where the request goes last, as most do
     (arrivals, in arrival order): a batch of thousands is admitted in linear time."""
@@ -173,11 +171,13 @@ class Scheduler:
         self._turn: Request | None = None
         # Seconds of realtime prefill the step being scheduled may still take (None: unbounded).
         self._prefill_room: float | None = None
-        # How many times what the step cost's fit says sized steps have lately taken.
-        self._scale = 1.0
+        # Seconds that sized steps have lately taken beyond what the step cost's fit says.
+        self._offset = 0.0
+        # The budgets of all sized steps so far, in seconds (for reports: against what they took).
+        self.sized_budget_seconds = 0.0
 
-    def _key(self, request: Request) -> tuple[int, float]:
-        return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
+    def _key(self, request: Request) -> tuple[int, int, float]:
+        return request.sort_key if self.policy == "priority" else (0, 0, request.arrival_time)
 
     def add(self, request: Request) -> None:
         _insort(self.waiting, request, self._key)
@@ -255,7 +255,7 @@ class Scheduler:
         sized = lead is not None and any(q and q[-1].priority != lead for q in queues)
         step_seconds = self._step_seconds(lead) if sized else None
         if step_seconds is not None:
-            self._scale = self.step_cost.bias(SIZED)
+            self._offset = self.step_cost.offset(SIZED)
         self._prefill_room = self._realtime_prefill_room(lead, step_seconds)
         budget = self._schedule_running(out, budget, lead)
         budget = self._schedule_waiting(out, budget, lead)
@@ -269,7 +269,7 @@ class Scheduler:
         low = min(budget, self.low_priority_token_budget or self.max_num_batched_tokens)
         room = None
         if step_seconds is not None:
-            room = step_seconds - self._scale * self.step_cost.cost.seconds(out.work)
+            room = step_seconds - self._offset - self.step_cost.cost.seconds(out.work)
         prefilling = any(s.start < s.request.num_tokens - 1 for s in out.scheduled)
         # A best-priority request is prefilling: its first token comes sooner from a step of
         # its own. Never twice in a row, so a stream of them takes at most half the steps.
@@ -279,6 +279,7 @@ class Scheduler:
             low = 0
         else:  # a prefill's step of its own is no measure of the others
             out.kind = SIZED
+            self.sized_budget_seconds += step_seconds or 0.0
         ran = len(out.scheduled)
         left, room = self._take_turns(out, placed, low, room)
         if room is not None:
@@ -311,7 +312,7 @@ class Scheduler:
         leads = [r for r in self.running if r.priority == lead]
         idle = StepWork(max(1, len(leads)), sum(r.num_computed_tokens + 1 for r in leads))
         cost = self.step_cost
-        return IDLE_STEP_MULTIPLE * cost.bias(IDLE) * cost.cost.seconds(idle)
+        return IDLE_STEP_MULTIPLE * max(0.0, cost.cost.seconds(idle) + cost.offset(IDLE))
 
     def _realtime_prefill_room(self, lead: int | None, step_seconds: float | None) -> float | None:
         """Seconds the lead priority's prefill chunks may take beside its decodes in a sized step:
@@ -323,7 +324,7 @@ class Scheduler:
         if not decodes:
             return None
         work = sum((StepWork.of_chunk(r.num_computed_tokens, 1) for r in decodes), StepWork())
-        decoding = self._scale * self.step_cost.cost.seconds(work)
+        decoding = self._offset + self.step_cost.cost.seconds(work)
         return PREFILL_STEP_MULTIPLE * step_seconds - decoding
 
     def _cut_prefill(self, start: int, num_new: int) -> int:
@@ -340,7 +341,7 @@ class Scheduler:
     def _chunk_seconds(self, start: int, num_new: int) -> float:
         """What `num_new` tokens of one sequence from position `start` add to a sized step."""
         cost = self.step_cost.cost
-        return self._scale * (cost.seconds(StepWork.of_chunk(start, num_new)) - cost.fixed)
+        return cost.seconds(StepWork.of_chunk(start, num_new)) - cost.fixed
 
     def _tokens_fitting(self, start: int, seconds: float) -> int:
         """How many tokens of one sequence from position `start` add at most `seconds` to a sized
@@ -348,7 +349,6 @@ class Scheduler:
         if seconds <= 0:
             return 0
         cost = self.step_cost.cost
-        seconds /= self._scale
         # per_token * n + per_context * (n * start + n * (n + 1) / 2) <= seconds, solved for n.
         a = cost.per_context / 2
         b = cost.per_token + cost.per_context * (start + 0.5)

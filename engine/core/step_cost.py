@@ -15,11 +15,16 @@ One line through steps of every size misses most where the scheduler needs it: a
 a streamed token waits on more than the model: the whole engine iteration, whose outputs (and
 the other threads that take them) grow with its batch. So each kind of step the scheduler names
 as it schedules it (an idle realtime step, a step sized for realtime requests) also keeps how
-far its iterations' times have lately been from the line, `bias(kind)`, a moving average of
-their ratio, by which the scheduler scales what the line says for steps of that kind. A refit
-keeps what each kind's steps took: its bias is re-expressed against the new line at the last
-step of that kind, so that idle steps measured long ago (none run while batch work is present)
-stay what they were, wherever the batch's steps have since moved the line.
+much longer than the line its iterations have lately taken, `offset(kind)`, in seconds, which
+the scheduler adds to what the line says for a step of that kind. An offset, not a ratio: what
+the line misses at a small step is mostly a fixed cost, which a ratio would wrongly scale with
+the step's tokens (a line whose fixed cost fell to nothing made a step of seven realtime decodes
+look seven times an idle step's one). Sized steps keep an average of their last few, so that the
+scheduler, steering each step by the last ones' error, reaches its budget within a few steps
+wherever the line's slope is wrong. A refit keeps what each kind's steps took: its offset is
+re-expressed against the new line at the last step of that kind, so that idle steps measured
+long ago (none run while batch work is present) stay what they were, wherever the batch's steps
+have since moved the line.
 """
 
 from __future__ import annotations
@@ -31,8 +36,12 @@ import numpy as np
 
 WINDOW = 256
 REFIT_EVERY = 16
-# The weight of a step in its kind's moving average of time over prediction (see `bias`).
-BIAS_WEIGHT = 0.1
+# The kinds of step the scheduler names (see `offset`): steps sized for realtime requests, and
+# idle steps (a few realtime decodes and nothing else), which a sized step is measured against.
+SIZED, IDLE = "sized", "idle"
+# The weight of a step in its kind's moving average of time beyond the line (see `offset`): the
+# scheduler steers sized steps by the last few; idle ones, long measured, by the last ten or so.
+OFFSET_WEIGHTS = {SIZED: 0.5, IDLE: 0.1}
 # Fewer steps than this, or a first fit that says more work takes less time, predict nothing:
 # the caller then falls back to its token budget.
 MIN_STEPS = 32
@@ -69,8 +78,11 @@ class StepCostModel:
         self._steps: deque[tuple[int, int, float]] = deque(maxlen=WINDOW)
         self._since_fit = 0
         self.cost: StepCost | None = None  # None until fitted on enough, and sensible
-        self._bias: dict[str, float] = {}
-        self._last_work: dict[str, StepWork] = {}  # each kind's last step, where its bias holds
+        self._offset: dict[str, float] = {}
+        self._last_work: dict[str, StepWork] = {}  # each kind's last step, where its offset holds
+        # Each kind's iterations so far: how many, and their seconds in all (for reports).
+        self.iterations: dict[str, int] = {}
+        self.iteration_seconds: dict[str, float] = {}
 
     def observe(self, work: StepWork, seconds: float) -> None:
         """A step of `work` ran the model for `seconds`."""
@@ -83,23 +95,26 @@ class StepCostModel:
             fitted = self._fit()
             if fitted is not None and self.cost is not None:
                 for kind, at in self._last_work.items():
-                    self._bias[kind] *= self.cost.seconds(at) / fitted.seconds(at)
+                    self._offset[kind] += self.cost.seconds(at) - fitted.seconds(at)
             self.cost = fitted or self.cost
 
     def observe_iteration(self, kind: str, work: StepWork, seconds: float) -> None:
         """A step of `work`, of the scheduler's `kind`, took `seconds` from its start to the
         next's, which followed it at once."""
+        self.iterations[kind] = self.iterations.get(kind, 0) + 1
+        self.iteration_seconds[kind] = self.iteration_seconds.get(kind, 0.0) + seconds
         if self.cost is None:
             return
-        ratio = seconds / self.cost.seconds(work)
-        last = self._bias.get(kind)
-        self._bias[kind] = ratio if last is None else last + BIAS_WEIGHT * (ratio - last)
+        beyond = seconds - self.cost.seconds(work)
+        last = self._offset.get(kind)
+        weight = OFFSET_WEIGHTS[kind]
+        self._offset[kind] = beyond if last is None else last + weight * (beyond - last)
         self._last_work[kind] = work
 
-    def bias(self, kind: str) -> float:
-        """How many times what the fit says steps of this kind have lately taken; 1.0 before
-        any."""
-        return self._bias.get(kind, 1.0)
+    def offset(self, kind: str) -> float:
+        """Seconds that steps of this kind have lately taken beyond what the fit says (less,
+        where negative); 0.0 before any."""
+        return self._offset.get(kind, 0.0)
 
     def _fit(self) -> StepCost | None:
         data = np.array(self._steps, dtype=np.float64)

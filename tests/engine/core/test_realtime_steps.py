@@ -169,12 +169,13 @@ def test_greedy_outputs_of_both_priorities_match_transformers_however_steps_are_
     assert_pool_whole(llm)
 
 
-def batch_tokens_in_a_sized_step(idle_bias: float, sized_bias: float) -> int:
+def batch_tokens_in_a_sized_step(idle_beyond: float, sized_beyond: float) -> int:
+    """With idle and sized steps seen taking these many seconds beyond the fit."""
     cost = known_cost(0.010, 0.001)
-    for kind, bias in ((IDLE, idle_bias), (SIZED, sized_bias)):
-        cost.observe_iteration(kind, StepWork(2, 20), bias * cost.cost.seconds(StepWork(2, 20)))
+    for kind, beyond in ((IDLE, idle_beyond), (SIZED, sized_beyond)):
+        cost.observe_iteration(kind, StepWork(2, 20), cost.cost.seconds(StepWork(2, 20)) + beyond)
     sched = Scheduler(KVCacheManager(1024, BLOCK, True), 32, 64, "priority", None, None, cost)
-    for i in range(12):
+    for i in range(24):
         sched.add(req(f"b{i}", 4, BATCH, i))
     assert run_step(sched).kind is None  # a batch's prefills: no measure of either kind
     sched.add(req("rt", 6, REALTIME, 50))
@@ -185,13 +186,14 @@ def batch_tokens_in_a_sized_step(idle_bias: float, sized_bias: float) -> int:
 
 
 def test_sized_steps_follow_what_idle_and_sized_steps_have_really_taken():
-    as_fitted = batch_tokens_in_a_sized_step(1.0, 1.0)
+    as_fitted = batch_tokens_in_a_sized_step(0.0, 0.0)
     assert as_fitted > 2
-    # Sized steps twice as slow as the fit says: fewer batch tokens fit.
-    assert batch_tokens_in_a_sized_step(1.0, 2.0) < as_fitted
-    # Idle steps slower too: the budget grows with them, and the step holds as many.
-    assert batch_tokens_in_a_sized_step(2.0, 2.0) == as_fitted
-    assert batch_tokens_in_a_sized_step(2.0, 1.0) > as_fitted
+    # Sized steps 4 ms longer than the fit says: 4 batch tokens (1 ms each) fewer fit.
+    assert batch_tokens_in_a_sized_step(0.0, 0.004) == as_fitted - 4
+    # Idle steps 4 ms longer: the budget grows by 1.9 times that, 7.6 tokens (7 or 8, with the
+    # room's fraction); the sized steps' 4 ms more take 4 of them back.
+    assert as_fitted + 7 <= batch_tokens_in_a_sized_step(0.004, 0.0) <= as_fitted + 8
+    assert as_fitted + 3 <= batch_tokens_in_a_sized_step(0.004, 0.004) <= as_fitted + 4
 
 
 def test_a_realtime_stream_alone_runs_idle_steps():

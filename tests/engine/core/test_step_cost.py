@@ -5,9 +5,11 @@ import random
 import pytest
 
 from pagedbatch.engine.core.step_cost import (
-    BIAS_WEIGHT,
+    IDLE,
     MIN_STEPS,
+    OFFSET_WEIGHTS,
     REFIT_EVERY,
+    SIZED,
     WINDOW,
     StepCostModel,
     StepWork,
@@ -66,12 +68,28 @@ def test_each_kind_of_step_keeps_how_far_its_steps_are_from_the_fit():
     for i in range(MIN_STEPS + REFIT_EVERY):
         work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
         model.observe(work, 0.01 + 0.001 * work.tokens)
-    assert model.bias("idle") == model.bias("sized") == 1.0  # none seen
+    assert model.offset(IDLE) == model.offset(SIZED) == 0.0  # none seen
     work = StepWork(1, 50)
-    for ratio in (0.5, 0.5, 1.5):
-        model.observe_iteration("idle", work, ratio * model.cost.seconds(work))
-    assert model.bias("idle") == pytest.approx(0.5 + BIAS_WEIGHT * (1.5 - 0.5))
-    assert model.bias("sized") == 1.0
+    for beyond in (0.004, 0.004, 0.010):
+        model.observe_iteration(IDLE, work, model.cost.seconds(work) + beyond)
+    assert model.offset(IDLE) == pytest.approx(0.004 + OFFSET_WEIGHTS[IDLE] * (0.010 - 0.004))
+    assert model.offset(SIZED) == 0.0
+    # Sized steps follow their last few: the scheduler steers each step by them.
+    for beyond in (-0.004, 0.010):
+        model.observe_iteration(SIZED, work, model.cost.seconds(work) + beyond)
+    assert model.offset(SIZED) == pytest.approx(-0.004 + OFFSET_WEIGHTS[SIZED] * 0.014)
+    assert OFFSET_WEIGHTS[SIZED] >= 0.5 > OFFSET_WEIGHTS[IDLE]
+
+
+def test_an_offset_is_a_fixed_cost_the_line_missed_not_a_share_of_every_token():
+    model = StepCostModel()
+    for i in range(MIN_STEPS + REFIT_EVERY):  # big steps: a line through them misses 20 ms
+        work = StepWork(100 + i * 7 % 200, 1 + i * 13 % 900)
+        model.observe(work, 0.01 + 0.001 * work.tokens)
+    one, seven = StepWork(1, 50), StepWork(7, 350)
+    model.observe_iteration(IDLE, one, 0.031)  # one decode really takes 31 ms
+    # Seven take the 20 ms the line misses plus seven tokens' 7 ms, not seven times 31 ms.
+    assert model.cost.seconds(seven) + model.offset(IDLE) == pytest.approx(0.037, rel=0.01)
 
 
 def test_a_refit_keeps_what_each_kinds_steps_took():
@@ -80,9 +98,9 @@ def test_a_refit_keeps_what_each_kinds_steps_took():
         work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
         model.observe(work, 0.01 + 0.001 * work.tokens)
     idle = StepWork(1, 50)
-    model.observe_iteration("idle", idle, 0.02)
+    model.observe_iteration(IDLE, idle, 0.02)
     for i in range(WINDOW):  # the machine's steps now cost 30 ms more, and a token twice as much
         work = StepWork(1 + i * 7 % 300, 1 + i * 13 % 9000)
         model.observe(work, 0.04 + 0.002 * work.tokens)
     assert model.cost.fixed == pytest.approx(0.04, rel=0.01)
-    assert model.bias("idle") * model.cost.seconds(idle) == pytest.approx(0.02)
+    assert model.cost.seconds(idle) + model.offset(IDLE) == pytest.approx(0.02)
