@@ -1,7 +1,8 @@
 """Paged attention with soft-capped scores (Gemma 2's `attn_logit_softcapping`): each score
 becomes cap * tanh(score / cap) before the mask and the softmax, as transformers' eager attention
 computes it. SDPA, the C decode kernel and the Triton kernel have no such step, so this is torch
-on each sequence's gathered keys: the reference's speed, on any device."""
+on gathered keys, on any device: decode sequences (one query each) batched, padded to the
+longest context of their chunk; a sequence with more queries alone, its queries in chunks."""
 
 from __future__ import annotations
 
@@ -9,6 +10,8 @@ import torch
 
 from pagedbatch.kernels.attention import AttentionMetadata
 
+# Gathered key elements per decode chunk (values as many again): float32, 16 MiB each.
+_DECODE_ELEMENTS = 4 * 2**20
 # Query rows scored at once: a long prefill's scores take heads x rows x context floats.
 _QUERY_ROWS = 512
 
@@ -25,35 +28,95 @@ def softcapped_paged_attention(
     """As `kernels.attention.paged_attention` (query `[num_tokens, num_heads, head_dim]` over each
     sequence's cached context, causal, a sliding window w keeping keys k with p - k < w), the
     scaled scores soft-capped at `softcap`."""
+    out = torch.empty_like(query)
+    starts = meta.query_start_loc.tolist()
+    seq_lens = meta.seq_lens.tolist()
+    decodes = [i for i in range(len(seq_lens)) if starts[i + 1] - starts[i] == 1]
+    decodes.sort(key=lambda i: -seq_lens[i])
+    row_elements = key_cache.shape[2] * key_cache.shape[3]
+    while decodes:
+        count = max(1, _DECODE_ELEMENTS // (seq_lens[decodes[0]] * row_elements))
+        chunk, decodes = decodes[:count], decodes[count:]
+        _decode(query, key_cache, value_cache, meta, chunk, scale, softcap, sliding_window, out)
+    for i, seq_len in enumerate(seq_lens):
+        if starts[i + 1] - starts[i] > 1:
+            _prefill(query, key_cache, value_cache, meta, i, starts[i], starts[i + 1], seq_len,
+                     scale, softcap, sliding_window, out)  # fmt: skip
+    return out
+
+
+def _decode(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seqs: list[int],
+    scale: float,
+    softcap: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Sequences `seqs`, one query each, in one batched call."""
+    num_heads, head_dim = query.shape[1:]
+    num_kv_heads = key_cache.shape[2]
+    device = query.device
+    index = torch.tensor(seqs, device=device)
+    seq_lens = meta.seq_lens.index_select(0, index)
+    rows = meta.query_start_loc.index_select(0, index)
+    key_pos = torch.arange(int(seq_lens.max()), device=device)
+    # Padding positions read the sequence's last key (a block it holds), masked below.
+    read = torch.minimum(key_pos[None, :], seq_lens[:, None] - 1)
+    blocks = meta.block_tables.index_select(0, index).gather(1, read // meta.block_size).long()
+    slots = blocks * meta.block_size + read % meta.block_size
+    k = key_cache.view(-1, num_kv_heads, head_dim)[slots]  # [seqs, keys, kv_heads, head_dim]
+    v = value_cache.view(-1, num_kv_heads, head_dim)[slots]
+    q = query.index_select(0, rows).view(len(seqs), num_kv_heads, -1, head_dim)
+    scores = torch.einsum("skgd,slkd->skgl", q, k) * scale
+    scores = torch.tanh(scores / softcap) * softcap
+    masked = key_pos[None, :] >= seq_lens[:, None]
+    if sliding_window is not None:
+        masked |= seq_lens[:, None] - 1 - key_pos[None, :] >= sliding_window
+    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    attended = torch.einsum("skgl,slkd->skgd", probs, v).reshape(len(seqs), num_heads, head_dim)
+    out.index_copy_(0, rows, attended)
+
+
+def _prefill(
+    query: torch.Tensor,
+    key_cache: torch.Tensor,
+    value_cache: torch.Tensor,
+    meta: AttentionMetadata,
+    seq: int,
+    start: int,
+    end: int,
+    seq_len: int,
+    scale: float,
+    softcap: float,
+    sliding_window: int | None,
+    out: torch.Tensor,
+) -> None:
+    """Sequence `seq`'s queries, rows start:end of the batch, the last of its seq_len positions."""
     num_heads, head_dim = query.shape[1:]
     num_kv_heads = key_cache.shape[2]
     groups = num_heads // num_kv_heads
-    keys = key_cache.view(-1, num_kv_heads, head_dim)
-    values = value_cache.view(-1, num_kv_heads, head_dim)
-    out = torch.empty_like(query)
-    starts = meta.query_start_loc.tolist()
-    for i, seq_len in enumerate(meta.seq_lens.tolist()):
-        start, end = starts[i], starts[i + 1]
-        if start == end:
-            continue
-        key_pos = torch.arange(seq_len, device=query.device)
-        blocks = meta.block_tables[i].long()[key_pos // meta.block_size]
-        slots = blocks * meta.block_size + key_pos % meta.block_size
-        # [heads, keys, head_dim], each query head beside its KV head's keys
-        k = keys.index_select(0, slots).transpose(0, 1).repeat_interleave(groups, dim=0)
-        v = values.index_select(0, slots).transpose(0, 1).repeat_interleave(groups, dim=0)
-        first_pos = seq_len - (end - start)
-        for row in range(start, end, _QUERY_ROWS):
-            stop = min(row + _QUERY_ROWS, end)
-            q = query[row:stop].transpose(0, 1)  # [heads, rows, head_dim]
-            scores = torch.matmul(q, k.transpose(1, 2)) * scale
-            scores = torch.tanh(scores / softcap) * softcap
-            query_pos = torch.arange(first_pos + row - start, first_pos + stop - start,
-                                     device=query.device)[:, None]  # fmt: skip
-            masked = key_pos[None, :] > query_pos
-            if sliding_window is not None:
-                masked |= query_pos - key_pos[None, :] >= sliding_window
-            scores.masked_fill_(masked, float("-inf"))
-            probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
-            out[row:stop] = torch.matmul(probs, v).transpose(0, 1)
-    return out
+    key_pos = torch.arange(seq_len, device=query.device)
+    blocks = meta.block_tables[seq].long()[key_pos // meta.block_size]
+    slots = blocks * meta.block_size + key_pos % meta.block_size
+    # [heads, keys, head_dim], each query head beside its KV head's keys
+    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+    k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
+    first_pos = seq_len - (end - start)
+    for row in range(start, end, _QUERY_ROWS):
+        stop = min(row + _QUERY_ROWS, end)
+        q = query[row:stop].transpose(0, 1)  # [heads, rows, head_dim]
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale
+        scores = torch.tanh(scores / softcap) * softcap
+        query_pos = key_pos[first_pos + row - start : first_pos + stop - start, None]
+        masked = key_pos[None, :] > query_pos
+        if sliding_window is not None:
+            masked |= query_pos - key_pos[None, :] >= sliding_window
+        scores.masked_fill_(masked, float("-inf"))
+        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        out[row:stop] = torch.matmul(probs, v).transpose(0, 1)
