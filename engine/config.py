@@ -16,6 +16,7 @@ from pagedbatch.engine.worker.gguf import find_gguf, metadata_dir
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("priority", "fcfs")
 MATMUL_PRECISIONS = ("auto", "highest", "bfloat16")
+REASONING_PARSERS = ("auto", "none", "deepseek_r1", "qwen3")
 # Bidirectional models: a sequence is encoded whole, in one step, and keeps no KV cache.
 ENCODER_ARCHITECTURES = ("BertModel",)
 # Decoders without a language-model head: pooling models even without a pooling config.
@@ -77,6 +78,14 @@ class EngineArgs:
         None,
         doc="a Jinja chat template, or a file holding one, for a model whose tokenizer has none "
         "(or to replace its own); without any, chat requests to the model are refused",
+    )
+    reasoning_parser: str = arg(
+        "auto",
+        doc="a reasoning model's chat answers: the text between <think> and </think> becomes "
+        "reasoning_content, the rest content; auto does so where both tags are tokens of the "
+        "model's vocabulary; deepseek_r1 and qwen3 (vLLM's names for the same split) insist on "
+        "them; none leaves the text whole",
+        choices=REASONING_PARSERS,
     )
     dtype: str = arg(
         "auto",

@@ -30,7 +30,7 @@ from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.engine.pooling_params import PoolingParams
 from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
 from pagedbatch.engine.sampling_params import SamplingParams
-from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer
+from pagedbatch.engine.tokenizer import eos_token_ids, load_tokenizer, reasoning_tags
 from pagedbatch.engine.worker.model_runner import ModelRunner
 from pagedbatch.engine.worker.resident import ResidentSize
 
@@ -49,6 +49,8 @@ class LLMEngine:
         meta = self.model_config.metadata_dir
         self.tokenizer = load_tokenizer(meta, args.chat_template)
         self.eos_token_ids = eos_token_ids(meta, self.tokenizer)
+        # What a reasoning model thinks between, for chat answers to split at; None: no split.
+        self.reasoning_tags = reasoning_tags(self.tokenizer, args.reasoning_parser)
         limit = self.model_config.max_position_embeddings
         if self.pooling is not None and self.pooling.max_seq_length:
             # What sentence-transformers cuts inputs to: the length the model was trained on.

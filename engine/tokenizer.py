@@ -21,6 +21,27 @@ def load_tokenizer(
     return tokenizer
 
 
+THINK_TAGS = ("<think>", "</think>")
+
+
+def reasoning_tags(tokenizer: PreTrainedTokenizerBase, parser: str) -> tuple[str, str] | None:
+    """The tags a reasoning model thinks between, for EngineArgs.reasoning_parser: None for
+    `none`, or for `auto` where the vocabulary lacks either; a named parser without them is a
+    ValueError. Each tag must be one token: then no text the model writes around it can split or
+    fake it."""
+    if parser == "none":
+        return None
+    vocab = tokenizer.get_vocab()
+    if all(tag in vocab for tag in THINK_TAGS):
+        return THINK_TAGS
+    if parser == "auto":
+        return None
+    raise ValueError(
+        f"reasoning_parser {parser}: the model's vocabulary has no {THINK_TAGS[0]} and "
+        f"{THINK_TAGS[1]} tokens"
+    )
+
+
 def read_chat_template(value: str) -> str:
     """A template given inline, or the contents of the file it names."""
     if "{" not in value:  # every template has a {{ or {%; a path rarely has either

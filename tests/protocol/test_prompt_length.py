@@ -45,6 +45,7 @@ class Served:
     tokenizer: Any
     max_model_len: int = CONTEXT
     model_name: str = "tiny"
+    reasoning_tags: tuple[str, str] | None = None
     labels: list[str] | None = None
     image_processor: None = None
     audio_processor: None = None

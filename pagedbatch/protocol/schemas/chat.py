@@ -292,6 +292,8 @@ class ChoiceLogprobs(BaseModel):
 class ChatCompletionMessage(BaseModel):
     role: Literal["assistant"] = "assistant"
     content: str | None
+    # vLLM's: a reasoning model's thinking; left out of other models' answers, as OpenAI's.
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
     refusal: str | None = None
     annotations: list[dict[str, Any]] = Field(default_factory=list)
     tool_calls: list[ToolCall] | None = None
@@ -333,6 +335,7 @@ class ToolCallDelta(BaseModel):
 class ChoiceDelta(BaseModel):
     role: Literal["assistant"] | None = None
     content: str | None = None
+    reasoning_content: str | None = Field(None, exclude_if=lambda value: value is None)
     refusal: str | None = None
     tool_calls: list[ToolCallDelta] | None = None
 

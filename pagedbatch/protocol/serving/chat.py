@@ -20,6 +20,7 @@ from pagedbatch.engine.core.request import TokenLogprob
 from pagedbatch.engine.multimodal.inputs import Modality
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.reasoning import NO_THINKING, ReasoningSplitter, Split
 from pagedbatch.protocol.schemas.chat import (
     ChatCompletion,
     ChatCompletionMessage,
@@ -67,6 +68,7 @@ class PreparedChat:
     tokenizer: PreTrainedTokenizerBase
     inputs: list[EngineInput]
     calls_tools: bool = False  # the output may hold tool calls, to be returned as `tool_calls`
+    reasoning: ReasoningSplitter | None = None  # a reasoning model's: thinking apart from content
 
     def input_texts(self) -> list[str]:
         """Each user message's text (its text parts together)."""
@@ -84,13 +86,19 @@ class PreparedChat:
     def response(self, outputs: Sequence[RequestOutput]) -> ChatCompletion:
         (output,) = outputs
         choices = []
+        reasoning_tokens = 0
         for choice in output.outputs:
-            content, calls = self.split(choice.text)
+            thought = Split(None, choice.text)
+            if self.reasoning is not None:
+                thought = self.reasoning.split(choice.text)
+                reasoning_tokens += self.reasoning.reasoning_tokens(choice.token_ids, thought)
+            content, calls = self.split(thought.content or "")
             choices.append(
                 Choice(
                     index=choice.index,
                     message=ChatCompletionMessage(
-                        content=content,
+                        content=content if thought.content is not None else None,
+                        reasoning_content=thought.reasoning,
                         refusal=choice.refusal,
                         tool_calls=[new_tool_call(c) for c in calls] or None,
                     ),
@@ -103,7 +111,7 @@ class PreparedChat:
             created=self.created,
             model=self.model,
             choices=choices,
-            usage=usage(outputs),
+            usage=usage(outputs, reasoning_tokens),
             prompt_logprobs=prompt_logprobs(output.prompt_logprobs, self.pieces),
         )
 
@@ -155,7 +163,8 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     tokenizer = served.tokenizer
     tools = [tool.model_dump(mode="json", exclude_none=True) for tool in request.tools or []]
     media = decode_media(request.messages, served)
-    text = render_chat(request.messages, tokenizer, tools, takes(served))
+    thinking = None if request.reasoning_effort is None else request.reasoning_effort != NO_THINKING
+    text = render_chat(request.messages, tokenizer, tools, takes(served), thinking)
     max_tokens = request.max_completion_tokens or request.max_tokens  # None: up to the context
     prompt = encode_prompt(text, max_tokens, served, param="messages", add_special_tokens=False)
     prompt, items = place_media(prompt, media, served)
@@ -176,6 +185,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         tokenizer=tokenizer,
         inputs=[EngineInput(chat_id, prompt, params, items)],
         calls_tools=requested is not None and bool(requested.tool_names),
+        reasoning=ReasoningSplitter.for_prompt(served.reasoning_tags, text, tokenizer),
     )
 
 
@@ -229,11 +239,13 @@ def render_chat(
     tokenizer: PreTrainedTokenizerBase,
     tools: Sequence[dict[str, Any]] = (),
     media: Collection[Modality] = (),
+    thinking: bool | None = None,
 ) -> str:
     """The prompt text: the messages (and the tools on offer) through the chat template, ready
     for the assistant's turn. For a model that reads `media`, a message with images or clips
     keeps its parts, as `{"type": "image"}` or `{"type": "audio"}`, for the template to place
-    their placeholder tokens."""
+    their placeholder tokens. `thinking` is a reasoning model's switch where its template has
+    one (Qwen3's `enable_thinking`); None leaves the template's default."""
     if tokenizer.chat_template is None:
         raise OpenAIError(
             "This model has no chat template: use /v1/completions, or start the model with a "
@@ -242,8 +254,13 @@ def render_chat(
         )
     conversation = [_template_message(i, message, media) for i, message in enumerate(messages)]
     try:
+        switch = {} if thinking is None else {"enable_thinking": thinking}
         return tokenizer.apply_chat_template(
-            conversation, tools=list(tools) or None, tokenize=False, add_generation_prompt=True
+            conversation,
+            tools=list(tools) or None,
+            tokenize=False,
+            add_generation_prompt=True,
+            **switch,
         )
     except TemplateError as exc:  # templates reject e.g. roles out of order
         raise OpenAIError(

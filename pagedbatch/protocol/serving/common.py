@@ -26,7 +26,12 @@ from pagedbatch.engine.sample.structured_output import StructuredOutput
 from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedbatch.ids import new_id, now  # noqa: F401 - used by the chat and completions layers
 from pagedbatch.protocol.errors import OpenAIError, from_validation_error
-from pagedbatch.protocol.schemas.common import PromptTokensDetails, SamplingRequest, Usage
+from pagedbatch.protocol.schemas.common import (
+    CompletionTokensDetails,
+    PromptTokensDetails,
+    SamplingRequest,
+    Usage,
+)
 from pagedbatch.protocol.structured_output import costly_output_format
 
 Body = TypeVar("Body", bound=BaseModel)
@@ -53,6 +58,7 @@ class ServedModel(Protocol):
     tokenizer: PreTrainedTokenizerBase
     max_model_len: int
     model_name: str
+    reasoning_tags: tuple[str, str] | None  # what a reasoning model thinks between
     labels: list[str] | None  # a sequence classifier's labels; None: a language model
     image_processor: ImageProcessor | None  # None: the model takes no images
     audio_processor: AudioProcessor | None  # None: the model takes no audio
@@ -369,8 +375,8 @@ def finish_reason(choice: CompletionOutput, output: RequestOutput) -> FinishReas
     )
 
 
-def usage(outputs: Sequence[RequestOutput]) -> Usage:
-    """The usage of finished, whole (not DELTA) outputs."""
+def usage(outputs: Sequence[RequestOutput], reasoning: int = 0) -> Usage:
+    """The usage of finished, whole (not DELTA) outputs, `reasoning` of their tokens thinking."""
     return counted_usage(
         prompt=sum(len(o.prompt_token_ids) for o in outputs),
         completion=sum(len(c.token_ids) for o in outputs for c in o.outputs),
@@ -378,10 +384,11 @@ def usage(outputs: Sequence[RequestOutput]) -> Usage:
         images=sum(o.num_image_tokens for o in outputs),
         audio=sum(o.num_audio_tokens for o in outputs),
     )
+        reasoning=reasoning,
 
 
 def counted_usage(
-    prompt: int, completion: int, cached: int, images: int = 0, audio: int = 0
+    prompt: int, completion: int, cached: int, images: int = 0, audio: int = 0, reasoning: int = 0
 ) -> Usage:
     return Usage(
         prompt_tokens=prompt,
@@ -391,6 +398,7 @@ def counted_usage(
             cached_tokens=cached, image_tokens=images, audio_tokens=audio
         ),
     )
+        completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
 
 
 # Byte-level BPE spells each byte as one printable character; this maps it back.

@@ -12,7 +12,7 @@ from __future__ import annotations
 import json
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from typing import Any, Protocol
 
 from pydantic import BaseModel
@@ -20,6 +20,7 @@ from pydantic import BaseModel
 from pagedbatch.engine.core.request import TokenLogprob
 from pagedbatch.engine.outputs import RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.reasoning import ReasoningStream
 from pagedbatch.protocol.schemas.chat import (
     ChatCompletionChunk,
     ChoiceDelta,
@@ -46,6 +47,7 @@ class Delta:
     finish_reason: FinishReason | None  # set on the choice's last chunk only
     first: bool
     refusal: str | None = None  # why the content filter ended the choice
+    token_ids: list[int] = field(default_factory=list)  # generated since the last chunk
 
 
 class EventStream(Protocol):
@@ -134,6 +136,7 @@ class DeltaReader:
                     finish_reason=finish_reason(choice, output) if choice.finished else None,
                     first=not sent.started,
                     refusal=choice.refusal,
+                    token_ids=list(choice.token_ids),
                 )
                 if not (delta.text or delta.logprobs or delta.finish_reason):
                     continue  # tokens whose text is held back (a stop string may be forming)
@@ -204,8 +207,16 @@ class ChatChunks:
     def __init__(self, prepared: PreparedChat) -> None:
         self._prepared = prepared
         self._tool_streams: defaultdict[int, _ToolCallStream] = defaultdict(_ToolCallStream)
+        self._reasoning_streams: dict[int, ReasoningStream] = {}
 
     def chunk(self, delta: Delta) -> ChatCompletionChunk:
+        reasoning = None
+        if self._prepared.reasoning is not None:
+            stream = self._reasoning_streams.setdefault(
+                delta.index, ReasoningStream(self._prepared.reasoning)
+            )
+            split = stream.feed(delta.text, delta.token_ids, delta.finish_reason is not None)
+            reasoning, delta = split.reasoning, replace(delta, text=split.content or "")
         content, calls = delta.text, []
         reason = delta.finish_reason
         if self._prepared.calls_tools:
@@ -214,7 +225,8 @@ class ChatChunks:
             index=delta.index,
             delta=ChoiceDelta(
                 role="assistant" if delta.first else None,
-                content=content if content or not calls else None,
+                content=content if content or not (calls or reasoning) else None,
+                reasoning_content=reasoning,
                 refusal=delta.refusal,
                 tool_calls=calls or None,
             ),
@@ -247,6 +259,8 @@ class ChatChunks:
         return piece, new, reason and tool_calls_finish(reason, stream.calls > 0)
 
     def usage_chunk(self, usage: Usage) -> ChatCompletionChunk:
+        thinking = sum(s.reasoning_tokens() for s in self._reasoning_streams.values())
+        usage.completion_tokens_details.reasoning_tokens = thinking
         return self._chunk([], usage)
 
     def _chunk(self, choices: list[ChunkChoice], usage: Usage | None = None) -> ChatCompletionChunk:
