@@ -12,6 +12,7 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import openai
 import pytest
 from test_batches import create, finished, read_lines
 from tokenizers import AddedToken, Tokenizer
@@ -147,3 +148,53 @@ def test_a_model_without_the_tags_is_not_split_and_a_named_parser_insists(tiny_l
     none = LLMEngine(EngineArgs(model=str(thinker("r1")), reasoning_parser="none"))
     assert none.reasoning_tags is None
     assert ReasoningSplitter.for_prompt(None, "", none.tokenizer) is None
+
+
+@embedded
+def test_a_response_holds_the_thinking_as_a_reasoning_item_before_its_message(
+    serve_batches, thinker
+):
+    client = serve_batches(model=str(thinker("r1")), served_model_name="thinker").client()
+    # As chat answers the same greedy request: a reasoning item, then the message.
+    body = {"model": "thinker", "input": MESSAGES[0]["content"], "max_output_tokens": 16}
+    response = client.responses.create(**body, temperature=0, reasoning={"effort": "high"})
+    chat = ask(client, max_tokens=16).choices[0].message
+    thought = chat.model_extra["reasoning_content"]
+    assert thought  # the tiny model thinks on to the end here
+    reasoning, message = response.output
+    assert reasoning.type == "reasoning" and reasoning.id.startswith("rs_")
+    assert reasoning.content[0].text == thought
+    assert message.type == "message" and response.output_text == (chat.content or "")
+    thinking = response.usage.output_tokens_details.reasoning_tokens
+    assert thinking == ask(client, max_tokens=16).usage.completion_tokens_details.reasoning_tokens
+    # Streamed: the events tell the same items, the thinking's deltas joined.
+    events = list(client.responses.create(**body, temperature=0, stream=True))
+    deltas = [e.delta for e in events if e.type == "response.reasoning_text.delta"]
+    final = events[-1].response
+    assert "".join(deltas) == final.output[0].content[0].text == reasoning.content[0].text
+    assert [item.type for item in final.output] == ["reasoning", "message"]
+    added = [e.output_index for e in events if e.type == "response.output_item.added"]
+    assert added == [0, 1]
+    assert final.usage.output_tokens_details.reasoning_tokens == thinking
+    # The thinking stays in the stored conversation's items and out of the next prompt.
+    next_turn = {"model": "thinker", "max_output_tokens": 16}
+    again = client.responses.create(
+        **next_turn, input="And of Spain?", previous_response_id=response.id
+    )
+    bare = client.responses.create(
+        input=[
+            {"role": "user", "content": MESSAGES[0]["content"]},
+            {"role": "assistant", "content": ""},
+            {"role": "user", "content": "And of Spain?"},
+        ],
+        **next_turn,
+    )
+    assert again.usage.input_tokens == bare.usage.input_tokens
+
+
+@embedded
+def test_a_reasoning_effort_for_a_model_that_does_not_think_is_a_400(serve_batches):
+    client = serve_batches().client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.responses.create(model="tiny", input="Hi", reasoning={"effort": "high"})
+    assert caught.value.body["param"] == "reasoning.effort"

@@ -129,6 +129,25 @@ class FunctionCallOutputItem(BaseModel):
     status: Literal["in_progress", "completed", "incomplete"] | None = None
 
 
+class ReasoningTextPart(BaseModel):
+    type: Literal["reasoning_text"]
+    text: Text
+
+
+class ReasoningItem(BaseModel):
+    """An earlier answer's thinking, sent back as input: kept in the conversation's items and
+    left out of the prompt, as reasoning models' chat templates leave out earlier thinking."""
+
+    type: Literal["reasoning"]
+    id: Name | None = None
+    summary: Annotated[list[FreeJSON], Field(max_length=MAX_CONTENT_PARTS)] = Field(
+        default_factory=list
+    )
+    content: Annotated[list[ReasoningTextPart], Field(max_length=MAX_CONTENT_PARTS)] | None = None
+    encrypted_content: Text | None = None
+    status: Literal["in_progress", "completed", "incomplete"] | None = None
+
+
 def _typed(item: Any) -> Any:
     # An easy message has no `type`; a message is the one kind that may leave it out.
     if isinstance(item, dict) and "type" not in item:
@@ -137,7 +156,7 @@ def _typed(item: Any) -> Any:
 
 
 InputItem = Annotated[
-    MessageItem | FunctionCallItem | FunctionCallOutputItem,
+    MessageItem | FunctionCallItem | FunctionCallOutputItem | ReasoningItem,
     Field(discriminator="type"),
     BeforeValidator(_typed),
 ]
@@ -240,7 +259,7 @@ class TextConfig(BaseModel):
 
 
 class Reasoning(BaseModel):
-    """Accepted for the SDK's sake: the served models do not reason, so an effort is a 400."""
+    """A reasoning model's effort (see chat's `reasoning_effort`); a 400 for other models."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -348,7 +367,23 @@ class OutputFunctionCall(BaseModel):
     status: ItemStatus
 
 
-OutputItem = OutputMessage | OutputFunctionCall
+class OutputReasoningText(BaseModel):
+    type: Literal["reasoning_text"] = "reasoning_text"
+    text: str
+
+
+class OutputReasoning(BaseModel):
+    """A reasoning model's thinking, before its message (OpenAI's reasoning item; the text as
+    `content`, as vLLM gives it; no summary)."""
+
+    id: str
+    type: Literal["reasoning"] = "reasoning"
+    summary: list[dict[str, Any]] = Field(default_factory=list)
+    content: list[OutputReasoningText]
+    status: ItemStatus
+
+
+OutputItem = OutputReasoning | OutputMessage | OutputFunctionCall
 
 
 class InputTokensDetails(BaseModel):

@@ -9,8 +9,10 @@ prompt, the grammar that enforces a format or the calls, media, sampling and the
 are chat's own, and greedy output is chat's token for token. A refusal on the way names the
 Responses field it came from (`input[2].content[0]`, `text.format`), not chat's.
 
-The chat's answer then becomes the Response: its text an assistant `message` item with an
-`output_text` part, each tool call a `function_call` item with a fresh `call_id`.
+The chat's answer then becomes the Response: a reasoning model's thinking a `reasoning` item
+first, its text an assistant `message` item with an `output_text` part, each tool call a
+`function_call` item with a fresh `call_id`. Earlier thinking sent back as input (a `reasoning`
+item) stays out of the prompt, as reasoning models' chat templates leave it out.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
+from pagedbatch.protocol.reasoning import Split
 from pagedbatch.protocol.schemas.chat import ChatCompletionRequest, ChatCompletionTokenLogprob
 from pagedbatch.protocol.schemas.common import MAX_TEXT_CHARS, Usage
 from pagedbatch.protocol.schemas.responses import (
@@ -50,10 +53,13 @@ from pagedbatch.protocol.schemas.responses import (
     OutputFunctionCall,
     OutputItem,
     OutputMessage,
+    OutputReasoning,
+    OutputReasoningText,
     OutputRefusal,
     OutputText,
     OutputTextPart,
     OutputTokensDetails,
+    ReasoningItem,
     RefusalPart,
     Response,
     ResponseCreateRequest,
@@ -116,9 +122,14 @@ class PreparedResponse:
         (output,) = outputs
         (choice,) = output.outputs
         reason = finish_reason(choice, output)  # raises for an abort or an engine failure
-        content, calls = self.chat.split(choice.text)
-        answer = Answer(content, calls, self.logprobs(choice), choice.refusal, reason)
-        return self.finished(answer, usage(outputs))
+        thought, thinking = Split(None, choice.text), 0
+        if self.chat.reasoning is not None:
+            thought = self.chat.reasoning.split(choice.text)
+            thinking = self.chat.reasoning.reasoning_tokens(choice.token_ids, thought)
+        content, calls = self.chat.split(thought.content or "")
+        logprobs = self.logprobs(choice)
+        answer = Answer(content, calls, logprobs, choice.refusal, reason, thought.reasoning)
+        return self.finished(answer, usage(outputs, thinking))
 
     def finished(self, answer: Answer, used: Usage, ids: OutputIds | None = None) -> Response:
         """The Response holding `answer`; `ids`: the output items' ids, where a stream has
@@ -131,6 +142,8 @@ class PreparedResponse:
             reason = "max_output_tokens" if answer.reason == "length" else "content_filter"
             incomplete = IncompleteDetails(reason=reason)
         output: list[OutputItem] = []
+        if answer.reasoning:  # an empty one says nothing, and a stream has not opened it
+            output.append(answer.thinking(ids.reasoning, "completed"))
         if answer.content or answer.refusal or not answer.calls:
             output.append(answer.message(ids.message, "incomplete" if incomplete else "completed"))
         output.extend(
@@ -196,6 +209,11 @@ class Answer:
     logprobs: list[Logprob]
     refusal: str | None
     reason: str
+    reasoning: str | None = None  # a reasoning model's thinking, before the rest
+
+    def thinking(self, item_id: str, status: ItemStatus) -> OutputReasoning:
+        text = [OutputReasoningText(text=self.reasoning)] if self.reasoning is not None else []
+        return OutputReasoning(id=item_id, content=text, status=status)
 
     def message(self, item_id: str, status: ItemStatus) -> OutputMessage:
         # The text first, if only an empty one: a stream has opened it before it knows the end.
@@ -221,6 +239,7 @@ class OutputIds:
     made as they are first asked for."""
 
     message: str = field(default_factory=lambda: new_id("msg_"))
+    reasoning: str = field(default_factory=lambda: new_id("rs_"))
     calls: list[tuple[str, str]] = field(default_factory=list)
 
     def call(self, index: int) -> tuple[str, str]:
@@ -236,7 +255,9 @@ def response_usage(used: Usage) -> ResponseUsage:
             cached_tokens=used.prompt_tokens_details.cached_tokens
         ),
         output_tokens=used.completion_tokens,
-        output_tokens_details=OutputTokensDetails(),
+        output_tokens_details=OutputTokensDetails(
+            reasoning_tokens=used.completion_tokens_details.reasoning_tokens
+        ),
         total_tokens=used.total_tokens,
     )
 
@@ -301,6 +322,13 @@ def prepare_response(
     if history_cut and request.truncation != "auto":
         raise conversation_too_long(request.previous_response_id or "")
     _refuse_unsupported(request, continued=bool(history) or history_cut)
+    reasoning = request.reasoning
+    if reasoning is not None and reasoning.effort is not None and served.reasoning_tags is None:
+        raise OpenAIError(
+            "Unsupported parameter: 'reasoning.effort' is not supported with this model.",
+            param="reasoning.effort",
+            code="unsupported_parameter",
+        )
     own = _own_items(request)
     where = (
         ["input"] if isinstance(request.input, str) else [f"input[{i}]" for i in range(len(own))]
@@ -457,13 +485,6 @@ def _refuse_unsupported(request: ResponseCreateRequest, continued: bool) -> None
             param="tool_choice",
             code="unsupported_parameter",
         )
-    reasoning = request.reasoning
-    if reasoning is not None and reasoning.effort is not None:
-        raise OpenAIError(
-            "Unsupported parameter: 'reasoning.effort' is not supported with this model.",
-            param="reasoning.effort",
-            code="unsupported_parameter",
-        )
 
 
 def _own_items(request: ResponseCreateRequest) -> list[Any]:
@@ -474,7 +495,10 @@ def _own_items(request: ResponseCreateRequest) -> list[Any]:
 
 def _add_item(messages: list[dict[str, Any]], sources: list[str], item: Any, where: str) -> None:
     """`item` added to the chat `messages`: a message, a tool call (joining the assistant
-    message before it, so parallel calls make one turn, as chat has them) or a tool's output."""
+    message before it, so parallel calls make one turn, as chat has them) or a tool's output;
+    an earlier thinking adds nothing."""
+    if isinstance(item, ReasoningItem):
+        return
     if isinstance(item, FunctionCallItem):
         call = {
             "id": item.call_id,
@@ -609,6 +633,7 @@ def _chat_body(request: ResponseCreateRequest, messages: list[dict[str, Any]]) -
         "response_format": _chat_format(request),
         "logprobs": logprobs,
         "top_logprobs": request.top_logprobs if logprobs else None,
+        "reasoning_effort": request.reasoning.effort if request.reasoning else None,
     }
     return body
 
@@ -672,6 +697,9 @@ def _listed(item: Any) -> dict[str, Any]:
     elif isinstance(item, FunctionCallOutputItem):
         listed = item.model_dump(exclude_none=True)
         listed.setdefault("id", new_id("fco_"))
+    elif isinstance(item, ReasoningItem):
+        listed = item.model_dump(exclude_none=True)
+        listed.setdefault("id", new_id("rs_"))
     else:
         content = item.content
         if isinstance(content, str):
