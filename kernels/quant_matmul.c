@@ -91,6 +91,18 @@ static inline float half_at(const uint8_t *p) {
 #endif
 }
 
+/* The two halves at p as floats (a block's scale and Q4_1's minimum): one conversion with F16C. */
+static inline void half_pair_at(const uint8_t *p, float *first, float *second) {
+#ifdef QUANT_AVX2
+    const __m128 both = _mm_cvtph_ps(_mm_loadu_si32(p));
+    *first = _mm_cvtss_f32(both);
+    *second = _mm_cvtss_f32(_mm_movehdup_ps(both));
+#else
+    *first = half_at(p);
+    *second = half_at(p + 2);
+#endif
+}
+
 /* One row of activations quantized per block: q[cols], and each block's scale and quant sum. */
 static void quantize_activations(const float *x, int64_t blocks, int8_t *q, float *scale,
                                  int32_t *sum) {
@@ -171,7 +183,9 @@ static float row_dot_int8(int type, const uint8_t *row, int64_t blocks, const in
 #define ACCUMULATE(products, factor) acc += (float)(products) * (factor)
 #endif
     for (int64_t b = 0; b < blocks; ++b, row += stride, xq += BLOCK) {
-        const float scale = half_at(row) * xd[b];
+        float d, m; /* m: Q4_1's minimum; the next two bytes of the others' blocks */
+        half_pair_at(row, &d, &m);
+        const float scale = d * xd[b];
         switch (type) {
         case Q4_0:
             ACCUMULATE(nibble_products(row + 2, xq), scale);
@@ -179,7 +193,7 @@ static float row_dot_int8(int type, const uint8_t *row, int64_t blocks, const in
             break;
         case Q4_1:
             ACCUMULATE(nibble_products(row + 4, xq), scale);
-            extra += half_at(row + 2) * xd[b] * (float)xs[b];
+            extra += m * xd[b] * (float)xs[b];
             break;
         default: /* Q8_0 */
             ACCUMULATE(int8_products((const int8_t *)(row + 2), xq), scale);
@@ -202,7 +216,9 @@ static float row_dot_float_avx512(int type, const uint8_t *row, int64_t blocks, 
     __m512 acc = _mm512_setzero_ps();
     float extra = 0.0f;
     for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
-        const float d = half_at(row);
+        /* d and (Q4_1) the minimum m: the block's first two halves, converted together */
+        const __m128 dm = _mm_cvtph_ps(_mm_loadu_si32(row));
+        const float d = _mm_cvtss_f32(dm);
         __m512 lo, hi;
         if (type == Q8_0) {
             lo = _mm512_cvtepi32_ps(
@@ -217,11 +233,11 @@ static float row_dot_float_avx512(int type, const uint8_t *row, int64_t blocks, 
             if (type == Q4_0)
                 extra -= 8.0f * d * xsum[b];
             else
-                extra += half_at(row + 2) * xsum[b];
+                extra += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * xsum[b];
         }
         const __m512 s = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x),
                                          _mm512_mul_ps(hi, _mm512_loadu_ps(x + 16)));
-        acc = _mm512_fmadd_ps(s, _mm512_set1_ps(d), acc);
+        acc = _mm512_fmadd_ps(s, _mm512_broadcastss_ps(dm), acc);
     }
     return _mm512_reduce_add_ps(acc) + extra;
 }
