@@ -11,7 +11,6 @@ import openai
 from servers import engine_records, eventually
 from test_engine_host import (  # noqa: F401 - fixtures
     LONG,
-    broker,
     completion,
     engine,
     load,
