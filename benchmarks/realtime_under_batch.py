@@ -260,18 +260,34 @@ def batch_file(args: argparse.Namespace) -> bytes:
     return completion_lines(requests, SERVED_NAME)
 
 
+def realtime_tokens(latency: dict[str, Any], args: argparse.Namespace) -> tuple[int, int]:
+    """A realtime phase's output tokens, and all the engine computed for it: each request's
+    prompt, and each output token but the last as the next step's input."""
+    requests, tokens = latency["requests"], latency["tokens"]
+    return tokens, requests * args.realtime_prompt_len + tokens - requests
+
+
 def window(
-    before: tuple[float, dict], after: tuple[float, dict], realtime_tokens: int
+    before: tuple[float, dict],
+    after: tuple[float, dict],
+    realtime_tokens: int = 0,
+    realtime_computed: int = 0,
 ) -> dict[str, Any]:
-    """The batch's token rate and the engine's steps between two stats readings."""
+    """The batch's token rates and the engine's steps between two stats readings, given the
+    realtime requests' output tokens and all the tokens the engine computed for them."""
     (t0, s0), (t1, s1) = before, after
     seconds = t1 - t0
     steps = s1["steps"] - s0["steps"]
     batch_tokens = s1["generation_tokens"] - s0["generation_tokens"] - realtime_tokens
+    computed = s1["batched_tokens"] - s0["batched_tokens"] - realtime_computed
     return {
         "seconds": round(seconds, 2),
         "batch_output_tps": round(batch_tokens / seconds, 2),
         "batch_output_tokens": batch_tokens,
+        # Prompt and output tokens alike: what the batch got of the engine. Its output rate
+        # over a window shorter than a line's life also moves with how many of its lines are
+        # prefilling then (see the README), this does not.
+        "batch_computed_tps": round(computed / seconds, 2),
         "realtime_output_tokens": realtime_tokens,
         "engine_steps": steps,
         "mean_step_s": round((s1["busy_seconds"] - s0["busy_seconds"]) / max(1, steps), 4),
@@ -363,7 +379,7 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
     before = server.stats()
     idle = realtime_phase(client, args, "idle")
     report["idle"] = latency_report(idle)
-    report["idle_engine"] = window(before, server.stats(), report["idle"]["tokens"])
+    report["idle_engine"] = window(before, server.stats(), *realtime_tokens(report["idle"], args))
 
     log(f"phase 2: a batch of {args.batch_lines} lines alone")
     uploaded = client.files.create(file=("batch.jsonl", batch_file(args)), purpose="batch")
@@ -377,20 +393,22 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
     before = server.stats()
     time.sleep(args.duration)
     after_alone = server.stats()
-    report["batch_alone"] = window(before, after_alone, 0)
+    report["batch_alone"] = window(before, after_alone)
 
     log("phase 3: realtime requests under the batch")
     before = server.stats()
     under = realtime_phase(client, args, "under")
     after = server.stats()
     report["under_batch"] = latency_report(under)
-    report["batch_with_realtime"] = window(before, after, report["under_batch"]["tokens"])
+    report["batch_with_realtime"] = window(
+        before, after, *realtime_tokens(report["under_batch"], args)
+    )
 
     log("phase 4: the batch alone again")
     time.sleep(args.ramp)  # the batch refills the seats it left to realtime requests
     before = server.stats()
     time.sleep(args.duration)
-    report["batch_alone_again"] = window(before, server.stats(), 0)
+    report["batch_alone_again"] = window(before, server.stats())
     final = client.batches.retrieve(batch.id)
     report["batch_still_running"] = final.status == "in_progress"
     report["batch_request_counts"] = final.request_counts.model_dump()
@@ -413,6 +431,12 @@ def run(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]
         report[f"itl_{stat}_under_batch_vs_idle"] = ratio
         report[f"target_itl_{stat}_ratio_max"] = target
     report["batch_tps_with_realtime_vs_alone"] = round(with_tps / alone_tps, 3)
+    alone_computed = statistics.fmean(
+        [report[w]["batch_computed_tps"] for w in ("batch_alone", "batch_alone_again")]
+    )
+    report["batch_computed_with_realtime_vs_alone"] = round(
+        report["batch_with_realtime"]["batch_computed_tps"] / alone_computed, 3
+    )
     # What the realtime traffic asks of the engine, against all it computes for the batch alone.
     alone = report["batch_alone"]
     engine_tps = alone["tokens_per_step"] * alone["engine_steps"] / alone["seconds"]

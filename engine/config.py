@@ -167,7 +167,7 @@ class EngineArgs:
         doc="under the priority policy, while realtime requests run beside batch work, each step "
         "(what every streamed token waits on) is held to this many milliseconds, by the engine's "
         "measure of its recent steps: every realtime sequence decodes, and batch sequences take "
-        "turns at what is left, keeping their KV cache; unset: 1.9 times the step the realtime "
+        "turns at what is left, keeping their KV cache; unset: 1.8 times the step the realtime "
         "requests alone would take. Steps are as large as ever once no realtime request is left",
         gt=0,
     )

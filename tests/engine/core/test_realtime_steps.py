@@ -190,8 +190,8 @@ def test_sized_steps_follow_what_idle_and_sized_steps_have_really_taken():
     assert as_fitted > 2
     # Sized steps 4 ms longer than the fit says: 4 batch tokens (1 ms each) fewer fit.
     assert batch_tokens_in_a_sized_step(0.0, 0.004) == as_fitted - 4
-    # Idle steps 4 ms longer: the budget grows by 1.9 times that, 7.6 tokens (7 or 8, with the
-    # room's fraction); the sized steps' 4 ms more take 4 of them back.
+    # Idle steps 4 ms longer: the budget grows by IDLE_STEP_MULTIPLE (1.8) times that, 7.2
+    # tokens (7 or 8, with the room's fraction); the sized steps' 4 ms more take 4 of them back.
     assert as_fitted + 7 <= batch_tokens_in_a_sized_step(0.004, 0.0) <= as_fitted + 8
     assert as_fitted + 3 <= batch_tokens_in_a_sized_step(0.004, 0.004) <= as_fitted + 4
 
@@ -203,3 +203,29 @@ def test_a_realtime_stream_alone_runs_idle_steps():
     sched.add(req("rt", 6, REALTIME, 0))
     assert run_step(sched).kind is None  # its prefill
     assert run_step(sched).kind == IDLE
+
+
+def test_sized_steps_reach_their_budget_where_the_fit_misjudges_what_a_token_costs():
+    # The fit says 10 ms a step and 2 ms a token; the machine takes 20 ms and 0.5 ms (a CPU's
+    # small steps: the weights are read once whatever the tokens). Steered by what sized steps
+    # really take, 20 steps on they fill their budget to within one token as fitted (a step
+    # takes a batch token only where the last ones' error, and that token's fitted cost, fit).
+    def really(work: StepWork) -> float:
+        return 0.020 + 0.0005 * work.tokens
+
+    cost = known_cost(0.010, 0.002)
+    cost.observe_iteration(IDLE, StepWork(1, 7), really(StepWork(1, 7)))
+    sched = Scheduler(KVCacheManager(4096, BLOCK, True), 128, 512, "priority", None, None, cost)
+    for i in range(100):
+        sched.add(req(f"b{i}", 4, BATCH, i))
+    run_step(sched)
+    sched.add(req("rt", 6, REALTIME, 200))
+    took = []
+    for _ in range(30):
+        out = run_step(sched)
+        if out.kind == SIZED:
+            cost.observe_iteration(SIZED, out.work, really(out.work))
+            took.append(really(out.work))
+    budget = IDLE_STEP_MULTIPLE * really(StepWork(1, 7))
+    assert took[0] < 0.75 * budget  # as fitted, a batch token looked four times its cost
+    assert all(budget - 0.002 <= t <= budget for t in took[20:]), (budget, took)
