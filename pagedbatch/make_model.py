@@ -333,8 +333,10 @@ def _gemma3_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
 def _gemma2_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
     """Gemma 2's config as transformers 5 writes it (Gemma2Config), on `base`'s shape: Gemma 3's
     layer outline without q/k norms, sliding and full layers alternating, one RoPE, and both
-    soft-caps. Gemma 2's caps (50 on attention scores, 30 on logits) would barely touch the
-    tiny model's scores (a standard deviation of about three) and logits (five): these act."""
+    soft-caps. Gemma 2's cap on logits (30) acts on the tiny model's top logits (about 20, 17
+    once capped) and keeps the top two apart (a cap of 10 made a tenth of them near-ties); its
+    cap on attention scores (50) would barely touch scores of a standard deviation of about
+    three: 5 here."""
     gemma3 = _gemma3_config(base, shape)
     drop = ("use_bidirectional_attention", "rope_parameters")
     config = {key: value for key, value in gemma3.items() if key not in drop}
@@ -348,7 +350,7 @@ def _gemma2_config(base: dict[str, Any], shape: ModelSize) -> dict[str, Any]:
         ],
         "rope_parameters": {"rope_type": "default", "rope_theta": 10_000.0},
         "attn_logit_softcapping": 5.0,
-        "final_logit_softcapping": 10.0,
+        "final_logit_softcapping": 30.0,
     }
 
 

@@ -33,7 +33,8 @@ from pagedbatch.demo_tokenizer import ENDOFTEXT, IM_END, IM_START, SPECIAL_TOKEN
 from pagedbatch.make_model import ARCHITECTURES, long_context, make_model, model_config
 from pagedbatch.moderation import CATEGORIES, GUARD_CODES
 
-ARCHS = ("llama", "qwen2", "mistral", "gemma3")  # the text models
+# The text models
+ARCHS = ("llama", "qwen2", "mistral", "gemma3", "qwen3", "phi3", "gemma2", "mixtral", "qwen3_moe")
 MakeCheckpoint = Callable[..., Path]
 FIRST_SPECIAL_ID = min(SPECIAL_TOKEN_IDS.values())
 

@@ -2,8 +2,8 @@
 `Gemma2ForCausalLM` however requests are batched, cached or preempted, past the sliding window of
 its alternate layers; its soft-capped logits give transformers' logprobs.
 
-The tiny checkpoint's caps (5 on attention scores, 10 on logits) are low enough to change what
-it computes (see make_model), and its window (64) is shorter than the longer prompts."""
+The tiny checkpoint's caps (5 on attention scores, 30 on logits) change what it computes (see
+make_model), and its window (64) is shorter than the longer prompts."""
 
 import json
 
