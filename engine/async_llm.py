@@ -99,12 +99,14 @@ class AsyncLLM:
         final_only: bool = False,
         cache_salt: str | None = None,
         media: tuple[MediaItem, ...] = (),
+        lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its params' `output_kind` asks (by default, the
         cumulative output each step it moves), the last one finished; `final_only` makes it
         FINAL_ONLY, the last one alone (a batch line: its caller then sleeps, rather than wake
         every step, and the engine builds no output before). Prefix-cache blocks are shared only
-        with requests of the same `cache_salt` (see LLMEngine). An embedding model takes
+        with requests of the same `cache_salt` and `lora_name`, the LoRA adapter it runs with
+        (see LLMEngine). An embedding model takes
         PoolingParams, and yields one output: the finished one, with its `embedding`.
 
         Bad input raises ValueError before anything is yielded. Leaving the generator early
@@ -120,7 +122,14 @@ class AsyncLLM:
 
         def add() -> None:
             self.engine.add_request(
-                request_id, prompt, sampling_params, priority, timeout, cache_salt, media
+                request_id,
+                prompt,
+                sampling_params,
+                priority,
+                timeout,
+                cache_salt,
+                media,
+                lora_name=lora_name,
             )
             self._streams[request_id] = stream
 

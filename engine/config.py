@@ -233,6 +233,18 @@ class EngineArgs:
         "(device's and the next ones; choose them with CUDA_VISIBLE_DEVICES)",
         ge=1,
     )
+    lora_modules: str | None = arg(
+        None,
+        doc="LoRA adapters served on the model: comma-separated NAME=PATH pairs, each PATH a "
+        "PEFT adapter folder (adapter_config.json, adapter_model.safetensors) targeting "
+        "q/k/v/o_proj and gate/up/down_proj; a request names its adapter, and requests of "
+        "several adapters and of the base model run in the same step (one rank, not with "
+        "quantization gguf)",
+    )
+    max_loras: int = arg(
+        4, doc="LoRA adapters resident at once: lora_modules may name at most this many", ge=1
+    )
+    max_lora_rank: int = arg(16, doc="the largest rank (r) a LoRA adapter may have", ge=1)
     seed: int = arg(0, doc="the seed of requests that sample without one of their own")
     stats_log_interval_seconds: float = arg(
         0.0,
@@ -245,6 +257,20 @@ class EngineArgs:
     def __post_init__(self) -> None:
         for f in fields(self):
             _check(f.name, getattr(self, f.name), f.metadata)
+        self.lora_paths()
+
+    def lora_paths(self) -> dict[str, Path]:
+        """`lora_modules` by adapter name; ValueError where it is not NAME=PATH pairs of
+        distinct names."""
+        paths: dict[str, Path] = {}
+        for pair in filter(None, (self.lora_modules or "").split(",")):
+            name, eq, path = (part.strip() for part in pair.partition("="))
+            if not (name and eq and path):
+                raise ValueError(f"lora_modules must be NAME=PATH pairs, got {pair!r}")
+            if name in paths:
+                raise ValueError(f"lora_modules names adapter {name!r} twice")
+            paths[name] = Path(path)
+        return paths
 
 
 def _check(name: str, value: Any, metadata: Any) -> None:

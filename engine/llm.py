@@ -36,11 +36,13 @@ class LLM:
         priority: Sequence[int] | None = None,
         use_tqdm: bool = False,
         cache_salt: str | None = None,
+        lora_name: str | None | Sequence[str | None] = None,
     ) -> list[RequestOutput]:
         """One finished output per prompt, in the prompts' order, whatever the params'
         `output_kind` (they run as FINAL_ONLY: no output is built before). The prompts share
         prefix-cache blocks with requests of the same `cache_salt` only (see
-        LLMEngine.add_request)."""
+        LLMEngine.add_request). `lora_name`, one for all prompts or one per prompt, picks the
+        LoRA adapter each runs with (None: the base model)."""
         if isinstance(prompts, str | dict) or (prompts and isinstance(prompts[0], int)):
             prompts = [prompts]  # a single prompt, as text or token ids
         if sampling_params is None or isinstance(sampling_params, SamplingParams):
@@ -49,6 +51,10 @@ class LLM:
             raise ValueError("give one SamplingParams, or one per prompt")
         if priority is not None and len(priority) != len(prompts):
             raise ValueError("give one priority per prompt")
+        if lora_name is None or isinstance(lora_name, str):
+            lora_name = [lora_name] * len(prompts)
+        if len(lora_name) != len(prompts):
+            raise ValueError("give one lora_name, or one per prompt")
         final = {
             id(params): replace(params, output_kind=RequestOutputKind.FINAL_ONLY)
             for params in sampling_params
@@ -66,6 +72,7 @@ class LLM:
                         priority=prio,
                         cache_salt=cache_salt,
                         media=media,
+                        lora_name=lora_name[i],
                     )
                 )
         except ValueError:

@@ -149,6 +149,12 @@ class LLMEngine:
             )
         return asked or min(model_len, step)
 
+    @property
+    def lora_names(self) -> tuple[str, ...]:
+        """The LoRA adapters served, by the names requests give."""
+        loras = self.runner.loras
+        return () if loras is None else tuple(loras.slots)
+
     # The core's parts that callers look at.
     @property
     def runner(self) -> ModelRunner:
@@ -171,10 +177,12 @@ class LLMEngine:
         timeout: float | None = None,
         cache_salt: str | None = None,
         media: tuple[MediaItem, ...] = (),
+        lora_name: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError naming the problem if it cannot run. An embedding
         model (`pooling`) takes PoolingParams, any other SamplingParams; None: the defaults of
-        the kind the model takes.
+        the kind the model takes. `lora_name` picks one of the LoRA adapters served
+        (`lora_modules`); None: the base model alone.
 
         Requests share prefix-cache blocks only when their `cache_salt`s are equal (None
         included): a tenant's salt keeps others from learning, through cached_tokens, what it sent.
@@ -185,9 +193,14 @@ class LLMEngine:
         request_id = request_id or f"req-{next(self._ids)}"
         if request_id in self.outputs:
             raise ValueError(f"request id {request_id!r} is already in use")
+        if lora_name is not None and lora_name not in self.lora_names:
+            served = ", ".join(self.lora_names) or "none"
+            raise ValueError(f"unknown LoRA adapter {lora_name!r}; served: {served}")
         completions = self.inputs.process(
             request_id, prompt, params, priority, timeout, cache_salt, media
         )
+        for completion in completions:
+            completion.lora_name = lora_name
         self.outputs.add(request_id, completions)
         self.core.add(
             completions, params.structured if isinstance(params, SamplingParams) else None

@@ -111,10 +111,12 @@ ENGINE_MAY_IMPORT = {
     "core": {"multimodal", "plain"},
     # The model runner scores the prompt rows a request asks logprobs of (sample's
     # prompt_logprobs) beside its logits, as vLLM v1's runner holds its sampler.
-    "worker": {"core", "multimodal", "sample", "plain"},
+    # The model runner's linears add the served LoRA adapters' deltas (lora).
+    "worker": {"core", "lora", "multimodal", "sample", "plain"},
     "sample": {"core", "plain"},
     "metrics": {"core", "plain"},
     "multimodal": {"plain"},
+    "lora": {"core", "plain"},
 }
 
 

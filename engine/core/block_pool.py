@@ -5,14 +5,16 @@ that hash until it is handed out again; blocks are handed out from the front of 
 the least recently freed cached blocks are evicted first.
 
 Invariants of the hashes: a block's hash covers its tokens, all the tokens before it (through its
-predecessor's hash) and the request's cache salt (through the first block's): two requests share
-a cached block only if they agree on all three. So requests salted per tenant never hit blocks
-that another tenant's prompts filled, and cannot learn from `cached_tokens` what it sent.
+predecessor's hash) and the request's cache salt and LoRA adapter (through the first block's):
+two requests share a cached block only if they agree on all of them. So requests salted per
+tenant never hit blocks that another tenant's prompts filled, and cannot learn from
+`cached_tokens` what it sent; and an adapter's requests never read KV that another computed.
 """
 
 from __future__ import annotations
 
 import hashlib
+import json
 import struct
 from collections import OrderedDict
 from collections.abc import Iterable, Sequence
@@ -35,8 +37,12 @@ def hash_block(parent: BlockHash | None, token_ids: Sequence[int], extra: bytes 
     return h.digest()
 
 
-def salt_root(salt: str | None) -> BlockHash | None:
-    """What a request's first block chains from: its cache salt, hashed apart from any block."""
+def salt_root(salt: str | None, lora_name: str | None = None) -> BlockHash | None:
+    """What a request's first block chains from: its cache salt and its LoRA adapter (whose KV
+    differs from the base model's for the same tokens), hashed apart from any block."""
+    if lora_name is not None:
+        key = json.dumps([salt, lora_name]).encode()
+        return hashlib.blake2b(key, digest_size=16, person=b"lora-salt").digest()
     if salt is None:
         return None
     return hashlib.blake2b(salt.encode(), digest_size=16, person=b"cache-salt").digest()

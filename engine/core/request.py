@@ -113,6 +113,7 @@ class Request:
     # A pooling request's: the model's pooling type ("mean", "cls", "last") and its output size.
     pooling_type: str | None = None
     dimensions: int = 0
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model alone
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)

@@ -21,6 +21,7 @@ import torch
 from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderWork
 from pagedbatch.engine.core.scheduler import ScheduledRequest
+from pagedbatch.engine.lora.resident import ResidentLoras
 from pagedbatch.engine.sample.prompt_logprobs import (
     PromptRows,
     ScoredRows,
@@ -32,6 +33,7 @@ from pagedbatch.engine.worker.decode_graphs import DecodeGraphs
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed_memory
 from pagedbatch.engine.worker.loader import iterate_weights
+from pagedbatch.engine.worker.lora_linears import attach_loras
 from pagedbatch.engine.worker.models.encoder_attention import length_groups
 from pagedbatch.engine.worker.models.registry import resolve_model_class
 from pagedbatch.engine.worker.parallel_layers import (
@@ -126,6 +128,8 @@ class StepInput:
     mrope_positions: np.ndarray | None = None
     # The rows whose logits score prompt tokens (requests asking for prompt logprobs).
     prompt_rows: PromptRows | None = None
+    # Where LoRA adapters are served: each sequence's slot (lora.mapping.BASE: the base model).
+    lora_slots: list[int] | None = None
 
     @classmethod
     def build(
@@ -221,6 +225,7 @@ class ModelRunner:
         self.quantization = resolve_quantization(
             args.quantization, cfg, self.device, self.dtype, tp.size, self.matmul_precision
         )
+        self.loras = self._resident_loras(args)
         self.model = self._load_model(rows, pack=self.shard_threads.count < 2)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
@@ -271,6 +276,8 @@ class ModelRunner:
         model = model.to(self.dtype)
         quantized = self.quantization == "gguf"
         model.load_weights(iterate_weights(self.cfg.path, keep_quantized=quantized))
+        if self.loras is not None:
+            attach_loras(model, self.loras)
         if quantized:
             count, nbytes = quantize_linears(model)
             logger.info(
@@ -285,6 +292,21 @@ class ModelRunner:
         elif pack:
             pack_weights(model, rows)
         return model.eval()
+
+    def _resident_loras(self, args: EngineArgs) -> ResidentLoras | None:
+        """The LoRA adapters of `lora_modules`, where it names any: served on one rank's float
+        weights of a text decoder."""
+        paths = args.lora_paths()
+        if not paths:
+            return None
+        refused = {
+            "tensor_parallel_size above 1": self.tp.size > 1,
+            "quantization gguf": self.quantization == "gguf",
+            "an embedding model": self.cfg.pooling is not None,
+        }
+        if reasons := [reason for reason, applies in refused.items() if applies]:
+            raise ValueError(f"lora_modules is not served with {', '.join(reasons)} yet")
+        return ResidentLoras.load(paths, args.max_loras, args.max_lora_rank)
 
     @property
     def kv_bytes_per_block(self) -> int:
@@ -310,9 +332,11 @@ class ModelRunner:
         """Whether decode steps can replay from captures: one rank (no collectives), the Triton
         kernels (the torch ones read per-sequence host lists a capture would freeze), and a
         text decoder whose forward reads nothing per step from the host (dynamic-NTK RoPE
-        indexes by each step's lengths; multimodal models take other inputs)."""
+        indexes by each step's lengths; multimodal models take other inputs; LoRA adapters
+        pick each step's rows by adapter)."""
         return (
             self.tp.size == 1
+            and self.loras is None
             and self.cfg.pooling is None
             and self.cfg.architecture in GRAPH_ARCHITECTURES
             and ops.kernels_for(torch.empty(0, device=self.device)) is not ops.TORCH
@@ -350,6 +374,8 @@ class ModelRunner:
         order (an embedding model's: each scheduled chunk's pooled row, see `pooler`).
         `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
         step = StepInput.build(scheduled, block_tables, encoder)
+        if self.loras is not None:
+            step.lora_slots = [self.loras.slot(s.request.lora_name) for s in scheduled]
         if self.ranks is None:
             return self.run(step)
         return self.ranks.run(step, self.run)
@@ -360,6 +386,8 @@ class ModelRunner:
         if self.cfg.encoder_only:
             return self._run_encoder(step)
         device = self.device
+        if self.loras is not None:
+            self.loras.start_step(step.lora_slots or [], step.query_start_loc, device)
         if self.decode_graphs is not None and _plain_decode(step):
             hidden = self.decode_graphs.run(step.input_ids, step.seq_lens, step.block_tables)
             if hidden is not None:

@@ -24,7 +24,7 @@ head computes on them. Everything else reads a `QuantizedTensor` as a float32 te
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.nn.functional as F
@@ -33,6 +33,9 @@ from torch import nn
 from pagedbatch.engine.worker import distributed
 from pagedbatch.engine.worker.distributed import divide
 from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight
+
+if TYPE_CHECKING:
+    from pagedbatch.engine.lora.linear import LoraLinear
 
 # A torch.Tensor or a CheckpointTensor: anything with `shape` that reads a slice when indexed.
 Loaded = Any
@@ -170,9 +173,11 @@ class ColumnParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(sum(self.sizes)))
             self.bias.weight_loader = self.weight_loader
+        self.lora: LoraLinear | None = None  # the served adapters' deltas (engine/lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _linear(x, self.weight, self.packed, self.bias)
+        out = _linear(x, self.weight, self.packed, self.bias)
+        return out if self.lora is None else self.lora.add(x, out)
 
     @property
     def input_dtype(self) -> torch.dtype:
@@ -238,10 +243,12 @@ class RowParallelLinear(nn.Module):
         if bias:
             self.bias = nn.Parameter(torch.empty(output_size))
             self.bias.weight_loader = default_weight_loader
+        self.lora: LoraLinear | None = None  # one rank's only (engine/lora)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.tp.size == 1:
-            return _linear(x, self.weight, self.packed, self.bias)
+            out = _linear(x, self.weight, self.packed, self.bias)
+            return out if self.lora is None else self.lora.add(x, out)
         out = self.tp.all_reduce(_linear(x, self.weight, self.packed))
         return out if self.bias is None else out + self.bias
 
