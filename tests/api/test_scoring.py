@@ -1,6 +1,7 @@
-"""vLLM's scoring fields through the official SDK (`extra_body`) at both doors, on the embedded
-service: prompt_logprobs in vLLM's response shape, equal to transformers' float32 log-softmax
-over the prompt; what is out of bounds is an OpenAI-shaped 400."""
+"""Scoring through the official SDK at both doors, on the embedded service: vLLM's
+prompt_logprobs (`extra_body`) in vLLM's response shape and completions' `echo` with `logprobs`
+in OpenAI's, both equal to transformers' float32 log-softmax over the prompt; `best_of`; what is
+out of bounds is an OpenAI-shaped 400."""
 
 from __future__ import annotations
 
@@ -69,7 +70,7 @@ def test_prompt_logprobs_at_the_realtime_door(serve_batches, tiny_llama):
     )
     assert_vllm_shape(tiny_llama, chat_prompt(tiny_llama), chat.model_extra["prompt_logprobs"])
     plain = client.chat.completions.create(model="tiny", messages=MESSAGES, max_tokens=2)
-    assert plain.model_extra["prompt_logprobs"] is None
+    assert "prompt_logprobs" not in plain.model_extra  # OpenAI's object, where not asked
 
 
 def test_prompt_logprobs_in_batch_lines(serve_batches, tiny_llama):
@@ -119,3 +120,65 @@ def test_prompt_logprobs_out_of_bounds_are_400s(serve_batches, body):
             create_call(model="tiny", max_tokens=2, extra_body=body, **args)
         error = caught.value.body
         assert error["param"] == "prompt_logprobs" and error["type"] == "invalid_request_error"
+
+
+def test_echo_with_logprobs_scores_the_prompt_first(serve_batches, tiny_llama):
+    client = serve_batches().client()
+    prompt = [1, 3251, 338, 263, 1243, 310, 278, 9853, 3402]
+    args = {"model": "tiny", "prompt": prompt, "max_tokens": 3, "temperature": 0, "logprobs": 2}
+    (echoed,) = client.completions.create(**args, echo=True).choices
+    (plain,) = client.completions.create(**args).choices
+    logprobs = echoed.logprobs
+    assert len(logprobs.tokens) == len(prompt) + 3 == len(logprobs.text_offset)
+    assert logprobs.token_logprobs[0] is None and logprobs.top_logprobs[0] is None
+    expected = expected_logprobs(tiny_llama, prompt)
+    for i, token in enumerate(prompt[1:], start=1):
+        assert abs(logprobs.token_logprobs[i] - expected[i - 1, token].item()) < TOLERANCE
+        assert len(logprobs.top_logprobs[i]) <= 2
+    # Then the completion's own, as without echo, its offsets after the prompt's text.
+    assert logprobs.tokens[len(prompt) :] == plain.logprobs.tokens
+    assert logprobs.token_logprobs[len(prompt) :] == pytest.approx(
+        plain.logprobs.token_logprobs, abs=TOLERANCE
+    )
+    assert logprobs.text_offset == sorted(logprobs.text_offset) and logprobs.text_offset[0] == 0
+    assert echoed.text.endswith(plain.text)
+    assert logprobs.text_offset[len(prompt)] == len(echoed.text) - len(plain.text)
+
+
+@pytest.mark.parametrize("door", ["realtime", "batch"])
+def test_best_of_returns_the_n_likeliest_of_best_of_samples(serve_batches, door):
+    client = serve_batches().client()
+    body = {"model": "tiny", "prompt": "Once upon a time", "max_tokens": 6, "seed": 5}
+    # The same seeds sample the same completions: best_of's are among n=4's, the likeliest two.
+    every = client.completions.create(**body, n=4, logprobs=0).choices
+    likeliest = sorted(every, key=lambda c: sum(c.logprobs.token_logprobs), reverse=True)[:2]
+    if door == "realtime":
+        best = client.completions.create(**body, n=2, best_of=4).model_dump()
+    else:
+        line = {"custom_id": "best", "method": "POST", "url": "/v1/completions"}
+        line["body"] = {**body, "n": 2, "best_of": 4}
+        batch = finished(client, create(client, [line], endpoint="/v1/completions").id)
+        (result,) = read_lines(client, batch.output_file_id)
+        best = result["response"]["body"]
+    assert [c["text"] for c in best["choices"]] == [c.text for c in likeliest]
+    assert [c["index"] for c in best["choices"]] == [0, 1]
+    assert all(c["logprobs"] is None for c in best["choices"])  # not asked for
+    # All four were generated, and are counted.
+    assert best["usage"]["completion_tokens"] == sum(len(c.logprobs.tokens) for c in every)
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"n": 3, "best_of": 2}, "best_of"),
+        ({"best_of": 21}, "best_of"),
+        ({"best_of": 2, "stream": True}, "best_of"),
+        ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
+        ({"logprobs": 6}, "logprobs"),
+    ],
+)
+def test_bad_echo_and_best_of_are_400s(serve_batches, body, param):
+    client = serve_batches().client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body=body)
+    assert caught.value.body["param"] == param

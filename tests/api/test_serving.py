@@ -320,8 +320,8 @@ class TestCompletions:
         ("fields", "param"),
         [
             ({"suffix": "x"}, "suffix"),
-            ({"best_of": 3}, "best_of"),
-            ({"echo": True, "logprobs": 1}, "echo"),
+            ({"best_of": 3, "stream": True}, "best_of"),
+            ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
             ({"max_tokens": 10_000}, "prompt"),
         ],
     )

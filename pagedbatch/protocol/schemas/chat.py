@@ -18,6 +18,7 @@ from pagedbatch.protocol.schemas.common import (
     SamplingRequest,
     Text,
     Usage,
+    prompt_logprobs_field,
 )
 
 MAX_TOP_LOGPROBS = 20
@@ -317,7 +318,7 @@ class ChatCompletion(BaseModel):
     usage: Usage | None = None
     system_fingerprint: str | None = None
     service_tier: str | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
+    prompt_logprobs: PromptLogprobs | None = prompt_logprobs_field()  # vLLM's
 
 
 class FunctionCallDelta(BaseModel):

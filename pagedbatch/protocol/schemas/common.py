@@ -152,6 +152,12 @@ class PromptLogprob(BaseModel):
 PromptLogprobs = list[dict[int, PromptLogprob] | None]
 
 
+def prompt_logprobs_field() -> Any:
+    """A response's `prompt_logprobs`, there only where asked for: OpenAI's objects have no
+    such field."""
+    return Field(None, exclude_if=lambda value: value is None)
+
+
 class PromptTokensDetails(BaseModel):
     cached_tokens: int = 0
     audio_tokens: int = 0

@@ -13,6 +13,7 @@ from pagedbatch.protocol.schemas.common import (
     Text,
     TokenId,
     Usage,
+    prompt_logprobs_field,
 )
 
 MAX_LOGPROBS = 5
@@ -53,7 +54,7 @@ class CompletionChoice(BaseModel):
     text: str
     finish_reason: Literal["stop", "length", "content_filter"] | None  # null until a stream ends
     logprobs: CompletionLogprobs | None = None
-    prompt_logprobs: PromptLogprobs | None = None  # vLLM's, when asked
+    prompt_logprobs: PromptLogprobs | None = prompt_logprobs_field()  # vLLM's
 
 
 class Completion(BaseModel):

@@ -112,7 +112,9 @@ class PreparedChat:
             model=self.model,
             choices=choices,
             usage=usage(outputs, reasoning_tokens),
-            prompt_logprobs=prompt_logprobs(output.prompt_logprobs, self.pieces),
+            prompt_logprobs=prompt_logprobs(
+                output.prompt_logprobs, self.request.prompt_logprobs, self.pieces
+            ),
         )
 
     def split(self, text: str, complete: bool = True) -> tuple[str | None, list[ToolCallText]]:

@@ -1,20 +1,27 @@
 """`/v1/completions`: raw prompts in, a text_completion out.
 
 A request may carry several prompts; each becomes one engine request with `n` completions, and
-choice `i * n + j` is completion `j` of prompt `i`, as OpenAI numbers them.
+choice `i * n + j` is completion `j` of prompt `i`, as OpenAI numbers them. With `best_of` > `n`
+the engine request has `best_of` completions, and the `n` with the highest cumulative logprob
+(the sampled tokens', under the model's distribution) are the choices, best first.
+
+`echo` with `logprobs`: a choice's logprobs start with its prompt's tokens (the first with a
+null logprob and null top logprobs, as OpenAI's legacy API gave them), scored by the engine as
+vLLM's `prompt_logprobs`, then its own tokens', their text offsets running on.
 """
 
 from __future__ import annotations
 
 import codecs
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property
 
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.core.request import TokenLogprob
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
+from pagedbatch.engine.sampling_params import SamplingParams
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.schemas.completions import (
     Completion,
@@ -60,15 +67,18 @@ class PreparedCompletion:
         choices = []
         for i, output in enumerate(outputs):
             echoed = self.echoed(i)
+            scored = prompt_logprobs(
+                output.prompt_logprobs, self.request.prompt_logprobs, self.pieces
+            )
             choices.extend(
                 CompletionChoice(
-                    index=i * n + choice.index,
+                    index=i * n + j,
                     text=echoed + choice.text,
                     finish_reason=finish_reason(choice, output),
-                    logprobs=self._logprobs(choice, len(echoed)),
-                    prompt_logprobs=prompt_logprobs(output.prompt_logprobs, self.pieces),
+                    logprobs=self._logprobs(output, choice, len(echoed)),
+                    prompt_logprobs=scored,
                 )
-                for choice in output.outputs
+                for j, choice in enumerate(self._best(output))
             )
         return Completion(
             id=self.id,
@@ -95,7 +105,22 @@ class PreparedCompletion:
             return None
         return LogprobsWriter(self.pieces, offset)
 
-    def _logprobs(self, choice: CompletionOutput, offset: int) -> CompletionLogprobs | None:
+    def _best(self, output: RequestOutput) -> list[CompletionOutput]:
+        """The choices of one prompt: its `n` completions, or the `n` best of `best_of`."""
+        if len(output.outputs) == self.request.n:
+            return output.outputs
+        ranked = sorted(
+            output.outputs, key=lambda c: sum(lp.logprob for lp in c.logprobs or []), reverse=True
+        )
+        return ranked[: self.request.n]
+
+    def _logprobs(
+        self, output: RequestOutput, choice: CompletionOutput, offset: int
+    ) -> CompletionLogprobs | None:
+        if self.request.echo and self.request.logprobs is not None:
+            writer = LogprobsWriter(self.pieces, 0, self.request.logprobs)
+            echoed = writer.write_prompt(output.prompt_token_ids, output.prompt_logprobs or [])
+            return writer.write(choice.logprobs or [], into=echoed)
         writer = self.logprobs_writer(offset)
         return None if writer is None else writer.write(choice.logprobs or [])
 
@@ -106,23 +131,51 @@ class LogprobsWriter:
     A character split over tokens is counted at its last byte, so offsets index the text.
     """
 
-    def __init__(self, pieces: TokenPieces, offset: int) -> None:
+    def __init__(self, pieces: TokenPieces, offset: int, top: int | None = None) -> None:
         self._pieces = pieces
         self._offset = offset
+        self._top = top  # the top logprobs shown of each token (None: all the engine gave)
         self._text_so_far = codecs.getincrementaldecoder("utf-8")(errors="replace")
 
-    def write(self, token_logprobs: Sequence[TokenLogprob]) -> CompletionLogprobs:
-        """The logprobs of the choice's next tokens."""
-        pieces = self._pieces
-        logprobs = CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
+    def write(
+        self, token_logprobs: Sequence[TokenLogprob], into: CompletionLogprobs | None = None
+    ) -> CompletionLogprobs:
+        """The logprobs of the choice's next tokens (appended to `into`, if given)."""
+        logprobs = into if into is not None else _no_logprobs()
         for lp in token_logprobs:
-            logprobs.tokens.append(pieces.text(lp.token_id))
-            logprobs.token_logprobs.append(lp.logprob)
-            logprobs.top_logprobs.append({pieces.text(t): v for t, v in lp.top})
-            logprobs.text_offset.append(self._offset)
-            if lp.token_id not in pieces.special:
-                self._offset += len(self._text_so_far.decode(pieces.bytes(lp.token_id)))
+            top = lp.top[: self._top]
+            self._append(
+                logprobs, lp.token_id, lp.logprob, {self._pieces.text(t): v for t, v in top}
+            )
         return logprobs
+
+    def write_prompt(
+        self, prompt: Sequence[int], scored: Sequence[TokenLogprob | None]
+    ) -> CompletionLogprobs:
+        """The logprobs of an echoed prompt: its first token's null, then `scored`'s (the
+        engine's prompt_logprobs, None first)."""
+        logprobs = _no_logprobs()
+        self._append(logprobs, prompt[0], None, None)
+        return self.write([lp for lp in scored if lp is not None], into=logprobs)
+
+    def _append(
+        self,
+        logprobs: CompletionLogprobs,
+        token: int,
+        logprob: float | None,
+        top: dict[str, float] | None,
+    ) -> None:
+        pieces = self._pieces
+        logprobs.tokens.append(pieces.text(token))
+        logprobs.token_logprobs.append(logprob)
+        logprobs.top_logprobs.append(top)
+        logprobs.text_offset.append(self._offset)
+        if token not in pieces.special:
+            self._offset += len(self._text_so_far.decode(pieces.bytes(token)))
+
+
+def _no_logprobs() -> CompletionLogprobs:
+    return CompletionLogprobs(tokens=[], token_logprobs=[], top_logprobs=[], text_offset=[])
 
 
 def prepare_completion(request: CompletionRequest, served: ServedModel) -> PreparedCompletion:
@@ -149,9 +202,7 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
         check_vocabulary(ids, len(tokenizer), param=param)
         check_context_length(len(ids), request.max_tokens, served, param=param)
         token_ids.append(ids)
-    params = sampling_params(
-        request, max_tokens=request.max_tokens, logprobs=request.logprobs, tokenizer=tokenizer
-    )
+    params = _engine_params(request, tokenizer)
     completion_id = new_id("cmpl-")
     return PreparedCompletion(
         request=request,
@@ -164,6 +215,24 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
             EngineInput(f"{completion_id}-{i}", ids, params) for i, ids in enumerate(token_ids)
         ],
     )
+
+
+def _engine_params(
+    request: CompletionRequest, tokenizer: PreTrainedTokenizerBase
+) -> SamplingParams:
+    """The request's SamplingParams: `best_of` completions, each with its sampled tokens'
+    logprobs where the best are chosen by them; the prompt scored for echo's logprobs too."""
+    best_of = request.best_of or request.n
+    logprobs = request.logprobs
+    if best_of > request.n and logprobs is None:
+        logprobs = 0
+    params = sampling_params(
+        request, max_tokens=request.max_tokens, logprobs=logprobs, tokenizer=tokenizer
+    )
+    scored = request.prompt_logprobs
+    if request.echo and request.logprobs is not None:
+        scored = max(scored or 0, request.logprobs)
+    return replace(params, n=best_of, prompt_logprobs=scored)
 
 
 def _split_prompts(prompt: Prompt) -> list[str | list[int]]:
@@ -180,7 +249,8 @@ def _refuse_unsupported(request: CompletionRequest) -> None:
         raise OpenAIError(
             f"best_of ({request.best_of}) must be at least n ({request.n}).", param="best_of"
         )
-    if request.best_of is not None and request.best_of > request.n:
-        raise not_supported("best_of greater than n", "best_of")
-    if request.echo and request.logprobs is not None:
-        raise not_supported("echo with logprobs", "echo")
+    if request.best_of is not None and request.best_of > request.n and request.stream:
+        # As OpenAI: the best are known only once all have finished.
+        raise OpenAIError("best_of greater than n cannot be streamed.", param="best_of")
+    if request.echo and request.logprobs is not None and request.stream:
+        raise not_supported("echo with logprobs in a stream", "echo")

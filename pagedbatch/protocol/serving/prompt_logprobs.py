@@ -12,22 +12,23 @@ from pagedbatch.protocol.serving.common import TokenPieces
 
 
 def prompt_logprobs(
-    scored: Sequence[TokenLogprob | None] | None, pieces: TokenPieces
+    scored: Sequence[TokenLogprob | None] | None, k: int | None, pieces: TokenPieces
 ) -> PromptLogprobs | None:
-    """An engine output's `prompt_logprobs` in vLLM's shape; None where none were asked for."""
-    if scored is None:
+    """An engine output's `prompt_logprobs` in vLLM's shape, each position's top `k` (the
+    engine may have scored more, for echo's logprobs); None where `k` is (none were asked for)."""
+    if scored is None or k is None:
         return None
-    return [None if entry is None else _position(entry, pieces) for entry in scored]
+    return [None if entry is None else _position(entry, k, pieces) for entry in scored]
 
 
-def _position(entry: TokenLogprob, pieces: TokenPieces) -> dict[int, PromptLogprob]:
+def _position(entry: TokenLogprob, k: int, pieces: TokenPieces) -> dict[int, PromptLogprob]:
     # The prompt's token first; where it is among the top k, its entry says so once.
     position = {
         entry.token_id: PromptLogprob(
             logprob=entry.logprob, rank=entry.rank, decoded_token=pieces.text(entry.token_id)
         )
     }
-    for rank, (token, logprob) in enumerate(entry.top, start=1):
+    for rank, (token, logprob) in enumerate(entry.top[:k], start=1):
         position.setdefault(
             token, PromptLogprob(logprob=logprob, rank=rank, decoded_token=pieces.text(token))
         )
