@@ -30,9 +30,9 @@ def assert_pool_whole(llm: LLM):
 
 def assert_greedy_matches_in_every_batching(oracle, model_dir) -> None:
     """A new architecture's check, the four of test_llm.py in one engine's time: a request alone,
-    then 31 of mixed lengths at once (eight of them on a shared prefix, read from the prefix
-    cache), then eight on a pool too small for them (preempted and recomputed); each request's
-    tokens equal transformers' float32 greedy ones."""
+    then 32 of mixed lengths at once (eight of them on its prefix, read from the prefix cache),
+    then eight on a pool too small for them (preempted and recomputed); each request's tokens
+    equal transformers' float32 greedy ones."""
     system = random_prompts(1, 40, 40, seed=4)[0]
     prompts = random_prompts(24, 1, 80, seed=2) + [
         system + tail for tail in random_prompts(8, 1, 20, seed=5)
@@ -40,10 +40,11 @@ def assert_greedy_matches_in_every_batching(oracle, model_dir) -> None:
     expected = [oracle.greedy(model_dir, prompt, GREEDY.max_tokens) for prompt in prompts]
 
     llm = LLM(model_dir, num_kv_blocks=512, max_num_seqs=32)
-    alone = llm.generate(prompts[-1:], GREEDY)  # the prefix's first request caches it
-    together = llm.generate(prompts[:-1], GREEDY)
-    assert [o.token_ids for o in together + alone] == expected
-    assert llm.get_stats()["prefix_cache_hits"] >= 7 * 32  # two full 16-token blocks, each
+    (alone,) = llm.generate(prompts[-1:], GREEDY)  # caches the shared prefix
+    assert alone.token_ids == expected[-1]
+    together = llm.generate(prompts, GREEDY)
+    assert [o.token_ids for o in together] == expected
+    assert llm.get_stats()["prefix_cache_hits"] >= 8 * 32  # two full 16-token blocks, each
     assert_pool_whole(llm)
 
     # 10 blocks of 16 tokens cannot hold the eight longest requests (up to 96 tokens) at once.
