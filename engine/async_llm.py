@@ -99,6 +99,7 @@ class AsyncLLM:
         final_only: bool = False,
         cache_salt: str | None = None,
         media: tuple[MediaItem, ...] = (),
+        user_priority: int = 0,
         lora_name: str | None = None,
     ) -> AsyncIterator[RequestOutput]:
         """Yield the request's outputs as its params' `output_kind` asks (by default, the
@@ -129,6 +130,7 @@ class AsyncLLM:
                 timeout,
                 cache_salt,
                 media,
+                user_priority,
                 lora_name=lora_name,
             )
             self._streams[request_id] = stream

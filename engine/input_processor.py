@@ -17,7 +17,7 @@ from dataclasses import replace
 from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.config import PoolingConfig
-from pagedbatch.engine.core.request import Request
+from pagedbatch.engine.core.request import MAX_USER_PRIORITY, Request
 from pagedbatch.engine.multimodal.images import ImageSpec, mrope_positions
 from pagedbatch.engine.multimodal.inputs import MediaItem, MediaSpec
 from pagedbatch.engine.pooling_params import PoolingParams
@@ -63,10 +63,12 @@ class InputProcessor:
         timeout: float | None,
         cache_salt: str | None,
         media: tuple[MediaItem, ...] = (),
+        user_priority: int = 0,
     ) -> list[Request]:
         """The request's completions, `{request_id}#{i}` for i < n; a seeded request's i-th
         completion has seed + i, so that they differ yet each reproduces."""
         self._check_params_kind(params)
+        _check_user_priority(user_priority)
         prompt_ids = self._encode(prompt)
         if isinstance(params, PoolingParams):
             return [
@@ -95,6 +97,7 @@ class InputProcessor:
                     sampling_params=child_params,
                     eos_token_ids=self.eos_token_ids,
                     priority=priority,
+                    user_priority=user_priority,
                     arrival_time=now,
                     deadline=now + timeout if timeout is not None else None,
                     max_tokens=max_tokens,
@@ -229,6 +232,14 @@ class InputProcessor:
             )
         # max_model_len is at most what the KV cache holds: the request fits it whole.
         return params.max_tokens or self.max_model_len - prompt_len
+
+
+def _check_user_priority(value: int) -> None:
+    if not isinstance(value, int) or isinstance(value, bool) or abs(value) > MAX_USER_PRIORITY:
+        raise ValueError(
+            f"user_priority must be an integer between {-MAX_USER_PRIORITY} and "
+            f"{MAX_USER_PRIORITY}, got {value!r}"
+        )
 
 
 def _check_timeout_and_salt(timeout: float | None, cache_salt: str | None) -> None:

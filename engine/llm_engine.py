@@ -177,6 +177,7 @@ class LLMEngine:
         timeout: float | None = None,
         cache_salt: str | None = None,
         media: tuple[MediaItem, ...] = (),
+        user_priority: int = 0,
         lora_name: str | None = None,
     ) -> str:
         """Queue a request; raises ValueError naming the problem if it cannot run. An embedding
@@ -187,7 +188,8 @@ class LLMEngine:
         Requests share prefix-cache blocks only when their `cache_salt`s are equal (None
         included): a tenant's salt keeps others from learning, through cached_tokens, what it sent.
         A multimodal model's `media` come from `image_processor` and `audio_processor`, placed
-        in the prompt by `multimodal.place`.
+        in the prompt by `multimodal.place`. `user_priority` (vLLM's request priority, -1000 to
+        1000) orders requests within their `priority`, lower first.
         """
         params = params or self.default_params()
         request_id = request_id or f"req-{next(self._ids)}"
@@ -197,7 +199,7 @@ class LLMEngine:
             served = ", ".join(self.lora_names) or "none"
             raise ValueError(f"unknown LoRA adapter {lora_name!r}; served: {served}")
         completions = self.inputs.process(
-            request_id, prompt, params, priority, timeout, cache_salt, media
+            request_id, prompt, params, priority, timeout, cache_salt, media, user_priority
         )
         for completion in completions:
             completion.lora_name = lora_name

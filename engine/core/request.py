@@ -68,6 +68,10 @@ FINISH_REASONS = {
 }
 
 
+# The user priorities a request may have (vLLM's field is unbounded; these are plenty).
+MAX_USER_PRIORITY = 1000
+
+
 class IllegalTransition(RuntimeError):
     pass
 
@@ -100,6 +104,9 @@ class Request:
     sampling_params: SamplingParams | None
     eos_token_ids: frozenset[int] = frozenset()
     priority: int = 0  # lower runs first
+    # vLLM's per-request `priority`: the order within a priority class (realtime, batch), lower
+    # first, before arrival.
+    user_priority: int = 0
     arrival_time: float = field(default_factory=time.monotonic)
     deadline: float | None = None  # monotonic time after which the request is aborted
     max_tokens: int = 0  # resolved by the engine from sampling_params and the context length
@@ -185,9 +192,10 @@ class Request:
         return self.pooling_type is None or self.pooling_type == "last"
 
     @property
-    def sort_key(self) -> tuple[int, float]:
-        """Scheduling order: lower priority number first, then earlier arrival."""
-        return (self.priority, self.arrival_time)
+    def sort_key(self) -> tuple[int, int, float]:
+        """Scheduling order: lower priority number first, then lower user priority, then
+        earlier arrival."""
+        return (self.priority, self.user_priority, self.arrival_time)
 
     def transition(self, new: RequestStatus) -> None:
         if new not in _ALLOWED.get(self.status, set()):

@@ -204,6 +204,7 @@ async def run(
                 priority=context.priority,
                 cache_salt=context.cache_salt,
                 media=engine_input.media,
+                user_priority=engine_input.user_priority,
             ):
                 waiting = new[position]
                 if waiting is None:

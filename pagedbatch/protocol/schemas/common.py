@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagedbatch.engine.core.request import MAX_USER_PRIORITY
 from pagedbatch.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS
 
 MAX_STOP_SEQUENCES = 4  # OpenAI's bound; the engine's own (MAX_STOP_STRINGS) is looser
@@ -123,6 +124,8 @@ class SamplingRequest(RequestBody):
     min_tokens: int = Field(0, ge=0, le=INT32_MAX)
     # Each prompt token's logprob and the top k at its position (vLLM's max_logprobs bounds k).
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
+    # The order among the caller's class of requests (realtime, or batch lines), lower first.
+    priority: int = Field(0, ge=-MAX_USER_PRIORITY, le=MAX_USER_PRIORITY)
 
     @field_validator("stream_options")
     @classmethod

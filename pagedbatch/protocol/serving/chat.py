@@ -185,7 +185,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         created=now(),
         model=served.model_name,
         tokenizer=tokenizer,
-        inputs=[EngineInput(chat_id, prompt, params, items)],
+        inputs=[EngineInput(chat_id, prompt, params, items, request.priority)],
         calls_tools=requested is not None and bool(requested.tool_names),
         reasoning=ReasoningSplitter.for_prompt(served.reasoning_tags, text, tokenizer),
     )

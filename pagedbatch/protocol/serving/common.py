@@ -74,6 +74,7 @@ class EngineInput:
     prompt_token_ids: list[int]
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding, nothing generated
     media: tuple[MediaItem, ...] = ()
+    user_priority: int = 0  # vLLM's `priority`: its order within its door's priority
 
     @property
     def generates(self) -> bool:
@@ -383,8 +384,8 @@ def usage(outputs: Sequence[RequestOutput], reasoning: int = 0) -> Usage:
         cached=sum(o.num_cached_tokens for o in outputs),
         images=sum(o.num_image_tokens for o in outputs),
         audio=sum(o.num_audio_tokens for o in outputs),
-    )
         reasoning=reasoning,
+    )
 
 
 def counted_usage(
@@ -397,8 +398,8 @@ def counted_usage(
         prompt_tokens_details=PromptTokensDetails(
             cached_tokens=cached, image_tokens=images, audio_tokens=audio
         ),
-    )
         completion_tokens_details=CompletionTokensDetails(reasoning_tokens=reasoning),
+    )
 
 
 # Byte-level BPE spells each byte as one printable character; this maps it back.

@@ -212,7 +212,8 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
         tokenizer=tokenizer,
         prompts=prompts,
         inputs=[
-            EngineInput(f"{completion_id}-{i}", ids, params) for i, ids in enumerate(token_ids)
+            EngineInput(f"{completion_id}-{i}", ids, params, user_priority=request.priority)
+            for i, ids in enumerate(token_ids)
         ],
     )
 
