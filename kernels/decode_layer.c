@@ -10,6 +10,10 @@
  *   k and v written to the token's cache slot; q attends its sequence (cpu_attention.c)
  *   r = r + attention @ o.T; h = rms_norm(r) * norm2
  *   out = (silu(h @ gate.T) * (h @ up.T)) @ down.T
+ * and as Gemma 3's (gemma3.py) with `gemma` set: each head's q and k normalised before rotary,
+ * the attention's output normalised before it joins the residual stream and the MLP's output
+ * too, GELU (tanh) in place of SiLU; its norms' vectors are their 1 + weight. q, k and v may be
+ * in up to three runs of blocks of different formats (Gemma's v in Q8_0, q and k in Q5_0).
  * The matrix products are quant_matmul.c's streaming paths. The norms and SiLU are computed here
  * in float32, their sums in another order than torch's: results differ from the unfused layer's
  * in the last bits, as quantization gguf's products already do from exact mode's.
@@ -42,9 +46,13 @@ struct quant_linear {
     int64_t rows, cols;
 };
 
+enum { QKV_RUNS = 3 };
+
 /* What a layer holds: fixed from load on (decode_layer.py builds it once). */
 struct decode_layer {
-    struct quant_linear qkv, o, gate_up, down;
+    struct quant_linear qkv[QKV_RUNS]; /* their rows one after the other */
+    int64_t qkv_runs;
+    struct quant_linear o, gate_up, down;
     const float *norm1, *norm2;
     float eps, scale;
     int64_t heads, kv_heads, head_dim;
@@ -52,6 +60,8 @@ struct decode_layer {
     int64_t cos_sin_rows;
     float *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] */
     int64_t block_size;
+    int32_t gemma;
+    const float *q_norm, *k_norm, *post_attention_norm, *post_mlp_norm; /* gemma's */
 };
 
 /* What a step gives every layer: its tokens' positions and cache slots, and the decode rows of
@@ -83,6 +93,27 @@ static void rms_norm_row(const float *x, const float *weight, int64_t size, floa
     for (int64_t i = 0; i < size; ++i) out[i] = weight[i] * (x[i] * inverse);
 }
 
+/* q, k and v of n tokens, [n, qkv_size]: each run's rows into its columns. */
+static int qkv_matmul(const struct decode_layer *l, const float *h, int64_t n, int threads,
+                      int64_t qkv_size, float *part, float *qkv) {
+    if (l->qkv_runs == 1) return matmul(&l->qkv[0], h, n, threads, qkv);
+    int64_t column = 0;
+    for (int64_t j = 0; j < l->qkv_runs; column += l->qkv[j++].rows) {
+        const int64_t rows = l->qkv[j].rows;
+        const int status = matmul(&l->qkv[j], h, n, threads, part);
+        if (status) return status;
+        for (int64_t t = 0; t < n; ++t)
+            memcpy(qkv + t * qkv_size + column, part + t * rows, sizeof(float) * rows);
+    }
+    return 0;
+}
+
+/* GELU's tanh approximation, as torch's gelu(approximate="tanh"). */
+static inline float gelu_tanh(float x) {
+    const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
+    return 0.5f * x * (1.0f + tanhf(inner));
+}
+
 /* Returns 0; -1 where a position has no row in the rotary table, -2 where scratch or the
  * attention's scores could not be allocated. `out` may be `x`. */
 int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s, const float *x,
@@ -90,11 +121,13 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
     const int64_t n = s->tokens, hidden = l->o.rows, inter = l->down.cols;
     const int64_t q_size = l->heads * l->head_dim, kv_size = l->kv_heads * l->head_dim;
     const int64_t qkv_size = q_size + 2 * kv_size, threads = s->threads;
-    float *scratch = malloc(sizeof(float) * (size_t)(n * (hidden + qkv_size + 2 * q_size +
+    float *scratch = malloc(sizeof(float) * (size_t)(n * (hidden + 2 * qkv_size + 2 * q_size +
                                                           kv_size + 3 * inter)));
     if (!scratch) return -2;
     float *h = scratch, *qkv = h + n * hidden, *q = qkv + n * qkv_size, *k = q + n * q_size;
     float *attn = k + n * kv_size, *gate_up = attn + n * q_size, *act = gate_up + n * 2 * inter;
+    float *part = act + n * inter; /* a run of q, k, v where there are several */
+    const int64_t head_dim = l->head_dim;
     int status = 0;
 
     for (int64_t t = 0; t < n; ++t) {
@@ -103,7 +136,13 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
         for (int64_t i = 0; i < hidden; ++i) r[i] = has_residual ? xt[i] + r[i] : xt[i];
         rms_norm_row(r, l->norm1, hidden, l->eps, h + t * hidden);
     }
-    if ((status = matmul(&l->qkv, h, n, threads, qkv))) goto done;
+    if ((status = qkv_matmul(l, h, n, (int)threads, qkv_size, part, qkv))) goto done;
+    if (l->gemma) /* each head of q and of k normalised over head_dim */
+        for (int64_t t = 0; t < n; ++t)
+            for (int64_t j = 0; j < l->heads + l->kv_heads; ++j) {
+                float *head = qkv + t * qkv_size + j * head_dim;
+                rms_norm_row(head, j < l->heads ? l->q_norm : l->k_norm, head_dim, l->eps, head);
+            }
     status = rotary_embedding(s->positions, n, qkv, qkv_size, l->heads, qkv + q_size, qkv_size,
                               l->kv_heads, l->head_dim, l->cos_sin, l->cos_sin_rows, 1, q, k);
     if (status) goto done;
@@ -123,17 +162,24 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
     float *o = h; /* h is read no more */
     if ((status = matmul(&l->o, attn, n, threads, o))) goto done;
     for (int64_t t = 0; t < n; ++t) {
-        float *r = residual + t * hidden;
-        for (int64_t i = 0; i < hidden; ++i) r[i] += o[t * hidden + i];
+        float *r = residual + t * hidden, *ot = o + t * hidden;
+        if (l->gemma) rms_norm_row(ot, l->post_attention_norm, hidden, l->eps, ot);
+        for (int64_t i = 0; i < hidden; ++i) r[i] += ot[i];
         rms_norm_row(r, l->norm2, hidden, l->eps, h + t * hidden);
     }
     if ((status = matmul(&l->gate_up, h, n, threads, gate_up))) goto done;
     for (int64_t t = 0; t < n; ++t) {
         const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
-        for (int64_t i = 0; i < inter; ++i)
-            act[t * inter + i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+        float *a = act + t * inter;
+        if (l->gemma)
+            for (int64_t i = 0; i < inter; ++i) a[i] = gelu_tanh(gate[i]) * up[i];
+        else
+            for (int64_t i = 0; i < inter; ++i) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
-    status = matmul(&l->down, act, n, threads, out);
+    if ((status = matmul(&l->down, act, n, threads, out))) goto done;
+    if (l->gemma)
+        for (int64_t t = 0; t < n; ++t)
+            rms_norm_row(out + t * hidden, l->post_mlp_norm, hidden, l->eps, out + t * hidden);
 done:
     free(scratch);
     return status;

@@ -1,6 +1,6 @@
-"""A Llama decoder layer on quantized weights, run for a decode step in one C call
-(`decode_layer.c`): the norms, the four products, rotary, the cache write, attention and SiLU,
-where the layer otherwise takes two dozen torch ops and their Python frames.
+"""A Llama (or Gemma 3) decoder layer on quantized weights, run for a decode step in one C call
+(`decode_layer.c`): the norms, the four products, rotary, the cache write, attention and the
+gated activation, where the layer otherwise takes two dozen torch ops and their Python frames.
 
 `DecodeLayer` holds what a layer's call needs from load on (pointers into the weights, the norm
 weights, the rotary table, the layer's KV cache); `DecodeStep` what a step gives every layer (its
@@ -26,13 +26,19 @@ class _Linear(ctypes.Structure):
     _fields_ = [("type", _i32), ("int8", _i32), ("blocks", _ptr), ("rows", _i64), ("cols", _i64)]
 
 
+QKV_RUNS = 3  # decode_layer.c's: q, k and v in up to three formats
+
+
 class _Layer(ctypes.Structure):
     _fields_ = [
-        *((name, _Linear) for name in ("qkv", "o", "gate_up", "down")),
+        ("qkv", _Linear * QKV_RUNS), ("qkv_runs", _i64),
+        *((name, _Linear) for name in ("o", "gate_up", "down")),
         ("norm1", _ptr), ("norm2", _ptr), ("eps", _f32), ("scale", _f32),
         ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("cos_sin", _ptr), ("cos_sin_rows", _i64),
         ("key_cache", _ptr), ("value_cache", _ptr), ("block_size", _i64),
+        ("gemma", _i32),
+        ("q_norm", _ptr), ("k_norm", _ptr), ("post_attention_norm", _ptr), ("post_mlp_norm", _ptr),
     ]  # fmt: skip
 
 
@@ -45,14 +51,17 @@ class _Step(ctypes.Structure):
     ]  # fmt: skip
 
 
-def fusable(weight: object) -> bool:
-    """Whether a linear's weight is one `DecodeLayer` multiplies with: blocks of one format."""
-    return isinstance(weight, QuantizedWeight) and len(weight.runs) == 1
+def fusable(weight: object, runs: int = 1) -> bool:
+    """Whether a linear's weight is one `DecodeLayer` multiplies with: blocks in at most `runs`
+    runs of one format each (q, k and v may take `QKV_RUNS`, the other linears one)."""
+    return isinstance(weight, QuantizedWeight) and len(weight.runs) <= runs
 
 
-def _linear(weight: QuantizedWeight) -> _Linear:
-    ((blocks, fmt),) = weight.runs
-    return _Linear(fmt.ggml_type, int(weight.int8), blocks.data_ptr(), blocks.shape[0], weight.cols)
+def _linears(weight: QuantizedWeight) -> list[_Linear]:
+    return [
+        _Linear(fmt.ggml_type, int(weight.int8), blocks.data_ptr(), blocks.shape[0], weight.cols)
+        for blocks, fmt in weight.runs
+    ]
 
 
 @dataclass(frozen=True)
@@ -65,6 +74,17 @@ class LayerShape:
     sliding_window: int | None
 
 
+@dataclass(frozen=True)
+class GemmaNorms:
+    """Gemma 3's norms beyond Llama's, each its 1 + weight: per head of q and of k, and on the
+    attention's and the MLP's outputs."""
+
+    q: torch.Tensor
+    k: torch.Tensor
+    post_attention: torch.Tensor
+    post_mlp: torch.Tensor
+
+
 class DecodeLayer:
     """One layer's weights and KV cache, as `quant_decode_layer` reads them."""
 
@@ -75,20 +95,24 @@ class DecodeLayer:
         shape: LayerShape,
         cos_sin: torch.Tensor,
         kv_cache: tuple[torch.Tensor, torch.Tensor],
+        gemma: GemmaNorms | None = None,
     ):
         qkv, o, gate_up, down = linears
         self.shape = shape
+        extra = () if gemma is None else (gemma.q, gemma.k, gemma.post_attention, gemma.post_mlp)
         # Kept alive: the structure points into them.
-        self._tensors = (*norms, cos_sin.contiguous(), *kv_cache)
-        norm1, norm2, table, key_cache, value_cache = self._tensors
+        self._tensors = tuple(t.detach().contiguous() for t in (*norms, cos_sin, *kv_cache, *extra))
+        norm1, norm2, table, key_cache, value_cache = self._tensors[:5]
+        qkv_runs = _linears(qkv)
         self.struct = _Layer(
-            _linear(qkv), _linear(o), _linear(gate_up), _linear(down),
+            (_Linear * QKV_RUNS)(*qkv_runs), len(qkv_runs),
+            *(_linears(w)[0] for w in (o, gate_up, down)),
             norm1.data_ptr(), norm2.data_ptr(), shape.eps, shape.scale,
             shape.heads, shape.kv_heads, shape.head_dim,
             table.data_ptr(), table.shape[0],
             key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
+            gemma is not None, *(t.data_ptr() for t in self._tensors[5:]),
         )  # fmt: skip
-        self.hidden = o.rows
 
 
 class DecodeStep:

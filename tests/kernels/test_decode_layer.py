@@ -35,19 +35,22 @@ PARTS = {
 }
 
 
-def quantized_model(checkpoint: Path, fmt: Format) -> tuple[LLM, torch.nn.Module]:
-    """The checkpoint's engine with every decoder linear on its weights quantized to `fmt`."""
+def quantized_model(
+    checkpoint: Path, fmt: Format, v_fmt: Format | None = None
+) -> tuple[LLM, torch.nn.Module]:
+    """The checkpoint's engine with every decoder linear on its weights quantized to `fmt`
+    (v_proj's to `v_fmt`, where given: q, k and v in two runs of blocks)."""
     llm = LLM(checkpoint, num_kv_blocks=32)
     model = llm.engine.runner.model
     weights = load_file(str(checkpoint / "model.safetensors"))
-    kind = GGMLQuantizationType(fmt.ggml_type)
     for i, layer in enumerate(model.layers):
         for fused, (block, names) in PARTS.items():
             parts = []
             for name in names:
                 w = weights[f"model.layers.{i}.{block}.{name}.weight"].numpy()
-                blocks = quantize(w.astype(np.float32), kind)
-                parts.append(QuantizedTensor(torch.from_numpy(blocks), fmt, w.shape[1]))
+                part_fmt = v_fmt if name == "v_proj" and v_fmt else fmt
+                blocks = quantize(w.astype(np.float32), GGMLQuantizationType(part_fmt.ggml_type))
+                parts.append(QuantizedTensor(torch.from_numpy(blocks), part_fmt, w.shape[1]))
             getattr(getattr(layer, block), fused).packed = QuantizedWeight.join(parts)
     return llm, model
 
@@ -125,6 +128,21 @@ def test_a_sliding_window_is_followed(make_checkpoint, fused_calls):
     kv_caches = llm.engine.runner.kv_caches
     assert model.layers[0].self_attn.sliding_window == 48
     ids, meta = decode_step(llm, [48 + 40, 3])
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seq_lens", [[20], [5, 70, 17]])
+@torch.inference_mode()
+def test_gemma3s_layers_with_q_k_and_v_in_two_formats(make_checkpoint, seq_lens, fused_calls):
+    """Gemma 3's own norms (per head of q and k, on the attention's and the MLP's outputs), its
+    GELU, its sliding and full layers; q and k in Q5_0, v in Q8_0 as in its Q4_K_M file."""
+    llm, model = quantized_model(make_checkpoint("gemma3"), Format.Q5_0, v_fmt=Format.Q8_0)
+    kv_caches = llm.engine.runner.kv_caches
+    assert len(model.layers[0].self_attn.qkv_proj.packed.runs) == 2
+    ids, meta = decode_step(llm, seq_lens)
     expected = layers_one_by_one(model, ids, meta, kv_caches)
     got = model(ids, meta.positions, kv_caches, meta)
     assert len(fused_calls) == len(model.layers)

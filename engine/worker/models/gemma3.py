@@ -29,7 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from pagedbatch.engine.config import ModelConfig
-from pagedbatch.engine.worker.models.llama import MLP, Attention, KVCache, LlamaForCausalLM
+from pagedbatch.engine.worker.models.llama import (
+    MLP,
+    Attention,
+    KVCache,
+    LlamaForCausalLM,
+    fused_layer,
+)
 from pagedbatch.engine.worker.models.rope import RotaryEmbedding, rope_parameters
 from pagedbatch.engine.worker.parallel_layers import (
     Loaded,
@@ -38,6 +44,7 @@ from pagedbatch.engine.worker.parallel_layers import (
 )
 from pagedbatch.kernels import ops
 from pagedbatch.kernels.attention import AttentionMetadata
+from pagedbatch.kernels.decode_layer import DecodeLayer, GemmaNorms
 
 SLIDING = "sliding_attention"
 FULL = "full_attention"
@@ -151,6 +158,26 @@ class Gemma3DecoderLayer(nn.Module):
         self.pre_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
         self.mlp = Gemma3MLP(cfg)
         self.post_feedforward_layernorm = GemmaRMSNorm(cfg.hidden_size, eps)
+
+    def decode_layer(self, kv_cache: KVCache) -> DecodeLayer | None:
+        """This layer as `decode_layer.c` computes it (see llama.fused_layer); None for a
+        subclass or parts that change what it computes."""
+        attn = self.self_attn
+        if not (
+            type(self) is Gemma3DecoderLayer
+            and type(attn) is Gemma3Attention
+            and type(self.mlp) is Gemma3MLP
+        ):
+            return None
+        norms = (self.input_layernorm.scale, self.pre_feedforward_layernorm.scale)
+        gemma = GemmaNorms(
+            attn.q_norm.scale,
+            attn.k_norm.scale,
+            self.post_attention_layernorm.scale,
+            self.post_feedforward_layernorm.scale,
+        )
+        eps = self.input_layernorm.eps
+        return fused_layer(attn, self.mlp, norms, eps, kv_cache, gemma)
 
     def forward(
         self,

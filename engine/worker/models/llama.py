@@ -28,7 +28,15 @@ from pagedbatch.engine.worker.parallel_layers import (
 )
 from pagedbatch.kernels import native, ops
 from pagedbatch.kernels.attention import AttentionMetadata
-from pagedbatch.kernels.decode_layer import DecodeLayer, DecodeStep, LayerShape, fusable, run_layer
+from pagedbatch.kernels.decode_layer import (
+    QKV_RUNS,
+    DecodeLayer,
+    DecodeStep,
+    GemmaNorms,
+    LayerShape,
+    fusable,
+    run_layer,
+)
 from pagedbatch.kernels.quant_linear import SMALL_BATCH
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -130,6 +138,20 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps)
         self.mlp = self.mlp_class(cfg)
 
+    def decode_layer(self, kv_cache: KVCache) -> DecodeLayer | None:
+        """This layer as `decode_layer.c` computes it (see `fused_layer`); None for a subclass
+        or parts that change what it computes."""
+        if not (
+            type(self) is DecoderLayer
+            and type(self.self_attn) is Attention
+            and type(self.mlp) is MLP
+            and type(self.input_layernorm) is RMSNorm
+            and type(self.post_attention_layernorm) is RMSNorm
+        ):
+            return None
+        norms = (self.input_layernorm.weight, self.post_attention_layernorm.weight)
+        return fused_layer(self.self_attn, self.mlp, norms, self.input_layernorm.eps, kv_cache)
+
     def forward(
         self,
         positions: torch.Tensor,
@@ -145,46 +167,46 @@ class DecoderLayer(nn.Module):
 
 
 def decode_layers(layers: Iterable[nn.Module], kv_caches: list[KVCache]) -> list[DecodeLayer]:
-    """The layers as `decode_layer.c` runs them on a decode step, where every one is a plain
-    Llama layer (no subclass's changes) on quantized weights without biases, with float32 KV
-    caches and the C kernels built; [] where any is not."""
+    """The layers as `decode_layer.c` runs them on a decode step, where every one says it can be
+    (its `decode_layer`) and the C kernels are built; [] where any cannot."""
     if native.library() is None:
         return []
     fused = []
-    for layer, (key_cache, value_cache) in zip(layers, kv_caches, strict=True):
-        if not (
-            type(layer) is DecoderLayer
-            and type(attn := layer.self_attn) is Attention
-            and type(layer.mlp) is MLP
-            and type(layer.input_layernorm) is RMSNorm
-            and type(layer.post_attention_layernorm) is RMSNorm
-            and type(attn.rotary) is RotaryEmbedding
-            and attn.rotary.rope_type != "dynamic"
-            and key_cache.dtype == value_cache.dtype == torch.float32
-        ):
+    for layer, kv_cache in zip(layers, kv_caches, strict=True):
+        one = layer.decode_layer(kv_cache) if hasattr(layer, "decode_layer") else None
+        if one is None:
             return []
-        linears = (attn.qkv_proj, attn.o_proj, layer.mlp.gate_up_proj, layer.mlp.down_proj)
-        if not all(fusable(m.packed) and m.bias is None and m.tp.size == 1 for m in linears):
-            return []
-        shape = LayerShape(
-            attn.num_heads,
-            attn.num_kv_heads,
-            attn.head_dim,
-            layer.input_layernorm.eps,
-            attn.scale,
-            attn.sliding_window,
-        )
-        norms = (layer.input_layernorm.weight.detach(), layer.post_attention_layernorm.weight)
-        fused.append(
-            DecodeLayer(
-                tuple(m.packed for m in linears),
-                (norms[0], norms[1].detach()),
-                shape,
-                attn.rotary.cos_sin_cache,
-                (key_cache, value_cache),
-            )
-        )
+        fused.append(one)
     return fused
+
+
+def fused_layer(
+    attn: Attention,
+    mlp: MLP,
+    norms: tuple[torch.Tensor, torch.Tensor],
+    eps: float,
+    kv_cache: KVCache,
+    gemma: GemmaNorms | None = None,
+) -> DecodeLayer | None:
+    """A layer of these parts as `decode_layer.c` computes it (the caller has checked that their
+    classes are the ones it computes), where its linears are on quantized weights without
+    biases, its rotary table is fixed and its KV cache float32; None otherwise."""
+    key_cache, value_cache = kv_cache
+    linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
+    if not (
+        type(attn.rotary) is RotaryEmbedding
+        and attn.rotary.rope_type != "dynamic"
+        and key_cache.dtype == value_cache.dtype == torch.float32
+        and fusable(attn.qkv_proj.packed, QKV_RUNS)
+        and all(fusable(m.packed) for m in linears[1:])
+        and all(m.bias is None and m.tp.size == 1 for m in linears)
+    ):
+        return None
+    shape = LayerShape(
+        attn.num_heads, attn.num_kv_heads, attn.head_dim, eps, attn.scale, attn.sliding_window
+    )
+    weights = tuple(m.packed for m in linears)
+    return DecodeLayer(weights, norms, shape, attn.rotary.cos_sin_cache, kv_cache, gemma)
 
 
 class LlamaForCausalLM(nn.Module):
