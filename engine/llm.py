@@ -8,6 +8,7 @@ from typing import Any
 
 from tqdm import tqdm
 
+from pagedbatch.engine.beam_search import BeamSearch, BeamSearchOutput, BeamSearchParams
 from pagedbatch.engine.config import EngineArgs
 from pagedbatch.engine.llm_engine import LLMEngine
 from pagedbatch.engine.multimodal.inputs import MediaItem, place
@@ -119,6 +120,35 @@ class LLM:
             self.engine.step()
             raise
         return self._run(ids, use_tqdm)
+
+    def beam_search(
+        self, prompts: Sequence[Prompt], params: BeamSearchParams
+    ) -> list[BeamSearchOutput]:
+        """Each prompt's `beam_width` best beams (see `beam_search`), as vLLM's `LLM.beam_search`:
+        prompts as text, token ids or `{"prompt": ...}` / `{"prompt_token_ids": [...]}` dicts.
+        Every live beam of every prompt runs in one engine batch a step."""
+        tokenizer = self.tokenizer
+        searches = [
+            BeamSearch(self._prompt_ids(prompt), params, self.engine.eos_token_ids)
+            for prompt in prompts
+        ]
+        while live := [search for search in searches if not search.done]:
+            beams = [beam for search in live for beam in search.prompts()]
+            outputs = iter(self.generate(beams, live[0].step_params))
+            for search in live:
+                search.advance([next(outputs).logprobs[0] for _ in search.live])
+
+        def decode(ids: list[int]) -> str:
+            return tokenizer.decode(ids, skip_special_tokens=True)
+
+        return [search.output(decode) for search in searches]
+
+    def _prompt_ids(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, dict):
+            prompt = prompt.get("prompt_token_ids") or prompt["prompt"]
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt, add_special_tokens=True)
+        return list(prompt)
 
     def _with_media(self, prompt: Prompt) -> tuple[str | list[int], tuple[MediaItem, ...]]:
         """The prompt as the engine takes it, and its images and clips placed in it."""
