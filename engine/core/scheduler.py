@@ -57,17 +57,14 @@ from pagedbatch.engine.core.step_cost import IDLE, SIZED, StepCostModel, StepWor
 
 # Unless a target is set, a step holding realtime work may cost this many times a step of the
 # realtime decodes alone: their inter-token latency then stays within about this much of idle.
-# Not 1.9: under a batch the streams last longer and overlap more, and the idle step of two
-# costs more than the one measured idle (at 1.9, sized steps took 2.07 idle steps, ITL p50 2.09x).
+# Not 1.9: a margin for the noise of a shared machine (at 1.9, in a loaded run, sized steps took
+# 2.07 idle steps and ITL p50 was 2.09x idle).
 IDLE_STEP_MULTIPLE = 1.8
 # A realtime prefill beside realtime decodes may take a step this many budgets long: a gap of
 # about twice the target for the other streams (their inter-token p99), one step for its TTFT.
 PREFILL_STEP_MULTIPLE = 2.0
 # Steps stay sized for realtime requests for this many steps after the last one leaves.
 LINGER_STEPS = 20
-# Idle steps (StepCostModel.offset) hold at most this many decodes and nothing else: what an
-# engine serving realtime streams alone runs.
-IDLE_MAX_SEQS = 8
 
 
 @dataclass
@@ -93,7 +90,7 @@ class SchedulerOutput:
     # Tokens of lower-priority running requests that a step sized for realtime work left to later
     # steps: one for each decode not run, the next chunk (up to a step's) of each prefill.
     deferred_tokens: int = 0
-    kind: str | None = None  # SIZED, IDLE or neither (None): for StepCostModel.offset
+    kind: str | None = None  # SIZED, IDLE or neither (None): for StepCostModel's averages
 
     @property
     def num_tokens(self) -> int:
@@ -107,7 +104,7 @@ class SchedulerOutput:
 
 
 def _insort(
-    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, int, float]]
+    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, float]]
 ) -> None:
     """`bisect.insort` by `key`, without the search where the request goes last, as most do
     (arrivals, in arrival order): a batch of thousands is admitted in linear time."""
@@ -178,8 +175,8 @@ class Scheduler:
         # The budgets of all sized steps so far, in seconds (for reports: against what they took).
         self.sized_budget_seconds = 0.0
 
-    def _key(self, request: Request) -> tuple[int, int, float]:
-        return request.sort_key if self.policy == "priority" else (0, 0, request.arrival_time)
+    def _key(self, request: Request) -> tuple[int, float]:
+        return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
 
     def add(self, request: Request) -> None:
         _insort(self.waiting, request, self._key)
@@ -262,10 +259,9 @@ class Scheduler:
         budget = self._schedule_running(out, budget, lead)
         budget = self._schedule_waiting(out, budget, lead)
         if not sized:
-            if 0 < len(out.scheduled) <= IDLE_MAX_SEQS and all(
-                s.num_new_tokens == 1 and s.samples for s in out.scheduled
-            ):
-                out.kind = IDLE
+            # One stream's decode alone, the step a sized one is held to.
+            if len(out.scheduled) == 1 and out.scheduled[0].num_new_tokens == 1:
+                out.kind = IDLE if out.scheduled[0].samples else None
             return out
         placed = sum(1 for r in self.running if r.priority == lead)  # they lie first
         low = min(budget, self.low_priority_token_budget or self.max_num_batched_tokens)
@@ -310,11 +306,16 @@ class Scheduler:
             return None
         if self.realtime_target_seconds is not None:
             return self.realtime_target_seconds
-        # An idle engine's step for the same realtime traffic: one token each, at its context.
+        # An idle engine's step for the same realtime traffic: a stream's decode alone, as the
+        # engine last measured it (the fit, before it has), and by the fit the others' decodes.
         leads = [r for r in self.running if r.priority == lead]
-        idle = StepWork(max(1, len(leads)), sum(r.num_computed_tokens + 1 for r in leads))
+        streams = max(1, len(leads))
+        idle = StepWork(streams, sum(r.num_computed_tokens + 1 for r in leads))
+        one = StepWork(1, idle.context // streams)
         cost = self.step_cost
-        return IDLE_STEP_MULTIPLE * max(0.0, cost.cost.seconds(idle) + cost.offset(IDLE))
+        alone = cost.recent_seconds(IDLE)
+        alone = cost.cost.seconds(one) if alone is None else alone
+        return IDLE_STEP_MULTIPLE * (alone + cost.cost.seconds(idle) - cost.cost.seconds(one))
 
     def _realtime_prefill_room(self, lead: int | None, step_seconds: float | None) -> float | None:
         """Seconds the lead priority's prefill chunks may take beside its decodes in a sized step:

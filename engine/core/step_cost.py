@@ -14,17 +14,15 @@ One line through steps of every size misses most where the scheduler needs it: a
 (on a CPU a few tokens cost little more than one, the weights being read once either way); and
 a streamed token waits on more than the model: the whole engine iteration, whose outputs (and
 the other threads that take them) grow with its batch. So each kind of step the scheduler names
-as it schedules it (an idle realtime step, a step sized for realtime requests) also keeps how
-much longer than the line its iterations have lately taken, `offset(kind)`, in seconds, which
-the scheduler adds to what the line says for a step of that kind. An offset, not a ratio: what
-the line misses at a small step is mostly a fixed cost, which a ratio would wrongly scale with
-the step's tokens (a line whose fixed cost fell to nothing made a step of seven realtime decodes
-look seven times an idle step's one). Sized steps keep an average of their last few, so that the
-scheduler, steering each step by the last ones' error, reaches its budget within a few steps
-wherever the line's slope is wrong. A refit keeps what each kind's steps took: its offset is
-re-expressed against the new line at the last step of that kind, so that idle steps measured
-long ago (none run while batch work is present) stay what they were, wherever the batch's steps
-have since moved the line.
+as it schedules it keeps what its iterations have lately taken: an idle step (one realtime
+decode alone), `recent_seconds(IDLE)`, the measure a sized step is held to; a step sized for
+realtime requests, `offset(SIZED)`, how much longer than the line, in seconds, which the
+scheduler adds to what the line says for the next. An offset, not a ratio: what the line misses
+at a small step is mostly a fixed cost, which a ratio would wrongly scale with the step's tokens.
+Sized steps average their last few, so that the scheduler, steering each step by the last ones'
+error, reaches its budget within a few steps wherever the line's slope is wrong. A refit
+re-expresses each kind's offset against the new line at that kind's last step, so that what
+those steps took stays what it was, wherever other steps have since moved the line.
 """
 
 from __future__ import annotations
@@ -36,10 +34,10 @@ import numpy as np
 
 WINDOW = 256
 REFIT_EVERY = 16
-# The kinds of step the scheduler names (see `offset`): steps sized for realtime requests, and
-# idle steps (a few realtime decodes and nothing else), which a sized step is measured against.
+# The kinds of step the scheduler names: steps sized for realtime requests, and idle steps (one
+# realtime decode and nothing else), which a sized step is measured against.
 SIZED, IDLE = "sized", "idle"
-# The weight of a step in its kind's moving average of time beyond the line (see `offset`): the
+# The weight of a step in its kind's moving averages (`offset`, `recent_seconds`): the
 # scheduler steers sized steps by the last few; idle ones, long measured, by the last ten or so.
 OFFSET_WEIGHTS = {SIZED: 0.5, IDLE: 0.1}
 # Fewer steps than this, or a first fit that says more work takes less time, predict nothing:
@@ -79,6 +77,7 @@ class StepCostModel:
         self._since_fit = 0
         self.cost: StepCost | None = None  # None until fitted on enough, and sensible
         self._offset: dict[str, float] = {}
+        self._seconds: dict[str, float] = {}
         self._last_work: dict[str, StepWork] = {}  # each kind's last step, where its offset holds
         # Each kind's iterations so far: how many, and their seconds in all (for reports).
         self.iterations: dict[str, int] = {}
@@ -103,13 +102,20 @@ class StepCostModel:
         next's, which followed it at once."""
         self.iterations[kind] = self.iterations.get(kind, 0) + 1
         self.iteration_seconds[kind] = self.iteration_seconds.get(kind, 0.0) + seconds
+        weight = OFFSET_WEIGHTS[kind]
+        last = self._seconds.get(kind)
+        self._seconds[kind] = seconds if last is None else last + weight * (seconds - last)
         if self.cost is None:
             return
         beyond = seconds - self.cost.seconds(work)
         last = self._offset.get(kind)
-        weight = OFFSET_WEIGHTS[kind]
         self._offset[kind] = beyond if last is None else last + weight * (beyond - last)
         self._last_work[kind] = work
+
+    def recent_seconds(self, kind: str) -> float | None:
+        """What steps of this kind have lately taken, from start to the next's start; None
+        before any."""
+        return self._seconds.get(kind)
 
     def offset(self, kind: str) -> float:
         """Seconds that steps of this kind have lately taken beyond what the fit says (less,

@@ -173,7 +173,7 @@ def batch_tokens_in_a_sized_step(idle_beyond: float, sized_beyond: float) -> int
     """With idle and sized steps seen taking these many seconds beyond the fit."""
     cost = known_cost(0.010, 0.001)
     for kind, beyond in ((IDLE, idle_beyond), (SIZED, sized_beyond)):
-        cost.observe_iteration(kind, StepWork(2, 20), cost.cost.seconds(StepWork(2, 20)) + beyond)
+        cost.observe_iteration(kind, StepWork(1, 8), cost.cost.seconds(StepWork(1, 8)) + beyond)
     sched = Scheduler(KVCacheManager(1024, BLOCK, True), 32, 64, "priority", None, None, cost)
     for i in range(24):
         sched.add(req(f"b{i}", 4, BATCH, i))

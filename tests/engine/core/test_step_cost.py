@@ -69,10 +69,13 @@ def test_each_kind_of_step_keeps_how_far_its_steps_are_from_the_fit():
         work = StepWork(1 + i * 7 % 50, 1 + i * 13 % 900)
         model.observe(work, 0.01 + 0.001 * work.tokens)
     assert model.offset(IDLE) == model.offset(SIZED) == 0.0  # none seen
+    assert model.recent_seconds(IDLE) is None
     work = StepWork(1, 50)
     for beyond in (0.004, 0.004, 0.010):
         model.observe_iteration(IDLE, work, model.cost.seconds(work) + beyond)
     assert model.offset(IDLE) == pytest.approx(0.004 + OFFSET_WEIGHTS[IDLE] * (0.010 - 0.004))
+    recent = model.cost.seconds(work) + model.offset(IDLE)
+    assert model.recent_seconds(IDLE) == pytest.approx(recent)
     assert model.offset(SIZED) == 0.0
     # Sized steps follow their last few: the scheduler steers each step by them.
     for beyond in (-0.004, 0.010):
@@ -87,9 +90,9 @@ def test_an_offset_is_a_fixed_cost_the_line_missed_not_a_share_of_every_token():
         work = StepWork(100 + i * 7 % 200, 1 + i * 13 % 900)
         model.observe(work, 0.01 + 0.001 * work.tokens)
     one, seven = StepWork(1, 50), StepWork(7, 350)
-    model.observe_iteration(IDLE, one, 0.031)  # one decode really takes 31 ms
+    model.observe_iteration(SIZED, one, 0.031)  # one token's step really takes 31 ms
     # Seven take the 20 ms the line misses plus seven tokens' 7 ms, not seven times 31 ms.
-    assert model.cost.seconds(seven) + model.offset(IDLE) == pytest.approx(0.037, rel=0.01)
+    assert model.cost.seconds(seven) + model.offset(SIZED) == pytest.approx(0.037, rel=0.01)
 
 
 def test_a_refit_keeps_what_each_kinds_steps_took():
