@@ -62,12 +62,19 @@ class Services:
         """The first of this process's engines whose thread has died (see `first_dead`)."""
         return first_dead((self.engine, self.guard, self.embedder))
 
+    def adapters(self) -> dict[str, str]:
+        """The LoRA adapters this process's engine serves, each with the model it adapts."""
+        if self.engine is None:
+            return {}
+        return {name: self.engine.engine.model_name for name in self.engine.engine.lora_names}
+
     async def models(self) -> list[str]:
-        """The served models: the configured ones (the embedding model's among them), and
-        those of the live engines."""
+        """The served models: the configured ones (the embedding model's among them), the LoRA
+        adapters of this process's engine, and those of the live engines."""
         configured = [
             *self.served_models,
             *([self.embedding_model] if self.embedding_model else []),
+            *self.adapters(),
         ]
         if self.engines is None:
             return configured

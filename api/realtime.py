@@ -247,7 +247,7 @@ def _engine_for(services: Services, model: str) -> AsyncLLM:
     generate, or a generating one for embeddings) with a 400."""
     if services.embedder is not None and model == services.embedding_model:
         return services.embedder
-    if model not in services.served_models:
+    if model not in services.served_models and model not in services.adapters():
         raise model_not_found(model)
     if services.engine is None:
         # An app given neither an engine nor a way to the workers' (a Files-only app).

@@ -57,6 +57,11 @@ class LLMEngine:
             limit = min(limit, self.pooling.max_seq_length)
         if args.max_model_len is not None and args.max_model_len > limit:
             raise ValueError(f"max_model_len {args.max_model_len} exceeds the model's {limit}")
+        if self.model_name in args.lora_paths():
+            raise ValueError(
+                f"LoRA adapter {self.model_name!r} has the model's own name: requests could "
+                "not pick the model"
+            )
         self.core = EngineCore(self.model_config, args, self.tokenizer, self.eos_token_ids)
         try:
             self.max_model_len = self._max_model_len(limit)

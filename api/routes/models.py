@@ -21,11 +21,16 @@ class Model(BaseModel):
     object: Literal["model"] = "model"
     created: int
     owned_by: str = "pagedbatch"
+    parent: str | None = None  # a LoRA adapter's: the model it adapts (vLLM's field)
 
 
 @router.get("")
 async def list_models(services: ServicesDep) -> ListPage[Model]:
-    models = [Model(id=name, created=services.started_at) for name in await services.models()]
+    parents = services.adapters()
+    models = [
+        Model(id=name, created=services.started_at, parent=parents.get(name))
+        for name in await services.models()
+    ]
     return ListPage[Model].from_rows(models, len(models), lambda model: model)
 
 
@@ -39,4 +44,4 @@ async def retrieve_model(model: str, services: ServicesDep) -> Model:
             param="model",
             code="model_not_found",
         )
-    return Model(id=model, created=services.started_at)
+    return Model(id=model, created=services.started_at, parent=services.adapters().get(model))

@@ -204,6 +204,7 @@ async def run(
                 priority=context.priority,
                 cache_salt=context.cache_salt,
                 media=engine_input.media,
+                lora_name=engine_input.lora_name,
                 user_priority=engine_input.user_priority,
             ):
                 waiting = new[position]

@@ -50,6 +50,7 @@ class Served:
     image_processor: None = None
     audio_processor: None = None
     pooling: None = None
+    lora_names: tuple[str, ...] = ()
 
 
 class CountingTokenizer:

@@ -29,7 +29,10 @@ class Endpoint:
         return self.engine.engine.model_name
 
     def serves(self, model: str) -> bool:
-        return model == self.model or model in self.aliases
+        """Its model, an alias, or a LoRA adapter served on it."""
+        return (
+            model == self.model or model in self.aliases or model in self.engine.engine.lora_names
+        )
 
 
 def endpoint(ctx: WorkerContext, url: str) -> Endpoint | None:

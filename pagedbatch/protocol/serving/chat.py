@@ -159,7 +159,7 @@ class PreparedChat:
 
 def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> PreparedChat:
     """The engine request for `request`; OpenAIError if it cannot be served."""
-    check_model(request.model, served)
+    lora_name = check_model(request.model, served)
     _refuse_unsupported(request)
     requested = requested_output(request)
     tokenizer = served.tokenizer
@@ -185,7 +185,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         created=now(),
         model=served.model_name,
         tokenizer=tokenizer,
-        inputs=[EngineInput(chat_id, prompt, params, items, request.priority)],
+        inputs=[EngineInput(chat_id, prompt, params, items, request.priority, lora_name)],
         calls_tools=requested is not None and bool(requested.tool_names),
         reasoning=ReasoningSplitter.for_prompt(served.reasoning_tags, text, tokenizer),
     )

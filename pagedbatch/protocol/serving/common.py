@@ -63,6 +63,7 @@ class ServedModel(Protocol):
     image_processor: ImageProcessor | None  # None: the model takes no images
     audio_processor: AudioProcessor | None  # None: the model takes no audio
     pooling: Pooling | None  # an embedding model's pooling; None: it generates
+    lora_names: tuple[str, ...]  # the LoRA adapters served on it, each requested as a model
 
 
 @dataclass
@@ -75,6 +76,7 @@ class EngineInput:
     params: SamplingParams | PoolingParams  # PoolingParams: an embedding, nothing generated
     media: tuple[MediaItem, ...] = ()
     user_priority: int = 0  # vLLM's `priority`: its order within its door's priority
+    lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
 
     @property
     def generates(self) -> bool:
@@ -179,9 +181,12 @@ def _bad_text(where: _Where) -> None:
     )
 
 
-def check_model(requested: str, served: ServedModel) -> None:
-    """A 404 unless `served` is the model requested; a 400 if it is an embedding model, which
+def check_model(requested: str, served: ServedModel) -> str | None:
+    """The LoRA adapter requested (None: the model itself); a 404 unless `served` is the model
+    requested or serves an adapter of that name; a 400 if it is an embedding model, which
     generates nothing (the endpoints that call this generate)."""
+    if requested in served.lora_names:
+        return requested
     if requested != served.model_name:
         raise model_not_found(requested)
     if served.pooling is not None:
@@ -191,6 +196,7 @@ def check_model(requested: str, served: ServedModel) -> None:
             param="model",
             code="model_not_supported",
         )
+    return None
 
 
 def model_not_found(requested: str) -> OpenAIError:

@@ -180,7 +180,7 @@ def _no_logprobs() -> CompletionLogprobs:
 
 def prepare_completion(request: CompletionRequest, served: ServedModel) -> PreparedCompletion:
     """The engine requests for `request`, one per prompt; OpenAIError if it cannot be served."""
-    check_model(request.model, served)
+    lora_name = check_model(request.model, served)
     _refuse_unsupported(request)
     tokenizer = served.tokenizer
     prompts = _split_prompts(request.prompt)
@@ -212,7 +212,13 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
         tokenizer=tokenizer,
         prompts=prompts,
         inputs=[
-            EngineInput(f"{completion_id}-{i}", ids, params, user_priority=request.priority)
+            EngineInput(
+                f"{completion_id}-{i}",
+                ids,
+                params,
+                user_priority=request.priority,
+                lora_name=lora_name,
+            )
             for i, ids in enumerate(token_ids)
         ],
     )

@@ -5,19 +5,15 @@ the base model in the same steps; prefix-cache blocks are not shared across adap
 
 from __future__ import annotations
 
-import functools
 from pathlib import Path
 
 import pytest
-import torch
 from greedy_checks import GREEDY, random_prompts
-from peft import LoraConfig, PeftModel, get_peft_model
-from transformers import AutoModelForCausalLM
+from lora_adapters import ATTENTION, MLP, make_adapter
+from lora_adapters import peft_greedy as oracle_greedy
 
 from pagedbatch.engine import LLM
 
-ATTENTION = ["q_proj", "k_proj", "v_proj", "o_proj"]
-MLP = ["gate_proj", "up_proj", "down_proj"]
 # name: (rank, lora_alpha, targets, use_rslora)
 ADAPTERS = {
     "all-r8": (8, 16, ATTENTION + MLP, False),
@@ -27,50 +23,16 @@ ADAPTERS = {
 }
 
 
-def _base(model_dir: Path) -> torch.nn.Module:
-    return AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
-
-
 @pytest.fixture(scope="module")
 def adapters(tiny_llama: Path, tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
-    """Each adapter's PEFT folder, saved by peft itself; `init_lora_weights=False` draws B at
-    random too (PEFT's default starts it at zero, an adapter that changes nothing)."""
-    folders = {}
-    for seed, (name, (rank, alpha, targets, rslora)) in enumerate(ADAPTERS.items()):
-        torch.manual_seed(seed)
-        config = LoraConfig(
-            r=rank,
-            lora_alpha=alpha,
-            target_modules=targets,
-            use_rslora=rslora,
-            init_lora_weights=False,
-        )
-        model = get_peft_model(_base(tiny_llama), config)
-        folders[name] = tmp_path_factory.mktemp(name)
-        model.save_pretrained(folders[name])
-    return folders
+    return {
+        name: make_adapter(tiny_llama, tmp_path_factory.mktemp(name), *spec, seed=seed)
+        for seed, (name, spec) in enumerate(ADAPTERS.items())
+    }
 
 
-@functools.cache
-def _oracle(model_dir: Path, adapter: Path | None) -> torch.nn.Module:
-    model = _base(model_dir)
-    if adapter is not None:
-        model = PeftModel.from_pretrained(model, adapter).eval()
-    model.generation_config.eos_token_id = None
-    model.generation_config.pad_token_id = 0
-    return model
-
-
-@torch.inference_mode()
 def peft_greedy(model_dir: Path, adapter: Path | None, prompt: list[int]) -> list[int]:
-    ids = torch.tensor([prompt])
-    out = _oracle(model_dir, adapter).generate(
-        ids,
-        attention_mask=torch.ones_like(ids),
-        max_new_tokens=GREEDY.max_tokens,
-        do_sample=False,
-    )
-    return out[0, len(prompt) :].tolist()
+    return oracle_greedy(model_dir, adapter, prompt, GREEDY.max_tokens)
 
 
 def serving(model_dir: Path, adapters: dict[str, Path], **args) -> LLM:
