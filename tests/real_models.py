@@ -22,6 +22,7 @@ import transformers
 from transformers import AutoModelForCausalLM
 
 from pagedbatch.engine.worker.gguf import cache_root
+from pagedbatch.pypi_models import GEMMA_TURNS
 
 ORACLE_ANSWERS = cache_root().parent / "oracle"
 
@@ -59,19 +60,9 @@ CHATS = [
     ],
 ]
 
-# Gemma 3 270M is a base model: its GGUF has no chat template, so it runs under Gemma's turn
-# format, given as the chat_template setting.
-GEMMA_TEMPLATE = (
-    "{{ bos_token }}{% for m in messages %}{% if m['role'] == 'system' %}"
-    "{{ '<start_of_turn>user\\n' + m['content'] + '\\n' }}{% continue %}{% endif %}"
-    "{% if m['role'] == 'user' and loop.index0 > 0 and messages[loop.index0 - 1]['role'] == "
-    "'system' %}{{ m['content'] + '<end_of_turn>\\n' }}{% else %}"
-    "{{ '<start_of_turn>' + ('model' if m['role'] == 'assistant' else 'user') + '\\n' + "
-    "m['content'] + '<end_of_turn>\\n' }}{% endif %}{% endfor %}"
-    "{% if add_generation_prompt %}{{ '<start_of_turn>model\\n' }}{% endif %}"
-)
-# name in pagedbatch.pypi_models -> the chat_template setting it runs with
-MODELS = {"smollm2-135m-instruct": None, "gemma-3-270m": GEMMA_TEMPLATE}
+# name in pagedbatch.pypi_models -> the chat_template setting it runs with (Gemma 3 270M is a
+# base model: its GGUF has none)
+MODELS = {"smollm2-135m-instruct": None, "gemma-3-270m": GEMMA_TURNS}
 # Tuned to chat: these answer questions and end their turns. A base model continues text (asked
 # "What is the capital of France?" in a chat, Gemma 3 270M repeats the question), so only its
 # tokens are checked, and its knowledge through a completion prompt.
