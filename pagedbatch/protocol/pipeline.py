@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncGenerator, Awaitable, Callable
+from collections.abc import AsyncGenerator, AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, replace
 from itertools import zip_longest
 from typing import Any, Literal, TypeVar, cast
@@ -22,8 +22,9 @@ from typing import Any, Literal, TypeVar, cast
 from pydantic import BaseModel
 
 from pagedbatch.engine import AsyncLLM
+from pagedbatch.engine.beam_search import beam_search
 from pagedbatch.engine.outputs import RequestOutput
-from pagedbatch.engine.sampling_params import RequestOutputKind
+from pagedbatch.engine.sampling_params import RequestOutputKind, SamplingParams
 from pagedbatch.protocol.errors import OpenAIError
 from pagedbatch.protocol.safety import OutputScreen, SafetyPolicy, check_prompt, policy_for
 from pagedbatch.protocol.schemas.common import Usage
@@ -197,7 +198,9 @@ async def run(
     async def follow(position: int, engine_input: EngineInput) -> None:
         nonlocal following
         try:
-            async for output in engine.generate(
+            searching = engine_input.beam is not None
+            generate = _beams(engine, engine_input) if searching else engine.generate
+            async for output in generate(
                 engine_input.prompt_token_ids,
                 engine_input.params,
                 request_id=engine_input.request_id,
@@ -270,6 +273,24 @@ async def unless(work: Awaitable[T], stop: Awaitable[object]) -> T | None:
             with contextlib.suppress(asyncio.CancelledError):
                 await task
     return None if task.cancelled() else task.result()
+
+
+def _beams(
+    engine: AsyncLLM, engine_input: EngineInput
+) -> Callable[..., AsyncIterator[RequestOutput]]:
+    """`engine.generate`'s stand-in for a beam search: the same arguments, and one output, the
+    beams'."""
+    beam = engine_input.beam
+    assert beam is not None and isinstance(engine_input.params, SamplingParams)
+    top = engine_input.params.logprobs
+
+    def generate(
+        prompt: list[int], _params: SamplingParams, *, request_id: str, **options: Any
+    ) -> AsyncIterator[RequestOutput]:
+        options.pop("media", None)  # none: refused when the request was prepared
+        return beam_search(engine, prompt, beam, request_id, top, **options)
+
+    return generate
 
 
 def _in_pieces(engine_input: EngineInput) -> EngineInput:

@@ -1,7 +1,8 @@
 """Scoring through the official SDK at both doors, on the embedded service: vLLM's
 prompt_logprobs (`extra_body`) in vLLM's response shape and completions' `echo` with `logprobs`
 in OpenAI's, both equal to transformers' float32 log-softmax over the prompt; `best_of`; what is
-out of bounds is an OpenAI-shaped 400."""
+out of bounds is an OpenAI-shaped 400. And beam search (vLLM's `use_beam_search`), equal
+to transformers' `num_beams` generate."""
 
 from __future__ import annotations
 
@@ -178,6 +179,79 @@ def test_best_of_returns_the_n_likeliest_of_best_of_samples(serve_batches, door)
     ],
 )
 def test_bad_echo_and_best_of_are_400s(serve_batches, body, param):
+    client = serve_batches().client()
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body=body)
+    assert caught.value.body["param"] == param
+
+
+@torch.inference_mode()
+def expected_beams(model_dir: Path, prompt: list[int], width: int, length_penalty: float):
+    """transformers' beams, best first, as token ids after the prompt (no end token)."""
+    ids = torch.tensor([prompt])
+    out = _oracle(model_dir).generate(
+        ids,
+        attention_mask=torch.ones_like(ids),
+        num_beams=width,
+        num_return_sequences=width,
+        max_new_tokens=6,
+        do_sample=False,
+        early_stopping=True,
+        length_penalty=length_penalty,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
+    return out[:, len(prompt) :].tolist()
+
+
+@pytest.mark.parametrize("door", ["realtime", "batch"])
+def test_beam_search_equals_transformers_num_beams(serve_batches, tiny_llama, door):
+    client = serve_batches().client()
+    tokenizer = AutoTokenizer.from_pretrained(tiny_llama)
+    prompt = [1, 3251, 338, 263, 1243, 310, 278, 9853, 3402]
+    beams = {"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True}
+    body = {"model": "tiny", "max_tokens": 6, "n": 3}
+    if door == "realtime":
+        completion = client.completions.create(prompt=prompt, extra_body=beams, **body)
+        completion = completion.model_dump()
+        chat = client.chat.completions.create(messages=MESSAGES, extra_body=beams, **body)
+        chat = chat.model_dump()
+    else:
+        lines = [
+            {"url": "/v1/chat/completions", "body": {**body, **beams, "messages": MESSAGES}},
+            {"url": "/v1/completions", "body": {**body, **beams, "prompt": prompt}},
+        ]
+        for line in lines:
+            line.update(custom_id=line["url"], method="POST")
+        chat_batch = finished(client, create(client, lines[:1]).id)
+        completion_batch = finished(
+            client, create(client, lines[1:], endpoint="/v1/completions").id
+        )
+        (chat,) = read_lines(client, chat_batch.output_file_id)
+        (completion,) = read_lines(client, completion_batch.output_file_id)
+        chat, completion = chat["response"]["body"], completion["response"]["body"]
+    expected = expected_beams(tiny_llama, prompt, 3, 0.5)
+    assert [c["text"] for c in completion["choices"]] == [
+        tokenizer.decode(beam, skip_special_tokens=True) for beam in expected
+    ]
+    assert [c["finish_reason"] for c in completion["choices"]] == ["length"] * 3
+    expected = expected_beams(tiny_llama, chat_prompt(tiny_llama), 3, 0.5)
+    assert [c["message"]["content"] for c in chat["choices"]] == [
+        tokenizer.decode(beam, skip_special_tokens=True) for beam in expected
+    ]
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"use_beam_search": True, "stream": True}, "use_beam_search"),
+        ({"use_beam_search": True, "n": 11}, "n"),
+        ({"use_beam_search": True, "n": 2, "best_of": 3}, "best_of"),
+        ({"use_beam_search": True, "length_penalty": 11}, "length_penalty"),
+        ({"use_beam_search": True, "prompt_logprobs": 1}, "prompt_logprobs"),
+    ],
+)
+def test_bad_beam_searches_are_400s(serve_batches, body, param):
     client = serve_batches().client()
     with pytest.raises(openai.BadRequestError) as caught:
         client.completions.create(model="tiny", prompt="Hello", max_tokens=2, extra_body=body)

@@ -20,6 +20,7 @@ from pydantic import (
     model_validator,
 )
 
+from pagedbatch.engine.beam_search import MAX_LENGTH_PENALTY
 from pagedbatch.engine.core.request import MAX_USER_PRIORITY
 from pagedbatch.engine.sampling_params import MAX_LOGIT_BIAS, MAX_LOGPROBS, MAX_N, MAX_STOP_CHARS
 
@@ -126,12 +127,22 @@ class SamplingRequest(RequestBody):
     prompt_logprobs: int | None = Field(None, ge=0, le=MAX_LOGPROBS)
     # The order among the caller's class of requests (realtime, or batch lines), lower first.
     priority: int = Field(0, ge=-MAX_USER_PRIORITY, le=MAX_USER_PRIORITY)
+    # Beam search: `n` greedy beams, ranked by cumulative logprob over length ** length_penalty.
+    use_beam_search: bool = False
+    length_penalty: float = Field(1.0, ge=-MAX_LENGTH_PENALTY, le=MAX_LENGTH_PENALTY)
 
     @field_validator("stream_options")
     @classmethod
     def _only_when_streaming(cls, value: StreamOptions, info: ValidationInfo) -> StreamOptions:
         if not info.data.get("stream"):
             raise ValueError("stream_options is only allowed when stream is true")
+        return value
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _beams_not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
+        if value and info.data.get("stream"):
+            raise ValueError("beam search cannot be streamed: the best beams are known at the end")
         return value
 
     @field_validator("prompt_logprobs")

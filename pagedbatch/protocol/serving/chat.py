@@ -40,6 +40,7 @@ from pagedbatch.protocol.serving.common import (
     FinishReason,
     ServedModel,
     TokenPieces,
+    beam_params,
     check_context_length,
     check_model,
     encode_prompt,
@@ -171,6 +172,9 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     prompt = encode_prompt(text, max_tokens, served, param="messages", add_special_tokens=False)
     prompt, items = place_media(prompt, media, served)
     check_context_length(len(prompt), max_tokens, served, param="messages")
+    beam = beam_params(request, max_tokens, len(prompt), served)
+    if beam is not None and (requested is not None or items):
+        raise not_supported("Beam search with structured output, tools or media", "use_beam_search")
     params = sampling_params(
         request,
         max_tokens=max_tokens,
@@ -185,7 +189,9 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
         created=now(),
         model=served.model_name,
         tokenizer=tokenizer,
-        inputs=[EngineInput(chat_id, prompt, params, items, request.priority, lora_name)],
+        inputs=[
+            EngineInput(chat_id, prompt, params, items, request.priority, lora_name, beam=beam)
+        ],
         calls_tools=requested is not None and bool(requested.tool_names),
         reasoning=ReasoningSplitter.for_prompt(served.reasoning_tags, text, tokenizer),
     )

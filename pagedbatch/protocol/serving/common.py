@@ -16,6 +16,7 @@ from tokenizers import decoders
 from transformers import PreTrainedTokenizerBase
 from transformers.convert_slow_tokenizer import bytes_to_unicode
 
+from pagedbatch.engine.beam_search import MAX_BEAM_WIDTH, BeamSearchParams
 from pagedbatch.engine.input_processor import fits_context
 from pagedbatch.engine.multimodal.audio import AudioProcessor
 from pagedbatch.engine.multimodal.images import ImageProcessor
@@ -77,6 +78,7 @@ class EngineInput:
     media: tuple[MediaItem, ...] = ()
     user_priority: int = 0  # vLLM's `priority`: its order within its door's priority
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model
+    beam: BeamSearchParams | None = None  # a beam search's (`params` then say its n, logprobs)
 
     @property
     def generates(self) -> bool:
@@ -338,6 +340,29 @@ def sampling_params(
         )
     except ValueError as exc:  # combinations the schema does not check, e.g. min_tokens > max
         raise OpenAIError(str(exc), code="invalid_value") from None
+
+
+def beam_params(
+    request: SamplingRequest, max_tokens: int | None, prompt_tokens: int, served: ServedModel
+) -> BeamSearchParams | None:
+    """The beam search `use_beam_search` asks for, `n` beams wide; None where it does not."""
+    if not request.use_beam_search:
+        return None
+    if request.n > MAX_BEAM_WIDTH:
+        raise OpenAIError(
+            f"Invalid value for 'n': beam search runs at most {MAX_BEAM_WIDTH} beams, got "
+            f"{request.n}.",
+            param="n",
+            code="invalid_value",
+        )
+    if request.prompt_logprobs is not None:
+        raise not_supported("prompt_logprobs with beam search", "prompt_logprobs")
+    return BeamSearchParams(
+        beam_width=request.n,
+        max_tokens=max_tokens or served.max_model_len - prompt_tokens,
+        ignore_eos=request.ignore_eos,
+        length_penalty=request.length_penalty,
+    )
 
 
 def check_vocabulary(token_ids: Iterable[int], vocab_size: int, *, param: str) -> None:

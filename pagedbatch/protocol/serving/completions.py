@@ -34,6 +34,7 @@ from pagedbatch.protocol.serving.common import (
     EngineInput,
     ServedModel,
     TokenPieces,
+    beam_params,
     check_context_length,
     check_model,
     check_vocabulary,
@@ -203,6 +204,7 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
         check_context_length(len(ids), request.max_tokens, served, param=param)
         token_ids.append(ids)
     params = _engine_params(request, tokenizer)
+    beam = beam_params(request, request.max_tokens, 0, served)
     completion_id = new_id("cmpl-")
     return PreparedCompletion(
         request=request,
@@ -218,6 +220,7 @@ def prepare_completion(request: CompletionRequest, served: ServedModel) -> Prepa
                 params,
                 user_priority=request.priority,
                 lora_name=lora_name,
+                beam=beam,
             )
             for i, ids in enumerate(token_ids)
         ],
@@ -261,3 +264,7 @@ def _refuse_unsupported(request: CompletionRequest) -> None:
         raise OpenAIError("best_of greater than n cannot be streamed.", param="best_of")
     if request.echo and request.logprobs is not None and request.stream:
         raise not_supported("echo with logprobs in a stream", "echo")
+    if request.use_beam_search and (request.best_of or request.n) > request.n:
+        raise not_supported("best_of with beam search", "best_of")
+    if request.use_beam_search and request.echo and request.logprobs is not None:
+        raise not_supported("echo with logprobs with beam search", "echo")
