@@ -23,13 +23,15 @@ def open_account(
 ) -> Account:
     """A realtime request's account, its worst case reserved: a 429 `insufficient_quota` if
     its key's or the service's budget cannot hold it. `kind`: what its usage counts as
-    (store/usage.py)."""
+    (store/usage.py). A request of a LoRA adapter is the adapter's, as a batch line naming it
+    is."""
+    model = next((i.lora_name for i in prepared.inputs if i.lora_name), served.model_name)
     try:
         tokens = worst_case_tokens(prepared, served.max_model_len)
-        reservation = guard.reserve(owner, served.model_name, False, *tokens)
+        reservation = guard.reserve(owner, model, False, *tokens)
     except SpendRefused as refused:
         raise insufficient_quota(str(refused)) from None
-    return Account(guard, ledger, owner, served.model_name, reservation, kind)
+    return Account(guard, ledger, owner, model, reservation, kind)
 
 
 class Account:

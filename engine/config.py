@@ -260,17 +260,21 @@ class EngineArgs:
         self.lora_paths()
 
     def lora_paths(self) -> dict[str, Path]:
-        """`lora_modules` by adapter name; ValueError where it is not NAME=PATH pairs of
-        distinct names."""
-        paths: dict[str, Path] = {}
-        for pair in filter(None, (self.lora_modules or "").split(",")):
-            name, eq, path = (part.strip() for part in pair.partition("="))
-            if not (name and eq and path):
-                raise ValueError(f"lora_modules must be NAME=PATH pairs, got {pair!r}")
-            if name in paths:
-                raise ValueError(f"lora_modules names adapter {name!r} twice")
-            paths[name] = Path(path)
-        return paths
+        return parse_lora_modules(self.lora_modules)
+
+
+def parse_lora_modules(value: str | None) -> dict[str, Path]:
+    """`lora_modules` by adapter name; ValueError where it is not NAME=PATH pairs of distinct
+    names."""
+    paths: dict[str, Path] = {}
+    for pair in filter(None, (value or "").split(",")):
+        name, eq, path = (part.strip() for part in pair.partition("="))
+        if not (name and eq and path):
+            raise ValueError(f"lora_modules must be NAME=PATH pairs, got {pair!r}")
+        if name in paths:
+            raise ValueError(f"lora_modules names adapter {name!r} twice")
+        paths[name] = Path(path)
+    return paths
 
 
 def _check(name: str, value: Any, metadata: Any) -> None:

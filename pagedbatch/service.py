@@ -24,7 +24,7 @@ from pagedbatch.api.deps import Services
 from pagedbatch.api.engine_host import EngineHost
 from pagedbatch.api.engine_proxy import EngineProxy
 from pagedbatch.engine import AsyncLLM
-from pagedbatch.engine.config import default_model_name
+from pagedbatch.engine.config import default_model_name, parse_lora_modules
 from pagedbatch.pypi_models import MODELS as PYPI_MODELS
 from pagedbatch.pypi_models import ModelUnavailable, fetch
 from pagedbatch.settings import Settings
@@ -121,6 +121,7 @@ def start_guard(settings: Settings) -> AsyncLLM | None:
             "model": settings.moderation_model,
             "served_model_name": None,  # the checkpoint's name
             "chat_template": None,  # the main model's override is not the guard's
+            "lora_modules": None,  # nor are its LoRA adapters
             "max_model_len": None,
             "max_num_seqs": settings.moderation_max_num_seqs,
             "kv_cache_memory_gib": settings.moderation_kv_cache_memory_gib,
@@ -151,6 +152,7 @@ def start_embedder(settings: Settings) -> AsyncLLM | None:
             "model": str(model.path),
             "served_model_name": model.name,
             "chat_template": None,  # the main model's overrides are not the embedder's
+            "lora_modules": None,
             "max_model_len": None,
             "max_num_seqs": settings.embedding_max_num_seqs,
             "kv_cache_memory_gib": settings.embedding_kv_cache_memory_gib,
@@ -195,7 +197,20 @@ class Embedded:
             self.services.ledger.close()
 
 
+def with_adapter_prices(settings: Settings) -> Settings:
+    """`settings` with each LoRA adapter that its prices leave out priced as the model it
+    adapts: unpriced, an adapter's usage would cost nothing and pass every spend limit."""
+    adapters = parse_lora_modules(settings.lora_modules)
+    if not adapters:
+        return settings
+    price = settings.prices.get(served_model(settings).name)
+    if price is None:
+        return settings
+    return settings.model_copy(update={"prices": dict.fromkeys(adapters, price) | settings.prices})
+
+
 def embedded(settings: Settings) -> Embedded:
+    settings = with_adapter_prices(settings)
     session_factory, blobs = open_store(settings)
     engine = start_engine(settings)
     guard = start_guard(settings)
@@ -238,6 +253,7 @@ def api_only(settings: Settings) -> FastAPI:
     """The distributed API process: work goes to Celery, realtime requests to the workers'
     engine hosts; no engine here."""
     assert settings.broker_url is not None
+    settings = with_adapter_prices(settings)
     session_factory, blobs = open_store(settings)
     queue = CeleryQueue(make_celery(settings, run=_not_here))
     services = Services(
@@ -265,6 +281,7 @@ def run_worker(settings: Settings, beat: bool = False) -> None:
     ENGINE_DIED_EXIT_CODE if its engine dies, for its supervisor to start it again."""
     if beat:
         logger.warning("--beat is deprecated and does nothing: every worker runs upkeep")
+    settings = with_adapter_prices(settings)
     session_factory, blobs = open_store(settings)
     ctx = WorkerContext(
         settings,

@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import dataclasses
 
+from lora_adapters import make_adapter
+
 from pagedbatch.service import start_engine
 from pagedbatch.settings import ENGINE_SETTINGS, Settings
 
@@ -26,6 +28,7 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "model": str(tiny_llama),
         "served_model_name": "tiny",
         "chat_template": "{% for m in messages %}{{ m['content'] }}{% endfor %}",
+        "reasoning_parser": "none",
         "dtype": "float32",
         "matmul_precision": "highest",
         "quantization": "none",
@@ -53,6 +56,9 @@ def test_the_engine_runs_with_every_engine_setting(tiny_llama, tmp_path):
         "max_num_encoder_tokens": 64,
         "encoder_cache_size": 128,
         "tensor_parallel_size": 1,
+        "lora_modules": f"tiny-r8={make_adapter(tiny_llama, tmp_path / 'r8', 8, 16, ['q_proj'])}",
+        "max_loras": 2,
+        "max_lora_rank": 8,
         "seed": 7,
         "stats_log_interval_seconds": 0.5,
     }
