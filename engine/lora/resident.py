@@ -38,7 +38,7 @@ class ResidentLoras:
     def start_step(
         self, slots: Sequence[int], query_start_loc: Sequence[int], device: torch.device
     ) -> None:
-        self.step.current = LoraMapping.of(slots, query_start_loc, device)
+        self.step.current = LoraMapping.of(slots, query_start_loc, device, len(self.adapters))
 
     def stack(
         self, parts: Sequence[str], sizes: Sequence[int], input_size: int, like: torch.Tensor
