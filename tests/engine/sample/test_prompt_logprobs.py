@@ -7,6 +7,7 @@ from greedy_checks import assert_pool_whole, random_prompts
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.sample import prompt_logprobs
+from pagedbatch.engine.sampling_params import RequestOutputKind
 
 TOLERANCE = 1e-4
 
@@ -62,7 +63,44 @@ def test_across_chunks_cached_prefixes_preemption_and_slices(tiny_llama, oracle,
     assert_pool_whole(llm)
 
 
+def test_a_stream_carries_the_prompt_logprobs_once(tiny_llama):
+    engine = LLM(tiny_llama, num_kv_blocks=64).engine
+    prompt = random_prompts(1, 10, 10, seed=26)[0]
+    delta = RequestOutputKind.DELTA
+    params = SamplingParams(max_tokens=4, ignore_eos=True, prompt_logprobs=2, output_kind=delta)
+    engine.add_request("stream", prompt, params)
+    outputs = []
+    while engine.has_unfinished_requests():
+        outputs += engine.step()
+    carrying = [output for output in outputs if output.prompt_logprobs is not None]
+    assert len(outputs) > 1 and len(carrying) == 1
+    assert len(carrying[0].prompt_logprobs) == len(prompt)
+
+
 @pytest.mark.parametrize("k", [-1, 21, True])
 def test_k_is_bounded(k):
     with pytest.raises(ValueError, match="prompt_logprobs"):
         SamplingParams(prompt_logprobs=k)
+
+
+@pytest.mark.parametrize(
+    "overrides",
+    # An odd vocabulary under tied embeddings: each rank's LM head is a padded slice.
+    [{}, {"vocab_size": 16385, "tie_word_embeddings": True}],
+    ids=["llama", "llama-odd-vocab-tied"],
+)
+def test_two_ranks_score_the_prompt_as_one(make_checkpoint, overrides):
+    model_dir = make_checkpoint("llama", **overrides)
+    prompt = random_prompts(1, 30, 30, seed=25)[0]
+    params = SamplingParams(max_tokens=2, prompt_logprobs=3)
+    args = {"num_kv_blocks": 64, "max_num_batched_tokens": 16}
+    (one,) = LLM(model_dir, **args).generate([prompt], params)
+    llm = LLM(model_dir, tensor_parallel_size=2, **args)
+    try:
+        (two,) = llm.generate([prompt], params)
+    finally:
+        llm.shutdown()
+    assert two.prompt_logprobs[0] is None and len(two.prompt_logprobs) == len(prompt)
+    for a, b in zip(one.prompt_logprobs[1:], two.prompt_logprobs[1:], strict=True):
+        assert a.token_id == b.token_id and abs(a.logprob - b.logprob) < TOLERANCE
+        assert [t for t, _ in a.top] == [t for t, _ in b.top]
