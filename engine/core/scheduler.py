@@ -104,7 +104,7 @@ class SchedulerOutput:
 
 
 def _insort(
-    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, float]]
+    queue: list[Request], request: Request, key: Callable[[Request], tuple[int, int, float]]
 ) -> None:
     """`bisect.insort` by `key`, without the search where the request goes last, as most do
     (arrivals, in arrival order): a batch of thousands is admitted in linear time."""
@@ -175,8 +175,8 @@ class Scheduler:
         # The budgets of all sized steps so far, in seconds (for reports: against what they took).
         self.sized_budget_seconds = 0.0
 
-    def _key(self, request: Request) -> tuple[int, float]:
-        return request.sort_key if self.policy == "priority" else (0, request.arrival_time)
+    def _key(self, request: Request) -> tuple[int, int, float]:
+        return request.sort_key if self.policy == "priority" else (0, 0, request.arrival_time)
 
     def add(self, request: Request) -> None:
         _insort(self.waiting, request, self._key)
