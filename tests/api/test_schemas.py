@@ -114,7 +114,7 @@ CHAT_ERRORS = [
     (chat(top_p=-0.1), "top_p", "invalid_value", "greater than or equal to 0"),
     (chat(n=0), "n", "invalid_value", "greater than or equal to 1"),
     (chat(max_token=5), "max_token", "unknown_parameter", "Unrecognized request argument"),
-    (chat(priority=0), "priority", "unknown_parameter", "Unrecognized request argument"),
+    (chat(priority=1001), "priority", "invalid_value", "less than or equal to 1000"),
     ({"messages": [USER]}, "model", "missing_required_parameter", "Missing required parameter"),
     ({"model": "m"}, "messages", "missing_required_parameter", "'messages'"),
     (chat(messages=[]), "messages", "invalid_value", "at least 1 item"),
