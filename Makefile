@@ -33,8 +33,12 @@ lint: $(STAMP)
 	$(BIN)/ruff check .
 	$(BIN)/ruff format --check .
 
+# Two passes: the tests that restart PostgreSQL, Redis or S3 under real workers and time how soon
+# work moves again run one at a time; the rest run on two processes (pytest-xdist), a test file
+# each at a time, so that module fixtures load once.
 test: lint system-deps
-	$(BIN)/pytest
+	$(BIN)/pytest tests/workers tests/store
+	$(BIN)/pytest -n 2 --dist loadfile --ignore=tests/workers --ignore=tests/store
 
 serve: $(STAMP)
 	$(BIN)/pagedbatch serve
