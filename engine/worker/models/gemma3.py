@@ -34,6 +34,7 @@ from pagedbatch.engine.worker.models.llama import (
     Attention,
     KVCache,
     LlamaForCausalLM,
+    QKNormAttention,
     fused_layer,
 )
 from pagedbatch.engine.worker.models.rope import RotaryEmbedding, rope_parameters
@@ -112,7 +113,9 @@ def gelu_tanh_and_mul(x: torch.Tensor) -> torch.Tensor:
     return F.gelu(x[..., :d], approximate="tanh").mul_(x[..., d:])
 
 
-class Gemma3Attention(Attention):
+class Gemma3Attention(QKNormAttention):
+    norm_class = GemmaRMSNorm
+
     def __init__(
         self,
         cfg: ModelConfig,
@@ -122,16 +125,6 @@ class Gemma3Attention(Attention):
     ):
         super().__init__(cfg, rotary, sliding_window)
         self.scale = query_pre_attn_scalar**-0.5
-        self.q_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-        self.k_norm = GemmaRMSNorm(cfg.head_dim, cfg.rms_norm_eps)
-
-    def rotate(
-        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
-    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each head's query and key normalised over head_dim, then rotated."""
-        q, _ = self.q_norm(q)
-        k, _ = self.k_norm(k)
-        return super().rotate(positions, q, k, meta)
 
 
 class Gemma3MLP(MLP):

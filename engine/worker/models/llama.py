@@ -113,6 +113,25 @@ class Attention(nn.Module):
         return ops.paged_attention(q, key_cache, value_cache, meta, self.scale, self.sliding_window)
 
 
+class QKNormAttention(Attention):
+    """Attention whose heads' queries and keys are normalised over head_dim before RoPE (q_norm,
+    k_norm: one weight shared by every head), as Qwen3's and Gemma 3's are."""
+
+    norm_class: type[nn.Module] = RMSNorm
+
+    def __init__(self, cfg: ModelConfig, rotary: RotaryEmbedding, sliding_window: int | None):
+        super().__init__(cfg, rotary, sliding_window)
+        self.q_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps)
+        self.k_norm = self.norm_class(cfg.head_dim, cfg.rms_norm_eps)
+
+    def rotate(
+        self, positions: torch.Tensor, q: torch.Tensor, k: torch.Tensor, meta: AttentionMetadata
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        q, _ = self.q_norm(q)
+        k, _ = self.k_norm(k)
+        return super().rotate(positions, q, k, meta)
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
