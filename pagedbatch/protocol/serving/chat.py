@@ -89,10 +89,8 @@ class PreparedChat:
         choices = []
         reasoning_tokens = 0
         for choice in output.outputs:
-            thought = Split(None, choice.text)
-            if self.reasoning is not None:
-                thought = self.reasoning.split(choice.text)
-                reasoning_tokens += self.reasoning.reasoning_tokens(choice.token_ids, thought)
+            thought, thinking = self.thought(choice)
+            reasoning_tokens += thinking
             content, calls = self.split(thought.content or "")
             choices.append(
                 Choice(
@@ -117,6 +115,14 @@ class PreparedChat:
                 output.prompt_logprobs, self.request.prompt_logprobs, self.pieces
             ),
         )
+
+    def thought(self, choice: CompletionOutput) -> tuple[Split, int]:
+        """A whole choice's thinking and the rest, and how many of its tokens are thinking (all
+        of it the rest, none thinking, for a model that does not reason)."""
+        if self.reasoning is None:
+            return Split(None, choice.text), 0
+        thought = self.reasoning.split(choice.text)
+        return thought, self.reasoning.reasoning_tokens(choice.token_ids, thought)
 
     def split(self, text: str, complete: bool = True) -> tuple[str | None, list[ToolCallText]]:
         """A choice's text as (content, tool calls); see `parse_tool_calls` for `complete`."""

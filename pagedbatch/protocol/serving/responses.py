@@ -30,7 +30,6 @@ from transformers import PreTrainedTokenizerBase
 
 from pagedbatch.engine.outputs import CompletionOutput, RequestOutput
 from pagedbatch.protocol.errors import OpenAIError
-from pagedbatch.protocol.reasoning import Split
 from pagedbatch.protocol.schemas.chat import ChatCompletionRequest, ChatCompletionTokenLogprob
 from pagedbatch.protocol.schemas.common import MAX_TEXT_CHARS, Usage
 from pagedbatch.protocol.schemas.responses import (
@@ -122,10 +121,7 @@ class PreparedResponse:
         (output,) = outputs
         (choice,) = output.outputs
         reason = finish_reason(choice, output)  # raises for an abort or an engine failure
-        thought, thinking = Split(None, choice.text), 0
-        if self.chat.reasoning is not None:
-            thought = self.chat.reasoning.split(choice.text)
-            thinking = self.chat.reasoning.reasoning_tokens(choice.token_ids, thought)
+        thought, thinking = self.chat.thought(choice)
         content, calls = self.chat.split(thought.content or "")
         logprobs = self.logprobs(choice)
         answer = Answer(content, calls, logprobs, choice.refusal, reason, thought.reasoning)
