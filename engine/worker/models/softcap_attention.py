@@ -71,13 +71,11 @@ def _decode(
     k = key_cache.view(-1, num_kv_heads, head_dim)[slots]  # [seqs, keys, kv_heads, head_dim]
     v = value_cache.view(-1, num_kv_heads, head_dim)[slots]
     q = query.index_select(0, rows).view(len(seqs), num_kv_heads, -1, head_dim)
-    scores = torch.einsum("skgd,slkd->skgl", q, k) * scale
-    scores = torch.tanh(scores / softcap) * softcap
     masked = key_pos[None, :] >= seq_lens[:, None]
     if sliding_window is not None:
         masked |= seq_lens[:, None] - 1 - key_pos[None, :] >= sliding_window
-    scores.masked_fill_(masked[:, None, None, :], float("-inf"))
-    probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+    scores = torch.einsum("skgd,slkd->skgl", q, k) * scale
+    probs = _capped_probs(scores, softcap, masked[:, None, None, :], query.dtype)
     attended = torch.einsum("skgl,slkd->skgd", probs, v).reshape(len(seqs), num_heads, head_dim)
     out.index_copy_(0, rows, attended)
 
@@ -111,12 +109,20 @@ def _prefill(
     for row in range(start, end, _QUERY_ROWS):
         stop = min(row + _QUERY_ROWS, end)
         q = query[row:stop].transpose(0, 1)  # [heads, rows, head_dim]
-        scores = torch.matmul(q, k.transpose(1, 2)) * scale
-        scores = torch.tanh(scores / softcap) * softcap
         query_pos = key_pos[first_pos + row - start : first_pos + stop - start, None]
         masked = key_pos[None, :] > query_pos
         if sliding_window is not None:
             masked |= query_pos - key_pos[None, :] >= sliding_window
-        scores.masked_fill_(masked, float("-inf"))
-        probs = torch.softmax(scores, dim=-1, dtype=torch.float32).to(query.dtype)
+        scores = torch.matmul(q, k.transpose(1, 2)) * scale
+        probs = _capped_probs(scores, softcap, masked, query.dtype)
         out[row:stop] = torch.matmul(probs, v).transpose(0, 1)
+
+
+def _capped_probs(
+    scores: torch.Tensor, softcap: float, masked: torch.Tensor, dtype: torch.dtype
+) -> torch.Tensor:
+    """Scaled scores soft-capped (cap * tanh(x / cap)), the `masked` keys left out, then the
+    softmax in float32 rounded to `dtype`, as transformers computes them."""
+    scores = torch.tanh(scores / softcap) * softcap
+    scores.masked_fill_(masked, float("-inf"))
+    return torch.softmax(scores, dim=-1, dtype=torch.float32).to(dtype)
