@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-from pagedbatch.kernels import activation, attention, moe, norm, rotary
+from pagedbatch.kernels import activation, attention, lora, moe, norm, rotary
 from pagedbatch.kernels.attention import AttentionMetadata
 
 SETTING = "PAGEDBATCH_KERNELS"
@@ -36,10 +36,16 @@ class Kernels(NamedTuple):
     silu_and_mul: Callable[..., torch.Tensor]
     apply_rotary_embedding: Callable[..., tuple[torch.Tensor, torch.Tensor]]
     fused_experts: Callable[..., torch.Tensor]
+    add_lora: Callable[..., torch.Tensor]
 
 
 def _kernels(
-    attn: ModuleType, norms: ModuleType, act: ModuleType, rope: ModuleType, experts: ModuleType
+    attn: ModuleType,
+    norms: ModuleType,
+    act: ModuleType,
+    rope: ModuleType,
+    experts: ModuleType,
+    loras: ModuleType,
 ) -> Kernels:
     return Kernels(
         paged_attention=attn.paged_attention,
@@ -49,10 +55,11 @@ def _kernels(
         silu_and_mul=act.silu_and_mul,
         apply_rotary_embedding=rope.apply_rotary_embedding,
         fused_experts=experts.fused_experts,
+        add_lora=loras.add_lora,
     )
 
 
-TORCH = _kernels(attention, norm, activation, rotary, moe)
+TORCH = _kernels(attention, norm, activation, rotary, moe, lora)
 
 # keyed by Tensor.is_cuda: the one property that decides, and cheap to read
 _chosen: dict[bool, Kernels] = {}
@@ -91,12 +98,15 @@ def _choose(on_cuda: bool) -> Kernels:
     from pagedbatch.kernels import (
         triton_activation,
         triton_attention,
+        triton_lora,
         triton_moe,
         triton_norm,
         triton_rotary,
     )
 
-    return _kernels(triton_attention, triton_norm, triton_activation, triton_rotary, triton_moe)
+    return _kernels(
+        triton_attention, triton_norm, triton_activation, triton_rotary, triton_moe, triton_lora
+    )
 
 
 def paged_attention(
@@ -153,3 +163,18 @@ def fused_experts(
     topk_ids: torch.Tensor,
 ) -> torch.Tensor:
     return kernels_for(x).fused_experts(x, w13, w2, topk_weights, topk_ids)
+
+
+def add_lora(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scalings: torch.Tensor,
+    gather: torch.Tensor,
+    valid: torch.Tensor,
+    rows: torch.Tensor,
+    width: int,
+    subset: torch.Tensor | None,
+) -> torch.Tensor:
+    return kernels_for(x).add_lora(x, out, a, b, scalings, gather, valid, rows, width, subset)
