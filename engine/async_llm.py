@@ -18,6 +18,7 @@ import queue
 import threading
 from collections.abc import AsyncIterator, Callable, Iterable
 from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any, TypeVar
 
 from pagedbatch.engine.config import EngineArgs
@@ -162,6 +163,18 @@ class AsyncLLM:
 
     async def get_stats(self) -> dict:
         return await self._on_engine(self.engine.get_stats)
+
+    async def load_lora(self, name: str, path: Path) -> None:
+        """Serves the LoRA adapter in PEFT folder `path` as `name` (see LLMEngine.read_lora):
+        its folder is read and checked on a thread of its own, the steps going on meanwhile;
+        the engine thread only registers it."""
+        self._check_alive()
+        adapter = await asyncio.to_thread(self.engine.read_lora, name, path)
+        await self._on_engine(lambda: self.engine.add_lora(adapter, path))
+
+    async def unload_lora(self, name: str) -> None:
+        """Stops serving adapter `name` (see LLMEngine.unload_lora)."""
+        await self._on_engine(lambda: self.engine.unload_lora(name))
 
     async def _on_engine(self, fn: Callable[[], T], gone: Callable[[], None] | None = None) -> T:
         """Run `fn` on the engine thread and return its result, or raise its exception, here.

@@ -241,8 +241,22 @@ class EngineArgs:
         "several adapters and of the base model run in the same step (one rank, not with "
         "quantization gguf)",
     )
+    enable_lora: bool = arg(
+        False,
+        doc="serve LoRA adapters, loaded at run time (/v1/load_lora_adapter) where lora_modules "
+        "names none at start",
+    )
     max_loras: int = arg(
-        4, doc="LoRA adapters resident at once: lora_modules may name at most this many", ge=1
+        4,
+        doc="LoRA adapters in one step, each in a slot on the model's device; requests of others "
+        "wait for a slot",
+        ge=1,
+    )
+    max_cpu_loras: int | None = arg(
+        None,
+        doc="LoRA adapters kept in host memory, least recently used out (read from their "
+        "folders again when next needed); at least max_loras; default: max_loras",
+        ge=1,
     )
     max_lora_rank: int = arg(16, doc="the largest rank (r) a LoRA adapter may have", ge=1)
     seed: int = arg(0, doc="the seed of requests that sample without one of their own")

@@ -24,7 +24,7 @@ from pagedbatch.engine.config import EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderCache
 from pagedbatch.engine.core.kv_cache_manager import KVCacheManager
 from pagedbatch.engine.core.request import Request, RequestStatus, TokenLogprob
-from pagedbatch.engine.core.scheduler import ScheduledRequest, Scheduler
+from pagedbatch.engine.core.scheduler import ScheduledRequest, Scheduler, SchedulerOutput
 from pagedbatch.engine.core.step_cost import StepCostModel, StepWork
 from pagedbatch.engine.sample import prompt_logprobs
 from pagedbatch.engine.sample.grammar_runtime import GrammarRuntime
@@ -108,6 +108,8 @@ class EngineCore:
             self.encoder_cache,
             args.max_num_encoder_tokens,
             model_config.encoder_only,
+            # Adapters in one step: as many as the runner has slots for.
+            args.max_loras if self.runner.loras is not None else None,
         )
         self.grammars = GrammarRuntime(
             tokenizer, model_config.vocab_size, eos_token_ids, args.grammar_compile_seconds
@@ -197,6 +199,8 @@ class EngineCore:
         queries, hits = pool.prefix_queries, pool.prefix_hits
         encoded, cached = self._encoder_counts()
         out = self.scheduler.schedule()
+        if self.runner.loras is not None:
+            self._prepare_loras(out)
         run_started = time.perf_counter()
         sampled: list[SampledToken] = []
         pooled: list[Request] = []
@@ -241,6 +245,18 @@ class EngineCore:
             pooled=pooled,
             deferred_tokens=out.deferred_tokens,
         )
+
+    def _prepare_loras(self, out: SchedulerOutput) -> None:
+        """The step's LoRA adapters swapped into slots; the requests of one whose folder, read
+        again, failed end with that error (the adapter is unregistered) and leave the step."""
+        names = {s.request.lora_name for s in out.scheduled} - {None}
+        failed = self.runner.loras.prepare(names)
+        if not failed:
+            return
+        for s in out.scheduled:
+            if s.request.lora_name in failed:
+                self._fail_own(s.request, failed[s.request.lora_name])
+        out.scheduled = [s for s in out.scheduled if s.request.lora_name not in failed]
 
     def _pool(self, scheduled: list[ScheduledRequest], rows: torch.Tensor) -> list[Request]:
         """Fold each chunk's pooled row into its request; finish the requests whose prompts

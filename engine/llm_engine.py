@@ -11,6 +11,7 @@ from __future__ import annotations
 import itertools
 import logging
 import time
+from pathlib import Path
 
 import torch
 
@@ -18,6 +19,8 @@ from pagedbatch.engine.config import EngineArgs, ModelConfig, PoolingConfig, def
 from pagedbatch.engine.core.scheduler import Scheduler
 from pagedbatch.engine.engine_core import EngineCore
 from pagedbatch.engine.input_processor import InputProcessor
+from pagedbatch.engine.lora.adapter import LoraAdapter
+from pagedbatch.engine.lora.registry import LoraInUse, LoraNameError, UnknownLora
 from pagedbatch.engine.metrics.engine_stats import EngineStats
 from pagedbatch.engine.metrics.prometheus import EngineMetrics
 from pagedbatch.engine.metrics.stats_line import StatsLogger
@@ -35,6 +38,9 @@ from pagedbatch.engine.worker.model_runner import ModelRunner
 from pagedbatch.engine.worker.resident import ResidentSize
 
 logger = logging.getLogger(__name__)
+
+# A LoRA adapter's name is a model name in requests and listings: bounded like an id.
+MAX_LORA_NAME = 256
 
 
 class LLMEngine:
@@ -158,7 +164,46 @@ class LLMEngine:
     def lora_names(self) -> tuple[str, ...]:
         """The LoRA adapters served, by the names requests give."""
         loras = self.runner.loras
-        return () if loras is None else tuple(loras.slots)
+        return () if loras is None else loras.names
+
+    def read_lora(self, name: str, path: Path) -> LoraAdapter:
+        """The adapter in PEFT folder `path`, read and checked against the model to be served
+        as `name` (ValueError naming what is wrong). Reads only what the engine fixed at start:
+        callers may run it off the engine thread, then `add_lora` on it."""
+        loras = self.runner.loras
+        if loras is None:
+            raise ValueError("LoRA adapters are not enabled: start with enable_lora")
+        self._check_lora_name(name)
+        return loras.registry.read(name, path)
+
+    def add_lora(self, adapter: LoraAdapter, path: Path) -> None:
+        """Serves `adapter` (from `read_lora`), read from `path`; ValueError where its name is
+        taken meanwhile."""
+        self._check_lora_name(adapter.name)
+        self.runner.loras.registry.add(adapter, path)
+
+    def load_lora(self, name: str, path: Path) -> None:
+        self.add_lora(self.read_lora(name, path), path)
+
+    def unload_lora(self, name: str) -> None:
+        """Stops serving adapter `name`: UnknownLora where none is loaded by that name,
+        LoraInUse while requests that have not finished run with it (they are not cut short;
+        unload it once they are done)."""
+        loras = self.runner.loras
+        if loras is None or name not in loras.names:
+            raise UnknownLora(f"LoRA adapter {name!r} is not loaded")
+        users = sum(1 for r in self.outputs.live_requests() if r.lora_name == name)
+        if users:
+            raise LoraInUse(f"LoRA adapter {name!r} has {users} unfinished requests")
+        loras.remove(name)
+
+    def _check_lora_name(self, name: str) -> None:
+        if not name or not name.strip() or len(name) > MAX_LORA_NAME:
+            raise LoraNameError(f"a LoRA adapter's name is 1 to {MAX_LORA_NAME} characters")
+        if name == self.model_name:
+            raise LoraNameError(f"LoRA adapter {name!r} has the model's own name")
+        if name in self.lora_names:
+            raise LoraNameError(f"LoRA adapter {name!r} is already loaded")
 
     # The core's parts that callers look at.
     @property
@@ -206,8 +251,9 @@ class LLMEngine:
         completions = self.inputs.process(
             request_id, prompt, params, priority, timeout, cache_salt, media, user_priority
         )
+        lora_id = 0 if lora_name is None else self.runner.loras.lora_id(lora_name)
         for completion in completions:
-            completion.lora_name = lora_name
+            completion.lora_name, completion.lora_id = lora_name, lora_id
         self.outputs.add(request_id, completions)
         self.core.add(
             completions, params.structured if isinstance(params, SamplingParams) else None

@@ -77,6 +77,10 @@ class OutputProcessor:
     def has_unfinished_requests(self) -> bool:
         return bool(self._states)
 
+    def live_requests(self) -> list[Request]:
+        """The completions of the requests followed that have not finished."""
+        return [c.request for c in self._completions.values() if not c.request.finished]
+
     def add(self, request_id: str, completions: list[Request]) -> None:
         """Follow a request's completions (all with the same params but for their seeds)."""
         first = completions[0]

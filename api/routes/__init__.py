@@ -17,6 +17,7 @@ from pagedbatch.api.routes import (
     completions,
     embeddings,
     engine,
+    lora_adapters,
     models,
     moderations,
 )
@@ -56,11 +57,12 @@ api_router.include_router(background_responses.router)  # cancel
 api_router.include_router(webhooks.router)
 
 # Routes that take admin keys as well as tenants' keys (the admin API's usage, the engines'
-# stats): they check them themselves.
+# stats), or admin keys alone (LoRA adapters' loading): they check them themselves.
 admin_router = APIRouter(
     prefix="/v1",
     dependencies=[Depends(reject_nul)],
     responses=error_responses(400, 401, "4XX"),
 )
 admin_router.include_router(engine.router)
+admin_router.include_router(lora_adapters.router)  # admin keys only
 admin_router.include_router(organization.router)

@@ -52,7 +52,7 @@ class KVCacheManager:
         tokens = request.all_token_ids
         bs = self.block_size
         for i in range(len(hashes), num_tokens // bs):
-            parent = hashes[-1] if hashes else salt_root(request.cache_salt, request.lora_name)
+            parent = hashes[-1] if hashes else salt_root(request.cache_salt, request.lora_key)
             start, end = i * bs, (i + 1) * bs
             extra = _media_in(request, start, end) if request.media else b""
             hashes.append(hash_block(parent, tokens[start:end], extra))

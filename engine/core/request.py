@@ -121,6 +121,7 @@ class Request:
     pooling_type: str | None = None
     dimensions: int = 0
     lora_name: str | None = None  # the LoRA adapter it runs with; None: the base model alone
+    lora_id: int = 0  # that adapter's registration (unique: see lora.registry.Registered)
 
     status: RequestStatus = RequestStatus.WAITING
     output_token_ids: list[int] = field(default_factory=list)
@@ -177,6 +178,12 @@ class Request:
     @property
     def finished(self) -> bool:
         return self.status.finished
+
+    @property
+    def lora_key(self) -> str | None:
+        """What its prefix-cache blocks are keyed by for its adapter: the name and the
+        registration, so that a name loaded again with other weights shares none."""
+        return None if self.lora_name is None else f"{self.lora_name}#{self.lora_id}"
 
     @property
     def finish_reason(self) -> str | None:

@@ -36,6 +36,12 @@ An encoder-only model's requests (bidirectional attention: an embedding model su
 no KV blocks: each runs whole in one step, never in chunks, and finishes there. A decoder's
 pooling requests run through the paged path like any prefill and finish at its end.
 
+With LoRA adapters served (`max_loras`), the running requests hold at most `max_loras` distinct
+adapters, so that no step holds more than the model has slots for. A waiting request of another
+adapter waits for one of them to drain; base-model requests behind it may start, but no request
+of any adapter may (`_AdapterGate`), so that a steady stream of one adapter's requests cannot
+keep another's out: it waits at most until the running requests of one adapter have finished.
+
 A request's images and audio clips are encoded in the step that first reaches their
 placeholders, within a per-step encoder budget and the encoder cache's room (`encoder_cache`): a
 chunk is cut before the first item whose embeddings cannot be had this step. A chunk may end
@@ -65,6 +71,9 @@ IDLE_STEP_MULTIPLE = 1.8
 PREFILL_STEP_MULTIPLE = 2.0
 # Steps stay sized for realtime requests for this many steps after the last one leaves.
 LINGER_STEPS = 20
+# Waiting requests a step passes over (waiting for a LoRA slot) looking for ones that may start:
+# a bound on each step's scan of a long queue.
+MAX_PASSED_OVER = 64
 
 
 @dataclass
@@ -114,6 +123,30 @@ def _insort(
         bisect.insort(queue, request, key=key)
 
 
+class _AdapterGate:
+    """Which waiting requests may start for their LoRA adapter: at most `limit` adapters among
+    the running requests; once a request waits for a slot, no later request of any adapter
+    starts (see the module docstring)."""
+
+    def __init__(self, running: list[Request], limit: int):
+        self.held = {r.lora_name for r in running if r.lora_name is not None}
+        self.limit = limit
+        self.blocked = False
+
+    def admits(self, request: Request) -> bool:
+        name = request.lora_name
+        if name is None:
+            return True
+        if not self.blocked and (name in self.held or len(self.held) < self.limit):
+            return True
+        self.blocked = True
+        return False
+
+    def started(self, request: Request) -> None:
+        if request.lora_name is not None:
+            self.held.add(request.lora_name)
+
+
 def _decoding(request: Request, only: int | None) -> bool:
     """Whether the request (of priority `only`, if given) wants one token: its next decode."""
     return request.num_tokens - request.num_computed_tokens == 1 and (
@@ -134,6 +167,7 @@ class Scheduler:
         encoder_cache: EncoderCache | None = None,
         max_num_encoder_tokens: int = 0,
         encoder_only: bool = False,
+        max_loras: int | None = None,
     ):
         if policy not in ("fcfs", "priority"):
             raise ValueError(f"scheduling policy must be 'fcfs' or 'priority', got {policy!r}")
@@ -154,6 +188,8 @@ class Scheduler:
         self.max_num_encoder_tokens = max_num_encoder_tokens
         # Requests run whole and without KV blocks (see the module docstring).
         self.encoder_only = encoder_only
+        # LoRA adapters the running requests may hold (None: no adapters are served).
+        self.max_loras = max_loras
         self._encoder_budget = 0  # left in the step being scheduled
         # (request id, item hash) whose placeholders the last step finished: released next step,
         # once the runner has read them.
@@ -501,18 +537,25 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int, only: int | None) -> int:
         """Waiting requests (of priority `only`, if given) fill the budget, unless the pool was
         just found short; returns the budget left."""
-        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+        gate = None if self.max_loras is None else _AdapterGate(self.running, self.max_loras)
+        i = 0  # the first waiting request not passed over for want of a LoRA slot
+        while i < len(self.waiting) and budget > 0 and len(self.running) < self.max_num_seqs:
             if out.preempted and self.policy == "fcfs":
                 break
-            request = self.waiting[0]
+            request = self.waiting[i]
             if only is not None and request.priority != only:
                 break
             if request in out.preempted:
                 break  # preempted for lack of room this very step
+            if gate is not None and not gate.admits(request):
+                i += 1
+                if i >= MAX_PASSED_OVER:
+                    break
+                continue
             if self.encoder_only:
                 if request.num_tokens > budget:
                     break  # it runs whole: in a later step
-                self._start(out, request, request.num_tokens, 0)
+                self._start(out, request, request.num_tokens, 0, i)
                 budget -= request.num_tokens
                 continue
             cached = self.kv.find_cached_prefix(request) if request.reads_prefix_cache else []
@@ -525,13 +568,17 @@ class Scheduler:
             if num_new == 0 or not self.kv.allocate(request, num_new, cached):
                 self._release_media(request)
                 break
-            self._start(out, request, num_new, num_cached)
+            self._start(out, request, num_new, num_cached, i)
+            if gate is not None:
+                gate.started(request)
             budget -= num_new
         return budget
 
-    def _start(self, out: SchedulerOutput, request: Request, num_new: int, num_cached: int) -> None:
-        """The first waiting request runs: its first `num_new` tokens after `num_cached`."""
-        self.waiting.pop(0)
+    def _start(
+        self, out: SchedulerOutput, request: Request, num_new: int, num_cached: int, index: int = 0
+    ) -> None:
+        """Waiting request `index` runs: its first `num_new` tokens after `num_cached`."""
+        self.waiting.pop(index)
         request.transition(RequestStatus.RUNNING)
         if request.first_scheduled_time is None:
             request.first_scheduled_time = time.monotonic()

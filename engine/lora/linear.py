@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Collection, Sequence
+from collections.abc import Sequence
 
 import torch
 
@@ -12,9 +12,10 @@ from pagedbatch.kernels import ops
 
 class LoraLinear:
     """A linear's adapters: A `[slots, parts * R, in]` and B `[slots, out, parts * R]`, R the
-    largest rank served (smaller ranks padded with zeros, which add nothing). A fused linear
-    (q/k/v, gate/up) stacks its parts' A's and holds B block-diagonal over its output parts,
-    so that one pair of matmuls serves all parts.
+    largest rank served, `max_lora_rank` (smaller ranks padded with zeros, which add nothing).
+    A fused linear (q/k/v, gate/up) stacks its parts' A's and holds B block-diagonal over its
+    output parts, so that one pair of matmuls serves all parts. Slots are written as adapters
+    are swapped in (`write`), between steps.
 
     Rows of slot s get `scaling_s * (x @ A_s^T) @ B_s^T` added to the base product. The step's
     rows are gathered by slot (see `LoraMapping`) so that one pair of batched matmuls serves
@@ -26,16 +27,40 @@ class LoraLinear:
 
     def __init__(
         self,
-        a: torch.Tensor,
-        b: torch.Tensor,
-        scalings: Sequence[float],
-        targeted: Collection[int],
+        parts: Sequence[str],
+        sizes: Sequence[int],
+        input_size: int,
+        slots: int,
+        rank: int,
+        like: torch.Tensor,
         step: StepMapping,
     ):
-        self.a, self.b = a, b
-        self.scalings = torch.tensor(scalings, dtype=a.dtype, device=a.device).view(-1, 1, 1)
-        self.targeted = frozenset(targeted)  # the slots whose adapter targets this linear
+        self.parts, self.sizes, self.rank = list(parts), list(sizes), rank
+        to = {"device": like.device, "dtype": like.dtype}
+        self.a = torch.zeros(slots, len(parts) * rank, input_size, **to)
+        self.b = torch.zeros(slots, sum(sizes), len(parts) * rank, **to)
+        self.scalings = torch.zeros(slots, 1, 1, **to)
+        self.targeted: set[int] = set()  # the slots whose adapter targets this linear
         self.step = step
+
+    def write(
+        self, slot: int, pairs: Sequence[tuple[torch.Tensor, torch.Tensor] | None], scaling: float
+    ) -> None:
+        """Slot `slot` holds an adapter whose (A, B) for each part are `pairs` (None: that part
+        is not targeted); all None empties the slot."""
+        self.a[slot].zero_()
+        self.b[slot].zero_()
+        self.scalings[slot] = scaling
+        self.targeted.discard(slot)
+        offset = 0
+        for i, (pair, size) in enumerate(zip(pairs, self.sizes, strict=True)):
+            if pair is not None:
+                lora_a, lora_b = pair
+                r, at = lora_a.shape[0], i * self.rank
+                self.a[slot, at : at + r].copy_(lora_a)
+                self.b[slot, offset : offset + size, at : at + r].copy_(lora_b)
+                self.targeted.add(slot)
+            offset += size
 
     def add(self, x: torch.Tensor, out: torch.Tensor) -> torch.Tensor:
         """`out`, the base product of `x` (rows of the step), with each row's delta added."""

@@ -227,6 +227,9 @@ class ModelRunner:
         )
         self.loras = self._resident_loras(args)
         self.model = self._load_model(rows, pack=self.shard_threads.count < 2)
+        if self.loras is not None:  # checked against the model's linears: after it is built
+            for name, path in args.lora_paths().items():
+                self.loras.load(name, path)
         self.load_seconds = time.perf_counter() - started
         if tp.rank == 0:
             logger.info(
@@ -294,10 +297,9 @@ class ModelRunner:
         return model.eval()
 
     def _resident_loras(self, args: EngineArgs) -> ResidentLoras | None:
-        """The LoRA adapters of `lora_modules`, where it names any: served on one rank's float
-        weights of a text decoder."""
-        paths = args.lora_paths()
-        if not paths:
+        """The slots of LoRA adapters, where `lora_modules` names any or `enable_lora` is on:
+        served on one rank's float weights of a text decoder."""
+        if not (args.lora_paths() or args.enable_lora):
             return None
         refused = {
             "tensor_parallel_size above 1": self.tp.size > 1,
@@ -305,8 +307,9 @@ class ModelRunner:
             "an embedding model": self.cfg.pooling is not None,
         }
         if reasons := [reason for reason, applies in refused.items() if applies]:
-            raise ValueError(f"lora_modules is not served with {', '.join(reasons)} yet")
-        return ResidentLoras.load(paths, args.max_loras, args.max_lora_rank)
+            raise ValueError(f"LoRA adapters are not served with {', '.join(reasons)} yet")
+        cpu_loras = args.max_cpu_loras or args.max_loras
+        return ResidentLoras(args.max_loras, cpu_loras, args.max_lora_rank)
 
     @property
     def kv_bytes_per_block(self) -> int:

@@ -66,3 +66,34 @@ def test_lora_modules_are_name_path_pairs():
         EngineArgs(model="m", lora_modules="/x/a")
     with pytest.raises(ValueError, match="names adapter 'a' twice"):
         EngineArgs(model="m", lora_modules="a=/x/a,a=/x/b")
+
+
+def test_shapes_and_targets_are_checked_against_the_model(tmp_path):
+    folder = write_adapter(tmp_path / "a")
+    shapes = {"layers.0.self_attn.q_proj": (64, 64)}
+    assert load_adapter("a", folder, max_rank=16, shapes=shapes).rank == 8
+    with pytest.raises(ValueError, match="q_proj is 64x64, the model's is 32x64"):
+        load_adapter("a", folder, max_rank=16, shapes={"layers.0.self_attn.q_proj": (64, 32)})
+    with pytest.raises(ValueError, match="targets layers.0.self_attn.q_proj, which this model"):
+        load_adapter("a", folder, max_rank=16, shapes={"layers.1.self_attn.q_proj": (64, 64)})
+
+
+def test_a_hostile_weights_file_is_refused_before_its_tensors_are_read(tmp_path):
+    folder = write_adapter(tmp_path / "a")
+    weights = folder / "adapter_model.safetensors"
+    data = weights.read_bytes()
+    weights.write_bytes(data + b"\0" * 1024)  # more bytes than its tensors take
+    with pytest.raises(ValueError, match="its header accounts for"):
+        load_adapter("a", folder, max_rank=16)
+    weights.write_bytes((1 << 40).to_bytes(8, "little") + data[8:])  # a header of a terabyte
+    with pytest.raises(ValueError, match="header is larger than"):
+        load_adapter("a", folder, max_rank=16)
+    header = json.dumps(
+        {"x.q_proj.lora_A.weight": {"dtype": "F32", "shape": [8, 1 << 30], "data_offsets": [0, 4]}}
+    ).encode()
+    weights.write_bytes(len(header).to_bytes(8, "little") + header + b"\0" * 4)
+    with pytest.raises(ValueError, match="data_offsets do not fit its shape"):
+        load_adapter("a", folder, max_rank=16)
+    (folder / "adapter_config.json").write_bytes(b" " * (2 << 20))
+    with pytest.raises(ValueError, match="larger than"):
+        load_adapter("a", folder, max_rank=16)
