@@ -16,6 +16,10 @@ int8 path, read when a model's weights are loaded, for measuring it.
 
 Without the C kernels (no compiler, `PAGEDBATCH_NATIVE_KERNELS=0`) both paths take the tiles,
 dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic as the GEMM path.
+
+On CUDA (blocks uploaded as stored) the Triton kernels of `triton_quant` multiply and look rows
+up instead, in the activations' dtype; on the CPU too where `PAGEDBATCH_KERNELS=triton` says so
+(Triton's interpreter, for tests). Triton is imported only then.
 """
 
 from __future__ import annotations
@@ -26,7 +30,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedbatch.kernels import native
+from pagedbatch.kernels import native, ops
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
@@ -106,6 +110,12 @@ def _dequantize_into(
     return out
 
 
+def on_triton(x: torch.Tensor) -> bool:
+    """Whether blocks meeting `x` are read by the Triton kernels: on CUDA, where the C kernels
+    cannot read them, and wherever `PAGEDBATCH_KERNELS` chooses Triton."""
+    return x.is_cuda or ops.kernels_for(x) is not ops.TORCH
+
+
 def _check(status: int, fmt: Format) -> None:
     if status == -2:
         raise MemoryError("quant_matmul could not allocate its activations' scratch")
@@ -134,12 +144,25 @@ class QuantizedTensor:
 
     def __getitem__(self, index: slice | tuple[slice, ...]) -> torch.Tensor:
         rows, rest = (index[0], index[1:]) if isinstance(index, tuple) else (index, ())
-        return dequantize(self.blocks[rows], self.fmt, torch.float32)[(slice(None), *rest)]
+        # On the CPU: quant_blocks' dequantizer makes some of its tensors there.
+        picked = self.blocks[rows].cpu()
+        return dequantize(picked, self.fmt, torch.float32)[(slice(None), *rest)]
+
+    def to(self, device: torch.device) -> QuantizedTensor:
+        """These blocks on `device`: a model on CUDA computes on them there."""
+        if self.blocks.device == device:
+            return self
+        return QuantizedTensor(self.blocks.to(device), self.fmt, self.cols)
 
     def take_rows(self, ids: torch.Tensor) -> torch.Tensor:
         """Rows `ids` (any shape) dequantized to float32, `[*ids.shape, cols]`: an embedding
         lookup that reads only the tokens' blocks."""
         picked = self.blocks.index_select(0, ids.reshape(-1))
+        if on_triton(picked):
+            from pagedbatch.kernels import triton_quant
+
+            rows = triton_quant.dequantize(picked, self.fmt, self.cols)
+            return rows.reshape(*ids.shape, self.cols)
         out = torch.empty(picked.shape[0], self.cols)
         return _dequantize_into(native.library(), picked, self.fmt, out).reshape(
             *ids.shape, self.cols
@@ -149,10 +172,10 @@ class QuantizedTensor:
 class QuantizedWeight:
     """A linear's weight kept in its blocks: `weight(x, bias)` is x @ W.T + bias by
     `quant_matmul`, for float32 x on the CPU, on the activations `int8_activations()` said when
-    it was made. Built from the linear's parts in order (q, k and v of a fused projection, all
-    of one width): consecutive parts of one format share one array of blocks, a run; a weight of
-    several runs (Gemma 3's q and k in Q5_0, v in Q8_0) multiplies each and concatenates the
-    outputs."""
+    it was made; by `triton_quant.quant_matmul` where `on_triton(x)`, in x's dtype. Built from
+    the linear's parts in order (q, k and v of a fused projection, all of one width):
+    consecutive parts of one format share one array of blocks, a run; a weight of several runs
+    (Gemma 3's q and k in Q5_0, v in Q8_0) multiplies each and concatenates the outputs."""
 
     def __init__(self, runs: list[tuple[torch.Tensor, Format]], cols: int):
         self.runs = [(blocks.contiguous(), fmt) for blocks, fmt in runs]
@@ -187,6 +210,11 @@ class QuantizedWeight:
         return sum(blocks.numel() for blocks, _ in self.runs)
 
     def __call__(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-        outs = [quant_matmul(x, b, fmt, self.cols, self.int8) for b, fmt in self.runs]
+        if on_triton(x):
+            from pagedbatch.kernels import triton_quant
+
+            outs = [triton_quant.quant_matmul(x, b, fmt, self.cols) for b, fmt in self.runs]
+        else:
+            outs = [quant_matmul(x, b, fmt, self.cols, self.int8) for b, fmt in self.runs]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out.add_(bias)

@@ -190,7 +190,7 @@ class ColumnParallelLinear(nn.Module):
         expected = [self.full_sizes[index]] + ([self.input_size] if param.dim() == 2 else [])
         check_shape(loaded, expected)
         if _keeps_blocks(self, param, loaded):
-            self.quantized_parts[index] = loaded
+            self.quantized_parts[index] = loaded.to(param.device)
             return
         size = self.sizes[index]
         start = self.tp.rank * size
@@ -255,7 +255,7 @@ class RowParallelLinear(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         check_shape(loaded, (param.shape[0], self.full_input_size))
         if _keeps_blocks(self, param, loaded):
-            self.quantized = loaded
+            self.quantized = loaded.to(param.device)
             return
         start = self.tp.rank * self.input_size
         param.data.copy_(loaded[:, start : start + self.input_size])
@@ -287,7 +287,7 @@ class VocabParallelEmbedding(nn.Module):
 
     def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
         if self.quantized is not None:  # one rank (see weight_loader)
-            return self.quantized.take_rows(input_ids)
+            return self.quantized.take_rows(input_ids).to(self.weight.dtype)
         if self.tp.size == 1:
             return F.embedding(input_ids, self.weight)
         local = input_ids - self.start
@@ -298,7 +298,7 @@ class VocabParallelEmbedding(nn.Module):
     def weight_loader(self, param: nn.Parameter, loaded: Loaded, shard: int | None = None) -> None:
         check_shape(loaded, (self.vocab_size, self.hidden_size))
         if _keeps_blocks(self, param, loaded):
-            self.quantized = loaded
+            self.quantized = loaded.to(param.device)
             param.data = param.data.new_empty(0)  # a tied head's too: it computes on the blocks
             return
         real = max(0, min(self.rows, self.vocab_size - self.start))

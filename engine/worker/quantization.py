@@ -1,14 +1,18 @@
 """Which weights stay quantized: `quantization` as it applies to a model on a device.
 
 A GGUF's quantized tensors are kept in their blocks (quantization gguf) by default, where the
-quantized kernels can run: on the CPU, in float32, on one rank, with float32 matmuls. Elsewhere,
-and for a checkpoint without blocks the kernels read (a safetensors directory, a GGUF of float
-tensors), the default is none: every weight dequantized to the model's dtype at load, the exact
-mode that the transformers-parity tests run in.
+quantized C kernels run: on the CPU, in float32, on one rank, with float32 matmuls. On one CUDA
+device the Triton kernels (`triton_quant`) compute on the blocks in float16, bfloat16 or float32
+when quantization gguf is asked for; the default there stays none until they are timed against
+the dequantized model's matmuls. Elsewhere, and for a checkpoint without blocks the kernels read
+(a safetensors directory, a GGUF of float tensors), the default is none: every weight
+dequantized to the model's dtype at load, the exact mode that the transformers-parity tests run
+in.
 """
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import logging
 
@@ -41,6 +45,8 @@ def resolve_quantization(
         return "gguf"
     if not holds_blocks(cfg):
         return "none"
+    if unfit is None and device.type == "cuda":
+        unfit = "runs on CUDA only when asked for (its Triton kernels are not timed there yet)"
     if unfit is not None:
         logger.info(
             "%s: quantization none, its blocks dequantized at load (quantization gguf %s)",
@@ -63,12 +69,15 @@ def _why_not_gguf(
     cfg: ModelConfig, device: torch.device, dtype: torch.dtype, ranks: int, matmul_precision: str
 ) -> str | None:
     """Why quantization gguf cannot run here (completing "quantization gguf ..."); None where
-    it can. The kernels are CPU float32 ones, and a rank's slice of the blocks is not taken
-    yet."""
+    it can. The C kernels are CPU float32 ones, the Triton ones CUDA's, and a rank's slice of
+    the blocks is not taken yet."""
     if cfg.path.suffix != gguf.SUFFIX or not cfg.path.is_file():
         return "needs a GGUF model file"
-    if device.type != "cpu" or dtype != torch.float32:
-        return "runs on the CPU in float32 only, for now"
+    if device.type == "cuda":
+        if importlib.util.find_spec("triton") is None:
+            return "on CUDA needs the triton package"
+    elif device.type != "cpu" or dtype != torch.float32:
+        return "runs on the CPU in float32 or on CUDA only, for now"
     if ranks != 1 or matmul_precision == "bfloat16":
         return "runs on one rank, with matmul_precision highest, for now"
     return None

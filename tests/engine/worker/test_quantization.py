@@ -1,6 +1,6 @@
 """quantization's default is what the checkpoint holds: gguf for a GGUF with blocks the kernels
-read, where they run (CPU, float32, one rank, float32 matmuls); none otherwise. gguf asked for
-where it cannot run is refused, saying why."""
+read, where they run (CPU, float32, one rank, float32 matmuls); none otherwise (on CUDA too,
+where gguf runs when asked for). gguf asked for where it cannot run is refused, saying why."""
 
 from __future__ import annotations
 
@@ -36,9 +36,13 @@ def test_a_quantized_gguf_keeps_its_blocks_where_the_kernels_run(real_model):
     assert holds_blocks(cfg)
     assert resolve(None, cfg) == resolve("gguf", cfg) == "gguf"
     assert resolve("none", cfg) == "none"
+    # On CUDA (the Triton kernels) in any of its dtypes, when asked for; unset, none there.
+    for dtype in (torch.float16, torch.bfloat16, torch.float32):
+        assert resolve("gguf", cfg, device=CUDA, dtype=dtype) == "gguf"
+    assert resolve(None, cfg, device=CUDA) == "none"
     elsewhere = [
-        ({"device": CUDA}, "runs on the CPU in float32 only"),
-        ({"dtype": torch.bfloat16}, "runs on the CPU in float32 only"),
+        ({"device": CUDA, "ranks": 2}, "runs on one rank"),
+        ({"dtype": torch.bfloat16}, "runs on the CPU in float32 or on CUDA only"),
         ({"ranks": 2}, "runs on one rank"),
         ({"matmul_precision": "bfloat16"}, "with matmul_precision highest"),
     ]
