@@ -99,7 +99,9 @@ def library() -> ctypes.CDLL | None:
     return lib
 
 
-def _build(compiler: str) -> Path:
+def _build(compiler: str, sources: tuple[Path, ...] = SOURCES, stem: str = "cpu_kernels") -> Path:
+    """`sources` compiled into one library in the cache (built once per source, compiler and
+    CPU), named `stem`-digest.so: its path."""
     version = subprocess.run(
         [compiler, "--version"], capture_output=True, text=True, check=True
     ).stdout
@@ -107,10 +109,10 @@ def _build(compiler: str) -> Path:
     flags = " ".join(sorted(cpu_flags())) or platform.processor()
     for part in (version, " ".join(FLAGS), platform.machine(), flags):
         digest.update(part.encode())
-    for source in SOURCES:
+    for source in sources:
         digest.update(source.read_bytes())
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    target = Path(base) / "pagedbatch" / "kernels" / f"cpu_kernels-{digest.hexdigest()[:16]}.so"
+    target = Path(base) / "pagedbatch" / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
     if target.is_file():
         return target
     try:
@@ -125,7 +127,7 @@ def _build(compiler: str) -> Path:
     os.close(fd)
     try:
         subprocess.run(
-            [compiler, *FLAGS, *map(str, SOURCES), "-o", staging, "-lm"],
+            [compiler, *FLAGS, *map(str, sources), "-o", staging, "-lm"],
             capture_output=True,
             text=True,
             check=True,

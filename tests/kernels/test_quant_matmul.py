@@ -196,6 +196,8 @@ def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
     a few rows, tiles beyond (here 3 tiles of 128 rows and a ragged one), and torch's dequantizer
     where the C kernels are off."""
     monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 1024)
+    # Past a few rows the tiles, not quant_gemm.c's bf16 paths (test_quant_gemm.py checks those).
+    monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")
     rows, cols = 400, 1024
     blocks = random_blocks(fmt, rows, cols, seed=n)
     x = torch.randn(n, 1, cols, generator=torch.Generator().manual_seed(n))

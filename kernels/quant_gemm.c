@@ -1,0 +1,632 @@
+/* The many-row product with GGUF block-quantized weights (layouts in quant_blocks.py):
+ * out[n, rows] = x[n, cols] @ dequantized(w).T for a prefill or a decode step of many sequences,
+ * where quant_matmul.c's streaming kernels (a few rows) would read every block once per row.
+ *
+ * The weights are taken a panel of PANEL (32) rows at a time: each block of the panel is expanded
+ * once a call, rounded to bfloat16, and packed into a buffer of the thread's (K x 32 x 2 bytes:
+ * 36 KiB for 576 columns, 96 KiB for 1536, in L2), in the pair-interleaved order of the bf16 dot
+ * products (x86's VNNI layout: for each pair of columns k, k + 1, the 32 rows' two weights side
+ * by side). The activations are rounded to bfloat16 once a call. Every row of x is multiplied
+ * with the packed panel before the next panel is expanded, so the expansion is paid once per
+ * weight however many rows there are, and the products run at the bf16 units' rate:
+ * - amx (Intel AMX-BF16, Sapphire Rapids and later): 16 x 16 float32 tiles, each
+ *   tdpbf16ps multiplying 16 rows of x by 16 weight rows over 32 columns (one block);
+ * - avx512 (AVX512-BF16: Zen 4, Cooper Lake and later): vdpbf16ps, 12 rows of x by the 32 weight
+ *   rows in 24 float32 vectors, two columns a step;
+ * - portable: the same roundings and products in plain C (a reference for the other two on any
+ *   CPU; slower than torch's float32 GEMM, so quant_linear takes this file only where one of the
+ *   two above is compiled).
+ * All three sum float32 products of bf16-rounded weights and activations: a product's error is at
+ * most 2^-7 of |x w| (two roundings of 2^-8 each), well under the weights' own quantization step
+ * (1/16 of a block's range for Q4), and the sums are float32's.
+ *
+ * Rows of x go in chunks of CHUNK (256): a chunk's bf16 activations (256 x 1536 x 2 = 768 KiB)
+ * stay in L2 while every panel passes over them; a longer prefill expands the weights once a
+ * chunk. OpenMP splits the panels among the threads.
+ */
+#define _GNU_SOURCE
+#include <math.h>
+#include <stdint.h>
+#include <stdlib.h>
+#include <string.h>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512BF16__) && defined(__F16C__)
+#include <immintrin.h>
+#define GEMM_AVX512 1
+#if defined(__AMX_TILE__) && defined(__AMX_BF16__) && defined(__linux__)
+#include <sys/syscall.h>
+#include <unistd.h>
+#define GEMM_AMX 1
+#endif
+#endif
+
+enum { BLOCK = 32, SUPER_BLOCK = 256, PANEL = 32, CHUNK = 256, ROWS_AVX512 = 12, AMX_ROWS = 32 };
+enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { PATH_PORTABLE = 0, PATH_AVX512 = 1, PATH_AMX = 2 };
+
+static int64_t block_bytes(int type) {
+    switch (type) {
+    case Q4_0: return 18;
+    case Q4_1: return 20;
+    case Q5_0: return 22;
+    case Q8_0: return 34;
+    case Q4_K: return 144;
+    case Q5_K: return 176;
+    case Q6_K: return 210;
+    default: return 0;
+    }
+}
+
+static int64_t block_size(int type) { return type >= Q4_K ? SUPER_BLOCK : BLOCK; }
+
+/* The little-endian IEEE half at p as a float (every half is one exactly). */
+static float half_to_float(const uint8_t *p) {
+    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
+    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
+    uint32_t man = h & 0x3ffu, bits;
+    if (exp == 0x1f)
+        bits = sign | 0x7f800000u | (man << 13);
+    else if (exp != 0)
+        bits = sign | ((exp + 112) << 23) | (man << 13);
+    else if (man == 0)
+        bits = sign;
+    else { /* subnormal half: normalise the mantissa into a float's */
+        int shifts = 0;
+        while (!(man & 0x400u)) man <<= 1, ++shifts;
+        bits = sign | ((uint32_t)(113 - shifts) << 23) | ((man & 0x3ffu) << 13);
+    }
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* f rounded to the nearest bfloat16, ties to even (the hardware's rounding for finite values). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
+}
+
+/* Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (of 8), packed in 12 bytes. */
+static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
+    if (j < 4) {
+        *sc = s[j] & 63;
+        *mn = s[j + 4] & 63;
+    } else {
+        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
+        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
+    }
+}
+
+/* The float32 weights of one stored block (block_size(type) of them): each its exact value
+ * rounded once (a scale's product with a small integer is exact in float32 but for K formats'
+ * sub-scales; one multiply-add rounds once). */
+static void dequantize_block(int type, const uint8_t *b, float *o) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const float d = half_to_float(b);
+        const float m = type == Q4_1 ? half_to_float(b + 2) : -8.0f * d;
+        const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; ++i) {
+            o[i] = d * (float)(qs[i] & 0x0F) + m;
+            o[i + 16] = d * (float)(qs[i] >> 4) + m;
+        }
+        return;
+    }
+    case Q5_0: {
+        const float d = half_to_float(b);
+        const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 |
+                            (uint32_t)b[5] << 24;
+        for (int i = 0; i < 16; ++i) {
+            const int lo = (b[6 + i] & 0x0F) | (int)((qh >> i) & 1u) << 4;
+            const int hi = (b[6 + i] >> 4) | (int)((qh >> (i + 16)) & 1u) << 4;
+            o[i] = d * (float)(lo - 16);
+            o[i + 16] = d * (float)(hi - 16);
+        }
+        return;
+    }
+    case Q8_0: {
+        const float d = half_to_float(b);
+        for (int i = 0; i < BLOCK; ++i) o[i] = d * (float)(int8_t)b[2 + i];
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
+        for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            const float scale = d * (float)sc, low = dmin * (float)mn;
+            const uint8_t *run = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; ++l) {
+                int q = j % 2 ? run[l] >> 4 : run[l] & 0x0F;
+                if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
+                o[32 * j + l] = scale * (float)q - low;
+            }
+        }
+        return;
+    }
+    default: { /* Q6_K */
+        const float d = half_to_float(b + 208);
+        const uint8_t *ql = b, *qh = b + 128;
+        const int8_t *scales = (const int8_t *)(b + 192);
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, scales += 8, o += 128)
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < 32; ++l) {
+                    const uint8_t bits = ql[l + 32 * (k % 2)];
+                    const int low = k < 2 ? bits & 0x0F : bits >> 4;
+                    const int q = (low | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
+                    o[32 * k + l] = d * (float)scales[(32 * k + l) / 16] * (float)q;
+                }
+    }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * Expanding. With `passes` 3 each weight w is split into two bf16, h = bf16(w) and
+ * l = bf16(w - h), and each activation a likewise, and a product is taken as
+ * a_h w_h + a_h w_l + a_l w_h (bf16x3): three bf16 products in place of one, w and a then held to
+ * 2^-16 of themselves, a product's error under 2^-14 of |a w|: float32's accuracy, near enough
+ * that greedy answers follow exact mode's. The three are laid along the columns: a weight row's
+ * expansion is [h, l, h] (3 x cols), an activation row's [h, h, l], so the kernels see one longer
+ * dot product. With `passes` 1, h alone (bf16, a product's error under 2^-7 of |a w|).
+ *
+ * Two layouts: the AVX-512 and portable paths' panel is pair-interleaved (panel[kp * PANEL + r]
+ * holds row r's expanded columns 2 kp, low half, and 2 kp + 1, high half); the AMX path's is row
+ * by row (row r's expanded columns at panel + r * kcols), see pack_rows_amx. Rows past the
+ * matrix's end are zeros. */
+
+/* 32 floats of row r at (expanded) column c (a multiple of 32), portable: bf16 pairs placed. */
+static void place_pairs_portable(const uint16_t *v, uint32_t *panel, int64_t c, int r) {
+    for (int i = 0; i < BLOCK / 2; ++i)
+        panel[(c / 2 + i) * PANEL + r] = (uint32_t)v[2 * i] | (uint32_t)v[2 * i + 1] << 16;
+}
+
+/* Row r's 32 weights at columns c .. c + 31 (f), expanded by `passes` into a pair-interleaved
+ * panel of kcols = passes * cols expanded columns. */
+static void emit_portable(const float *f, int passes, int64_t cols, uint32_t *panel, int64_t c,
+                          int r) {
+    uint16_t h[BLOCK], l[BLOCK];
+    for (int i = 0; i < BLOCK; ++i) {
+        h[i] = to_bf16(f[i]);
+        l[i] = to_bf16(f[i] - from_bf16(h[i]));
+    }
+    place_pairs_portable(h, panel, c, r);
+    if (passes == 3) {
+        place_pairs_portable(l, panel, cols + c, r);
+        place_pairs_portable(h, panel, 2 * cols + c, r);
+    }
+}
+
+#ifdef GEMM_AVX512
+/* 32 floats (lo: the first 16, hi: the rest) rounded to bf16, and what rounding left of them. */
+static inline void split_avx512(__m512 lo, __m512 hi, __m512i *h, __m512i *l) {
+    const __m512bh rounded = _mm512_cvtne2ps_pbh(hi, lo);
+    *h = (__m512i)rounded;
+    const __m512 back_lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(*h));
+    const __m512 back_hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(*h, 1));
+    *l = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, back_hi), _mm512_sub_ps(lo, back_lo));
+}
+
+/* 16 bf16 pairs (v) of row r at expanded column c into a pair-interleaved panel: the 16 lanes
+ * scattered PANEL dwords apart. */
+static inline void place_pairs_avx512(__m512i v, uint32_t *panel, int64_t c, int r) {
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32(PANEL));
+    _mm512_i32scatter_epi32(panel + (c / 2) * PANEL + r, at, v, 4);
+}
+
+/* emit_portable's work with the 32 weights in two vectors: into the pair-interleaved panel, or
+ * (rows != NULL) into the row `rows` of a row-by-row panel. */
+static inline void emit_avx512(__m512 lo, __m512 hi, int passes, int64_t cols, uint32_t *panel,
+                               uint16_t *rows, int64_t c, int r) {
+    __m512i h, l;
+    if (passes == 3)
+        split_avx512(lo, hi, &h, &l);
+    else
+        h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+    if (rows) {
+        _mm512_storeu_si512(rows + c, h);
+        if (passes == 3) {
+            _mm512_storeu_si512(rows + cols + c, l);
+            _mm512_storeu_si512(rows + 2 * cols + c, h);
+        }
+        return;
+    }
+    place_pairs_avx512(h, panel, c, r);
+    if (passes == 3) {
+        place_pairs_avx512(l, panel, cols + c, r);
+        place_pairs_avx512(h, panel, 2 * cols + c, r);
+    }
+}
+
+/* One block of the formats of 32 with code of their own: its weights in two vectors. */
+static inline void block_vectors(int type, const uint8_t *b, __m512 *lo, __m512 *hi) {
+    const __m128 dm = _mm_cvtph_ps(_mm_loadu_si32(b));
+    const __m512 d = _mm512_broadcastss_ps(dm);
+    if (type == Q8_0) {
+        *lo = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(b + 2)))));
+        *hi = _mm512_mul_ps(d, _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(
+                                   _mm_loadu_si128((const __m128i *)(b + 18)))));
+        return;
+    }
+    const __m512i v =
+        _mm512_cvtepu8_epi32(_mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2))));
+    const __m512 m = type == Q4_1 ? _mm512_broadcastss_ps(_mm_movehdup_ps(dm))
+                                  : _mm512_mul_ps(d, _mm512_set1_ps(-8.0f));
+    *lo = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(15))), m);
+    *hi = _mm512_fmadd_ps(d, _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4)), m);
+}
+#endif
+
+/* Panel p of w (its rows p * PANEL ..., at most `rows` in all) expanded by `passes`: into the
+ * pair-interleaved `panel`, or (`row_panel` not NULL, AMX) row by row into `row_panel`.
+ * `scratch` holds one block's floats. `vectors`: with AVX-512 (the portable code otherwise). */
+static void pack_panel(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
+                       int passes, uint32_t *panel, uint16_t *row_panel, float *scratch,
+                       int vectors) {
+    const int64_t size = block_size(type), stride = block_bytes(type);
+    const int64_t row_bytes = cols / size * stride, kcols = passes * cols;
+    const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
+    if (valid < PANEL) {
+        if (row_panel)
+            memset(row_panel + valid * kcols, 0, 2 * (size_t)((PANEL - valid) * kcols));
+        else
+            memset(panel, 0, sizeof *panel * (size_t)(kcols / 2 * PANEL));
+    }
+    (void)vectors;
+    for (int r = 0; r < valid; ++r) {
+        const uint8_t *row = w + (p * PANEL + r) * row_bytes;
+#ifdef GEMM_AVX512
+        uint16_t *to_row = row_panel ? row_panel + r * kcols : NULL;
+        if (vectors && (type == Q4_0 || type == Q4_1 || type == Q8_0)) {
+            for (int64_t c = 0; c < cols; c += BLOCK, row += stride) {
+                __m512 lo, hi;
+                block_vectors(type, row, &lo, &hi);
+                emit_avx512(lo, hi, passes, cols, panel, to_row, c, r);
+            }
+            continue;
+        }
+#endif
+        for (int64_t c = 0; c < cols; c += size, row += stride) {
+            dequantize_block(type, row, scratch);
+            for (int64_t i = 0; i < size; i += BLOCK) {
+#ifdef GEMM_AVX512
+                if (vectors) {
+                    emit_avx512(_mm512_loadu_ps(scratch + i), _mm512_loadu_ps(scratch + i + 16),
+                                passes, cols, panel, to_row, c + i, r);
+                    continue;
+                }
+#endif
+                emit_portable(scratch + i, passes, cols, panel, c + i, r);
+            }
+        }
+    }
+}
+
+/* x's rows [start, start + count) expanded by `passes` ([h, h, l], see above) into xb, row by row
+ * (kcols a row), then zero rows up to `padded`: the AVX-512 and portable paths' activations. */
+static void activations_rows(const float *x, int64_t start, int64_t count, int64_t padded,
+                             int64_t cols, int passes, uint16_t *xb, int vectors) {
+    const int64_t kcols = passes * cols;
+    (void)vectors;
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < padded; ++i) {
+        uint16_t *o = xb + i * kcols;
+        if (i >= count) {
+            memset(o, 0, sizeof *o * (size_t)kcols);
+            continue;
+        }
+        const float *row = x + (start + i) * cols;
+#ifdef GEMM_AVX512
+        if (vectors) {
+            for (int64_t c = 0; c < cols; c += 32) {
+                __m512i h, l;
+                split_avx512(_mm512_loadu_ps(row + c), _mm512_loadu_ps(row + c + 16), &h, &l);
+                _mm512_storeu_si512(o + c, h);
+                if (passes == 3) {
+                    _mm512_storeu_si512(o + cols + c, h);
+                    _mm512_storeu_si512(o + 2 * cols + c, l);
+                }
+            }
+            continue;
+        }
+#endif
+        for (int64_t c = 0; c < cols; ++c) {
+            const uint16_t h = to_bf16(row[c]);
+            o[c] = h;
+            if (passes == 3) {
+                o[cols + c] = h;
+                o[2 * cols + c] = to_bf16(row[c] - from_bf16(h));
+            }
+        }
+    }
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * The products of a packed panel with the chunk's activations. Each writes out[i, j] for the
+ * chunk's rows i < count and the panel's valid columns j < valid (out's row stride ldo). */
+
+static void panel_portable(const uint16_t *xb, int64_t count, int64_t cols, const uint32_t *panel,
+                           int valid, float *out, int64_t ldo) {
+    for (int64_t i = 0; i < count; ++i) {
+        float acc[PANEL] = {0};
+        const uint16_t *a = xb + i * cols;
+        for (int64_t kp = 0; kp < cols / 2; ++kp) {
+            const float a0 = from_bf16(a[2 * kp]), a1 = from_bf16(a[2 * kp + 1]);
+            const uint32_t *b = panel + kp * PANEL;
+            for (int j = 0; j < PANEL; ++j)
+                acc[j] += a0 * from_bf16((uint16_t)b[j]) + a1 * from_bf16((uint16_t)(b[j] >> 16));
+        }
+        for (int j = 0; j < valid; ++j) out[i * ldo + j] = acc[j];
+    }
+}
+
+#ifdef GEMM_AVX512
+/* `mr` (at most ROWS_AVX512) rows of x by the panel's 32 rows, in 2 * mr float32 vectors: a
+ * step takes two columns, broadcasting each row's bf16 pair against the panel's 32 pairs. */
+static inline __attribute__((always_inline)) void rows_avx512(int mr, const uint16_t *xb,
+                                                              int64_t cols, const uint32_t *panel,
+                                                              __mmask16 mask0, __mmask16 mask1,
+                                                              float *out, int64_t ldo) {
+    __m512 acc[ROWS_AVX512][2];
+#pragma GCC unroll 12
+    for (int m = 0; m < mr; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    const uint32_t *a = (const uint32_t *)xb;
+    const int64_t lda = cols / 2;
+    for (int64_t kp = 0; kp < cols / 2; ++kp) {
+        const __m512bh b0 = (__m512bh)_mm512_loadu_si512(panel + kp * PANEL);
+        const __m512bh b1 = (__m512bh)_mm512_loadu_si512(panel + kp * PANEL + 16);
+#pragma GCC unroll 12
+        for (int m = 0; m < mr; ++m) {
+            const __m512bh x = (__m512bh)_mm512_set1_epi32((int)a[m * lda + kp]);
+            acc[m][0] = _mm512_dpbf16_ps(acc[m][0], x, b0);
+            acc[m][1] = _mm512_dpbf16_ps(acc[m][1], x, b1);
+        }
+    }
+#pragma GCC unroll 12
+    for (int m = 0; m < mr; ++m) {
+        _mm512_mask_storeu_ps(out + m * ldo, mask0, acc[m][0]);
+        _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, acc[m][1]);
+    }
+}
+
+static void panel_avx512(const uint16_t *xb, int64_t count, int64_t cols, const uint32_t *panel,
+                         int valid, float *out, int64_t ldo) {
+    const __mmask16 mask0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+    const __mmask16 mask1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    int64_t i = 0;
+    for (; i + ROWS_AVX512 <= count; i += ROWS_AVX512)
+        rows_avx512(ROWS_AVX512, xb + i * cols, cols, panel, mask0, mask1, out + i * ldo, ldo);
+    /* The tail, with its row count a constant in each case (the accumulators stay registers). */
+    const uint16_t *a = xb + i * cols;
+    float *o = out + i * ldo;
+    switch (count - i) {
+#define TAIL(n) \
+    case n: rows_avx512(n, a, cols, panel, mask0, mask1, o, ldo); break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5) TAIL(6) TAIL(7) TAIL(8) TAIL(9) TAIL(10) TAIL(11)
+#undef TAIL
+    default: break;
+    }
+}
+#endif
+
+#ifdef GEMM_AMX
+/* Linux hands a process AMX's 8 KiB of tile state only when asked (arch_prctl
+ * ARCH_REQ_XCOMP_PERM for XFEATURE_XTILEDATA); asked once, for every thread. */
+static int amx_permitted(void) {
+    static int state = 0; /* 0 unasked, 1 granted, -1 refused */
+    int seen;
+#pragma omp atomic read
+    seen = state;
+    if (seen == 0) {
+        seen = syscall(SYS_arch_prctl, 0x1023 /* ARCH_REQ_XCOMP_PERM */, 18) == 0 ? 1 : -1;
+#pragma omp atomic write
+        state = seen;
+    }
+    return seen == 1;
+}
+
+/* The tile configuration (palette 1): tiles 0-3 the float32 results (16 weight rows by 16 rows of
+ * x), 4-5 the panel's two halves (16 weight rows of 32 bf16 columns), 6-7 two blocks of x's rows
+ * (16 column pairs of 16 rows' pairs). Every tile 16 rows of 64 bytes. */
+struct tile_config {
+    uint8_t palette, start_row, reserved[14];
+    uint16_t colsb[16];
+    uint8_t rows[16];
+};
+
+static void amx_configure(void) {
+    struct tile_config cfg;
+    memset(&cfg, 0, sizeof cfg);
+    cfg.palette = 1;
+    for (int t = 0; t < 8; ++t) cfg.colsb[t] = 64, cfg.rows[t] = 16;
+    _tile_loadconfig(&cfg);
+}
+
+/* x's rows [start, start + count) expanded by `passes` as the tiles' right operand: xv[kp *
+ * padded + i] holds row i's expanded columns 2 kp and 2 kp + 1 in bf16; rows count .. padded
+ * are zeros. */
+static void activations_amx(const float *x, int64_t start, int64_t count, int64_t padded,
+                            int64_t cols, int passes, uint32_t *xv) {
+    const __m512i at = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)padded));
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < padded; ++i) {
+        const float *row = x + (start + i) * cols;
+        for (int64_t c = 0; c < cols; c += 32) {
+            __m512i h = _mm512_setzero_si512(), l = _mm512_setzero_si512();
+            if (i < count)
+                split_avx512(_mm512_loadu_ps(row + c), _mm512_loadu_ps(row + c + 16), &h, &l);
+            _mm512_i32scatter_epi32(xv + (c / 2) * padded + i, at, h, 4);
+            if (passes == 3) {
+                _mm512_i32scatter_epi32(xv + ((cols + c) / 2) * padded + i, at, h, 4);
+                _mm512_i32scatter_epi32(xv + ((2 * cols + c) / 2) * padded + i, at, l, 4);
+            }
+        }
+    }
+}
+
+/* A 16 x 16 result tile (16 weight rows by 16 rows of x), stored at `scratch`, into out
+ * transposed: out[i * ldo + j] for x's rows i < xs and weight rows j < ws. */
+static inline void store_transposed(const float *scratch, float *out, int64_t ldo, int64_t xs,
+                                    int64_t ws) {
+    if (xs <= 0 || ws <= 0) return;
+    __m512 r[16], t[16];
+    for (int k = 0; k < 16; ++k) r[k] = _mm512_load_ps(scratch + 16 * k);
+    for (int k = 0; k < 16; k += 2) { /* pairs of rows interleaved within 128-bit lanes */
+        t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* lane L of r[k + q]: column 4L + q of rows k .. k + 3 */
+        r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+        r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+        r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+        r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    const __mmask16 mask = ws >= 16 ? 0xffff : (__mmask16)((1u << ws) - 1);
+    for (int q = 0; q < 4; ++q) { /* columns q, 4 + q, 8 + q, 12 + q gathered from the lanes */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88);
+        const __m512 w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+        const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88);
+        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+        const __m512 col[4] = {
+            _mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0x88),
+            _mm512_shuffle_f32x4(v0, v1, 0xDD), _mm512_shuffle_f32x4(w0, w1, 0xDD)};
+        for (int l = 0; l < 4; ++l)
+            if (4 * l + q < xs) _mm512_mask_storeu_ps(out + (4 * l + q) * ldo, mask, col[l]);
+    }
+}
+
+/* The chunk's rows (xv padded with zero rows to a multiple of AMX_ROWS) by the panel. */
+static void panel_amx(const uint32_t *xv, int64_t count, int64_t padded, int64_t cols,
+                      const uint16_t *panel, int valid, float *out, int64_t ldo, float *scratch) {
+    const int64_t a_stride = cols * (int64_t)sizeof(uint16_t), b_stride = padded * 4;
+    const uint16_t *upper = panel + 16 * cols;
+    for (int64_t i = 0; i < count; i += AMX_ROWS) {
+        _tile_zero(0);
+        _tile_zero(1);
+        _tile_zero(2);
+        _tile_zero(3);
+        for (int64_t c = 0; c < cols; c += BLOCK) {
+            const uint32_t *b = xv + (c / 2) * padded + i;
+            _tile_loadd(4, panel + c, a_stride);
+            _tile_loadd(5, upper + c, a_stride);
+            _tile_loadd(6, b, b_stride);
+            _tile_loadd(7, b + 16, b_stride);
+            _tile_dpbf16ps(0, 4, 6);
+            _tile_dpbf16ps(1, 4, 7);
+            _tile_dpbf16ps(2, 5, 6);
+            _tile_dpbf16ps(3, 5, 7);
+        }
+        float *o = out + i * ldo;
+        const int64_t left = count - i;
+        _tile_stored(0, scratch, 64);
+        store_transposed(scratch, o, ldo, left, valid);
+        _tile_stored(1, scratch, 64);
+        store_transposed(scratch, o + 16 * ldo, ldo, left - 16, valid);
+        _tile_stored(2, scratch, 64);
+        store_transposed(scratch, o + 16, ldo, left, valid - 16);
+        _tile_stored(3, scratch, 64);
+        store_transposed(scratch, o + 16 * ldo + 16, ldo, left - 16, valid - 16);
+    }
+}
+#endif
+
+/* Which paths were compiled and can run here: bit PATH_x set for each (the portable one always). */
+int quant_gemm_paths(void) {
+    int paths = 1 << PATH_PORTABLE;
+#ifdef GEMM_AVX512
+    paths |= 1 << PATH_AVX512;
+#endif
+#ifdef GEMM_AMX
+    if (amx_permitted()) paths |= 1 << PATH_AMX;
+#endif
+    return paths;
+}
+
+/* out[n, rows] = x[n, cols] @ dequantized(w).T (w: `rows` stored rows of `type`) by `path`, in
+ * `passes` bf16 products (1 or 3, see above). Returns 0; -1 for a type it does not read, cols not
+ * a whole number of blocks, or passes not 1 or 3 (nothing
+ * written); -2 where its buffers cannot be allocated; -3 for a path not compiled or not
+ * permitted here. */
+int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n,
+               int path, int passes, int num_threads, float *out) {
+    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
+    if (passes != 1 && passes != 3) return -1;
+    if (path < 0 || path > PATH_AMX || !(quant_gemm_paths() & (1 << path))) return -3;
+    if (n <= 0 || rows <= 0) return 0;
+    const int64_t chunk = n < CHUNK ? n : CHUNK, kcols = passes * cols;
+    const int64_t padded = (chunk + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
+    uint16_t *xb = aligned_alloc(64, sizeof *xb * (size_t)(padded * kcols));
+    if (!xb) return -2;
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+    const int vectors = path != PATH_PORTABLE, amx = path == PATH_AMX;
+    int failed = 0;
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint32_t *panel = aligned_alloc(64, sizeof *panel * (size_t)(kcols / 2 * PANEL));
+        float *scratch = aligned_alloc(64, sizeof *scratch * SUPER_BLOCK);
+        if (!panel || !scratch) {
+#pragma omp atomic write
+            failed = 1;
+        }
+#ifdef GEMM_AMX
+        if (amx) amx_configure();
+#endif
+        for (int64_t start = 0; start < n; start += chunk) {
+            const int64_t count = n - start < chunk ? n - start : chunk;
+            /* each ends in a barrier */
+#ifdef GEMM_AMX
+            if (amx)
+                activations_amx(x, start, count, padded, cols, passes, (uint32_t *)xb);
+            else
+#endif
+                activations_rows(x, start, count, padded, cols, passes, xb, vectors);
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) break; /* every thread sees it after the barrier: all leave together */
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
+                float *o = out + start * rows + p * PANEL;
+                pack_panel(type, w, rows, cols, p, passes, panel, amx ? (uint16_t *)panel : NULL,
+                           scratch, vectors);
+                switch (path) {
+#ifdef GEMM_AMX
+                case PATH_AMX:
+                    panel_amx((const uint32_t *)xb, count, padded, kcols, (const uint16_t *)panel,
+                              valid, o, rows, scratch);
+                    break;
+#endif
+#ifdef GEMM_AVX512
+                case PATH_AVX512: panel_avx512(xb, count, kcols, panel, valid, o, rows); break;
+#endif
+                default: panel_portable(xb, count, kcols, panel, valid, o, rows);
+                }
+            } /* a barrier: xb is rewritten for the next chunk only after every panel's use */
+        }
+#ifdef GEMM_AMX
+        if (amx) _tile_release();
+#endif
+        free(panel);
+        free(scratch);
+    }
+    free(xb);
+    return failed ? -2 : 0;
+}

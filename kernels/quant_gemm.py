@@ -1,0 +1,102 @@
+"""The many-row product with block-quantized weights (`quant_gemm.c`): its build, beside the other
+C kernels' (`native`), and its call.
+
+`quant_gemm.c` is a library of its own: its AMX path needs the tile state that Linux grants a
+process on request, and its source changes apart from `quant_matmul.c`'s. Built and loaded as
+`native` builds the others (on first use, `-march=native`, into the user's cache; None with a
+warning where it cannot be built, and off with `PAGEDBATCH_NATIVE_KERNELS=0`).
+
+Its paths (`paths()`), each splitting the weights and activations into bfloat16 parts and
+summing their products in float32: three products a weight and activation (bf16x3, float32's
+accuracy near enough) or one (bf16); the bounds are in quant_gemm.c.
+- amx: Intel AMX-BF16 tiles (Sapphire Rapids and later), where Linux grants the tile state;
+- avx512: AVX512-BF16's vdpbf16ps (Zen 4, Cooper Lake and later);
+- portable: plain C, for checking the other two anywhere; quant_linear does not take it.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import logging
+import os
+import shutil
+import subprocess
+from pathlib import Path
+
+import torch
+
+from pagedbatch.kernels import native
+from pagedbatch.kernels.quant_blocks import Format
+
+logger = logging.getLogger(__name__)
+
+SOURCE = Path(__file__).with_name("quant_gemm.c")
+# The paths by the number quant_gemm.c knows them by, fastest last.
+PATHS = {"portable": 0, "avx512": 1, "amx": 2}
+
+_i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
+SIGNATURES: dict[str, list[type]] = {
+    "quant_gemm": [
+        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
+        _ptr, _i64, _i32, _i32, _i32, _ptr,  # x, its rows, path, passes, threads, out
+    ],
+    "quant_gemm_paths": [],
+}  # fmt: skip
+
+
+@functools.cache
+def library() -> ctypes.CDLL | None:
+    """quant_gemm.c built and loaded on first call; None where it cannot be (logged once)."""
+    if not native.enabled():
+        return None
+    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
+    if compiler is None:
+        return None  # native.library() warns of it
+    try:
+        lib = ctypes.CDLL(str(native._build(compiler, (SOURCE,), "quant_gemm")))
+    except (OSError, subprocess.CalledProcessError) as e:
+        detail = getattr(e, "stderr", "") or e
+        logger.warning("could not build quant_gemm.c (%s): quantized prefill takes tiles", detail)
+        return None
+    for name, argtypes in SIGNATURES.items():
+        function = getattr(lib, name)
+        function.argtypes = argtypes
+        function.restype = ctypes.c_int
+    return lib
+
+
+@functools.cache
+def paths() -> frozenset[str]:
+    """The paths compiled for this CPU and permitted here (none without the library)."""
+    lib = library()
+    if lib is None:
+        return frozenset()
+    mask = lib.quant_gemm_paths()
+    return frozenset(name for name, bit in PATHS.items() if mask >> bit & 1)
+
+
+def fastest() -> str | None:
+    """amx, else avx512, where one runs here: the path quant_linear takes past a few rows."""
+    return next((p for p in ("amx", "avx512") if p in paths()), None)
+
+
+def quant_gemm(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, path: str, passes: int = 3
+) -> torch.Tensor:
+    """x `[n, cols]` (float32, contiguous) times the transposed weights in `blocks` (uint8
+    `[rows, fmt.row_bytes(cols)]`, contiguous) by `path`, in `passes` bf16 products (3: bf16x3,
+    float32's accuracy; 1: bf16): `[n, rows]` float32."""
+    lib = library()
+    if lib is None or path not in paths():
+        raise RuntimeError(f"quant_gemm's {path} path does not run here")
+    out = torch.empty(x.shape[0], blocks.shape[0])
+    status = lib.quant_gemm(
+        fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], cols,
+        x.data_ptr(), x.shape[0], PATHS[path], passes, torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    if status == -2:
+        raise MemoryError("quant_gemm could not allocate its buffers")
+    if status != 0:
+        raise ValueError(f"quant_gemm does not read {fmt.name} rows of {cols} ({path}: {status})")
+    return out

@@ -1,0 +1,149 @@
+"""The many-row quantized product (`quant_gemm.c`) on each of its paths against the float64
+reference x @ dequantize(blocks).T, and `quant_linear`'s choice of it.
+
+Each path rounds weights and activations to bfloat16 parts and sums their products in float32.
+One part (bf16): a weight and an activation each move by at most 2^-8 of themselves, so an output
+by at most ~2^-7 of sum |x w| (the bound below allows 1.01 x that, plus float32's rounding).
+Three products of two parts (bf16x3): each moves by at most 2^-16 of itself, an output by under
+2^-14 of sum |x w|.
+"""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from test_quant_blocks import random_blocks
+from test_quant_matmul import rounding_bound, with_outliers
+
+from pagedbatch.kernels import native, quant_gemm, quant_linear
+from pagedbatch.kernels.quant_blocks import Format, dequantize
+
+PASSES_BOUND = {1: 2**-7 * 1.01, 3: 2**-14}
+# SmolLM2-135M's linears (576 wide: q/k/v 960 rows, gate/up 3072, LM head; 1536 wide: down)
+# and Gemma 3 270M's K-format ones (1024 and 2048 wide), cut to a few panels; odd row counts (a
+# partial panel of 32) and lone blocks.
+ROW_SHAPES = {
+    32: [(960, 576), (97, 1536), (33, 576), (5, 32), (31, 96)],
+    256: [(65, 1024), (40, 2048), (7, 256)],
+}
+# Rows of x: past quant_linear's small batch, odd ones (AMX's blocks of 32 partly empty), a chunk
+# of 256 and a ragged second one.
+X_ROWS = [9, 13, 32, 45, 300]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built():
+    if shutil.which("cc") is None and shutil.which("gcc") is None:
+        pytest.skip("no C compiler")
+    quant_gemm.library.cache_clear()
+    quant_gemm.paths.cache_clear()
+    assert quant_gemm.library() is not None, "quant_gemm.c did not build; see the warning"
+
+
+def shapes() -> list[tuple[Format, int, int]]:
+    return [(f, rows, cols) for f in Format for rows, cols in ROW_SHAPES[f.size]]
+
+
+def error_within(out: torch.Tensor, x: torch.Tensor, weights: torch.Tensor, passes: int) -> bool:
+    exact = x.double() @ weights.T
+    bound = PASSES_BOUND[passes] * (x.double().abs() @ weights.abs().T) + rounding_bound(x, weights)
+    return bool((out.double() - exact).abs().le(bound).all())
+
+
+@pytest.mark.parametrize("path", sorted(quant_gemm.PATHS))
+@pytest.mark.parametrize("passes", [1, 3])
+@pytest.mark.parametrize(("fmt", "rows", "cols"), shapes(), ids=str)
+def test_every_path_within_its_bound(path, passes, fmt, rows, cols):
+    if path not in quant_gemm.paths():
+        pytest.skip(f"this CPU runs no {path} path")
+    blocks = random_blocks(fmt, rows, cols, seed=rows)
+    weights = dequantize(blocks, fmt)
+    for n in X_ROWS if path != "portable" else X_ROWS[:2]:
+        x = with_outliers(n, cols)
+        out = quant_gemm.quant_gemm(x, torch.from_numpy(blocks), fmt, cols, path, passes)
+        assert out.shape == (n, rows)
+        assert error_within(out, x, weights, passes), (n, path)
+
+
+def test_the_paths_agree_with_the_portable_one():
+    """Every path rounds the same parts: their outputs differ by float32's summing order only."""
+    fmt, rows, cols = Format.Q4_1, 70, 576
+    blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=2))
+    x = with_outliers(40, cols)
+    weights = dequantize(blocks, fmt)
+    for passes in (1, 3):
+        reference = quant_gemm.quant_gemm(x, blocks, fmt, cols, "portable", passes).double()
+        for path in quant_gemm.paths():
+            out = quant_gemm.quant_gemm(x, blocks, fmt, cols, path, passes).double()
+            assert (out - reference).abs().le(rounding_bound(x, weights)).all(), (path, passes)
+
+
+def test_the_vocabulary_projection_in_one_call():
+    """SmolLM2's tied LM head (Q8_0, 49152 x 576) for 130 rows: 1536 panels, split among the
+    threads."""
+    blocks = torch.from_numpy(random_blocks(Format.Q8_0, 49152, 576, seed=9))
+    x = with_outliers(130, 576)
+    path = quant_gemm.fastest() or "portable"
+    out = quant_gemm.quant_gemm(x, blocks, Format.Q8_0, 576, path)
+    assert error_within(out, x, dequantize(blocks, Format.Q8_0), 3)
+
+
+def test_what_it_does_not_read_is_refused():
+    lib = quant_gemm.library()
+    out, x = torch.empty(64), torch.zeros(64)
+    blocks = torch.zeros(2, 100, dtype=torch.uint8)
+    call = (blocks.data_ptr(), 2, 32, x.data_ptr(), 1)
+    assert lib.quant_gemm(10, *call, 0, 1, 1, out.data_ptr()) == -1  # no such format
+    assert lib.quant_gemm(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 0, 1, 1, 0) == -1
+    assert lib.quant_gemm(12, *call, 0, 1, 1, out.data_ptr()) == -1  # 32 of a super-block
+    assert lib.quant_gemm(3, *call, 0, 2, 1, out.data_ptr()) == -1  # passes 1 or 3
+    assert lib.quant_gemm(3, *call, 7, 1, 1, out.data_ptr()) == -3  # no such path
+    with pytest.raises(RuntimeError, match="does not run here"):
+        quant_gemm.quant_gemm(x.reshape(1, 64), blocks, Format.Q4_1, 64, "tpu")
+
+
+def test_the_paths_are_those_the_cpu_has():
+    flags = native.cpu_flags()
+    assert "portable" in quant_gemm.paths()
+    bf16 = {"avx512f", "avx512bw", "avx512vl", "avx512_bf16", "f16c"} <= flags
+    assert ("avx512" in quant_gemm.paths()) == bf16
+    if "amx" in quant_gemm.paths():
+        assert {"amx_tile", "amx_bf16"} <= flags
+    assert quant_gemm.fastest() == next(
+        (p for p in ("amx", "avx512") if p in quant_gemm.paths()), None
+    )
+
+
+@pytest.mark.parametrize(
+    ("setting", "passes"), [(None, 3), ("bf16x3", 3), ("bf16", 1), ("float32", None)]
+)
+def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, passes):
+    """`quant_matmul` with 40 rows: quant_gemm's fastest path at the setting's passes, or the
+    float32 tiles (exact mode's arithmetic) where float32 is asked or no path runs here."""
+    if setting is None:
+        monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
+    else:
+        monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
+    fastest = quant_gemm.fastest()
+    expected = None if passes is None or fastest is None else (fastest, passes)
+    assert quant_linear.gemm_path() == expected
+    fmt, rows, cols = Format.Q4_1, 100, 576
+    blocks = random_blocks(fmt, rows, cols, seed=1)
+    x = with_outliers(40, cols)
+    weights = dequantize(blocks, fmt)
+    out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols)
+    error = (out.double() - x.double() @ weights.T).abs()
+    if expected is None:
+        assert error.le(rounding_bound(x, weights)).all()
+    else:
+        assert error_within(out, x, weights, passes)
+        taken = quant_gemm.quant_gemm(x, torch.from_numpy(blocks), fmt, cols, *expected)
+        assert torch.equal(out, taken)
+
+
+def test_a_setting_it_does_not_know_is_refused(monkeypatch):
+    monkeypatch.setenv(quant_linear.GEMM_SETTING, "int4")
+    with pytest.raises(ValueError, match="bf16x3, bf16 or float32"):
+        quant_linear.gemm_path()
