@@ -7,8 +7,14 @@ Two paths, chosen by how many rows x has:
   of `INT8_FORMATS`, `quant_matmul_int8`, which quantizes x per block to int8 and multiplies
   integers, as llama.cpp does (faster where the weights sit in cache, less exact: see
   quant_matmul.c);
-- more (prefill): tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
-  multiplied by torch's float32 GEMM; one tile is in memory at a time.
+- more (prefill, a decode step of many sequences): `quant_gemm.c`, which expands each panel of
+  32 rows of W once a call to bfloat16 and multiplies it with every row of x on AMX tiles or
+  AVX512-BF16, whichever the CPU has: each weight and activation split in two bf16 and three
+  products summed (bf16x3, float32's accuracy near enough: greedy answers follow exact mode's,
+  where one bf16 product (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16).
+  Where the CPU has neither, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's arithmetic),
+  tiles of W dequantized to float32 by the C kernel
+  `quant_dequantize`, each multiplied by torch's float32 GEMM; one tile in memory at a time.
 
 Models take the float path, whose greedy tokens agree with exact mode's (SmolLM2, 8 chats, 137
 tokens of 137; int8: 5 of 8 answers whole). `PAGEDBATCH_QUANT_ACTIVATIONS=int8` puts them on the
@@ -30,10 +36,12 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedbatch.kernels import native, ops
+from pagedbatch.kernels import native, ops, quant_gemm
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
+GEMM_SETTING = "PAGEDBATCH_QUANT_GEMM"
+GEMM_PASSES = {"bf16x3": 3, "bf16": 1}  # its settings' bf16 products a weight
 # The formats quant_matmul_int8 reads; the others take float activations whatever is asked.
 INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0})
 # Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
@@ -51,6 +59,18 @@ def int8_activations() -> bool:
     return value == "int8"
 
 
+def gemm_path() -> tuple[str, int] | None:
+    """The `quant_gemm` path that many rows take and its bf16 products a weight: its fastest path
+    here, with 3 (bf16x3, the default) or 1 (`PAGEDBATCH_QUANT_GEMM=bf16`); None where it has
+    none (no AMX or AVX512-BF16, no compiler) or `float32` asks for the tiles (exact mode's
+    arithmetic)."""
+    value = os.environ.get(GEMM_SETTING, "bf16x3").strip().lower()
+    if value not in GEMM_PASSES and value != "float32":
+        raise ValueError(f"{GEMM_SETTING} is bf16x3, bf16 or float32, not {value!r}")
+    path = quant_gemm.fastest() if value != "float32" else None
+    return None if path is None else (path, GEMM_PASSES[value])
+
+
 def quant_matmul(
     x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, int8: bool = False
 ) -> torch.Tensor:
@@ -62,6 +82,8 @@ def quant_matmul(
     lib = native.library()
     if lib is not None and x2.shape[0] <= SMALL_BATCH:
         out = _small_batch(lib, x2, blocks, fmt, cols, int8 and fmt in INT8_FORMATS)
+    elif lib is not None and (gemm := gemm_path()) is not None:
+        out = quant_gemm.quant_gemm(x2, blocks, fmt, cols, *gemm)
     else:
         out = _tiles(lib, x2, blocks, fmt, cols)
     return out.reshape(*lead, blocks.shape[0])
