@@ -46,7 +46,9 @@ class TileConfig:
     num_warps: int
 
 
-DECODE = TileConfig(block_m=16, block_n=64, block_k=128, num_warps=4)
+# Dequantized tiles of 4096 weights, 32 a thread of 4 warps: a K format's dozen temporaries a
+# weight stay within the registers (64 a thread would spill them).
+DECODE = TileConfig(block_m=16, block_n=32, block_k=128, num_warps=4)
 PREFILL = TileConfig(block_m=64, block_n=64, block_k=64, num_warps=4)
 # Off CUDA, in Triton's interpreter (tests), whose cost is per program and op rather than per
 # element: few programs of wide tiles.

@@ -173,7 +173,8 @@ def test_extreme_scales_and_the_row_lookup(fmt, dtype, device):
 def test_half_activations(fmt, dtype, m, device):
     name, rows, cols = SHAPES[fmt][0]
     blocks = random_blocks(fmt, kept_rows(rows, device), cols, seed=m)
-    check(blocks, fmt, activations(m, cols, dtype), device)
+    # A sixteenth of the usual size: Q6_K's outputs stay far from float16's largest (65504).
+    check(blocks, fmt, activations(m, cols, dtype) / 16, device)
 
 
 def test_what_the_kernels_do_not_read_is_refused(device):
