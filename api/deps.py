@@ -68,9 +68,14 @@ class Services:
             return {}
         return {name: self.engine.engine.model_name for name in self.engine.engine.lora_names}
 
+    async def parents(self) -> dict[str, str]:
+        """`adapters`, and in the distributed API those the live engine hosts advertise."""
+        live = {} if self.engines is None else await self.engines.adapters()
+        return live | self.adapters()
+
     async def models(self) -> list[str]:
         """The served models: the configured ones (the embedding model's among them), the LoRA
-        adapters of this process's engine, and those of the live engines."""
+        adapters of this process's engine, and the models and adapters of the live engines."""
         configured = [
             *self.served_models,
             *([self.embedding_model] if self.embedding_model else []),
@@ -78,7 +83,7 @@ class Services:
         ]
         if self.engines is None:
             return configured
-        live = await self.engines.models()
+        live = [*await self.engines.models(), *await self.engines.adapters()]
         return [*configured, *sorted(set(live) - set(configured))]
 
 

@@ -145,6 +145,8 @@ def engine_host_app(
             beat=beats,
             settings=engine_settings,
             resident=resident,
+            # Read as it stands (adapters are loaded and unloaded while serving).
+            adapters=list(engine.engine.lora_names),
             **figures,
         )
 

@@ -60,7 +60,7 @@ def rank(
     routed to it since (the heartbeat cannot know of them yet); ties go to the emptier KV cache.
     """
     sent = sent or Counter()
-    serving = [r for r in records if r.model == model]
+    serving = [r for r in records if r.serves(model)]
     return sorted(serving, key=lambda r: (r.running + r.waiting + sent[r.id], r.kv_usage, r.id))
 
 
@@ -100,6 +100,10 @@ class EngineProxy:
     async def models(self) -> list[str]:
         return sorted({record.model for record in await self.live()})
 
+    async def adapters(self) -> dict[str, str]:
+        """The LoRA adapters the live hosts serve, each with the model it adapts."""
+        return {name: r.model for r in await self.live() for name in r.adapters}
+
     async def forward(
         self,
         request: Request,
@@ -115,7 +119,7 @@ class EngineProxy:
         live = await self.live()
         hosts = rank(live, model, self._sent)
         if not hosts:
-            if model in configured or any(r.model == model for r in self._records):
+            if model in configured or any(r.serves(model) for r in self._records):
                 raise _none_reachable(model)
             raise model_not_found(model)
         headers = {

@@ -33,6 +33,11 @@ class EngineRecord:
     tokens_per_second: float | None = None  # generated, over about the last 10 s
     settings: dict[str, Any] = field(default_factory=dict)  # the engine's, in force
     resident: dict[str, int] | None = None  # what its model holds in memory (ResidentSize)
+    # The LoRA adapters its engine serves: requests name them as models, and are routed here.
+    adapters: list[str] = field(default_factory=list)
+
+    def serves(self, model: str) -> bool:
+        return model == self.model or model in self.adapters
 
     def to_json(self) -> str:
         return json.dumps(asdict(self))

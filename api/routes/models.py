@@ -26,7 +26,7 @@ class Model(BaseModel):
 
 @router.get("")
 async def list_models(services: ServicesDep) -> ListPage[Model]:
-    parents = services.adapters()
+    parents = await services.parents()
     models = [
         Model(id=name, created=services.started_at, parent=parents.get(name))
         for name in await services.models()
@@ -44,4 +44,5 @@ async def retrieve_model(model: str, services: ServicesDep) -> Model:
             param="model",
             code="model_not_found",
         )
-    return Model(id=model, created=services.started_at, parent=services.adapters().get(model))
+    parent = (await services.parents()).get(model)
+    return Model(id=model, created=services.started_at, parent=parent)

@@ -182,6 +182,30 @@ def test_routing_prefers_the_least_loaded_host_serving_the_model():
     assert rank(hosts, "nope") == []
 
 
+def test_a_request_for_a_lora_adapter_goes_to_the_hosts_that_serve_it():
+    plain = record("plain", running=0)
+    serving = record("serving", running=5, adapters=["sql"])
+    assert [r.id for r in rank([plain, serving], "sql")] == ["serving"]
+    assert [r.id for r in rank([plain, serving], "tiny")] == ["plain", "serving"]
+
+
+def test_live_hosts_adapters_are_listed_with_their_parent(settings):
+    adapted = record("adapted", model="big", address=DEAD, adapters=["sql"])
+    asyncio.run(_publish(settings.broker_url, adapted))
+    with serving(api_only(settings)) as url:
+        sdk = client(url)
+        assert {m.id: m.parent for m in sdk.models.list()} == {
+            "tiny": None,
+            "big": None,
+            "sql": "big",
+        }
+        assert sdk.models.retrieve("sql").parent == "big"
+        # Served by a host that cannot be reached: a 503 naming it, not a 404.
+        with pytest.raises(openai.InternalServerError) as caught:
+            sdk.completions.create(**completion(model="sql", max_tokens=2))
+        assert "No engine serving model 'sql' can be reached" in caught.value.message
+
+
 def test_the_api_streams_from_the_host_and_passes_over_one_that_is_gone(settings, start_host):
     host = start_host(settings)
     # A host that died a moment ago: its record has not expired yet, and it looks idle.
