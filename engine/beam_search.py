@@ -1,13 +1,16 @@
-"""Beam search, as vLLM v1 runs it: an orchestration over the engine, not a mode of it.
+"""Beam search, as vLLM v1 runs it: an orchestration over the engine, not a mode of it; its
+beams and their scores are transformers' `num_beams` generate's (default `early_stopping`).
 
-Each step runs every live beam as a request of one token (greedy, `2 * beam_width` logprobs) and
-extends each beam by those candidates; the `beam_width` likeliest extensions (by cumulative
-logprob) live on, and an extension that ends in an end-of-sequence token is complete. The beams'
-requests share their prompt (and the tokens the beams share) through the prefix cache, so a step
-costs about a block's prefill per beam. The search ends after `max_tokens` steps or, as
-transformers' `early_stopping=True`, once `beam_width` beams are complete; what is left is ranked
-by cumulative logprob over generated length to the power `length_penalty`, the end token counted,
-as transformers ranks its hypotheses.
+Each step runs every live beam as a request of one token (greedy, its top logprobs) and extends
+each beam by those candidates. As transformers, the step keeps the likeliest
+`max(2, 1 + end tokens) * beam_width` extensions of all beams (by cumulative logprob): of those,
+one that ends (on an end token, or at `max_tokens`) is a finished hypothesis if it is among the
+first `beam_width`, scored by cumulative logprob over its length (the end token counted) to the
+power `length_penalty`, and kept if it is among the `beam_width` best finished so far; the
+`beam_width` likeliest that do not end live on. Once `beam_width` hypotheses have finished, the
+search ends as soon as the best live beam, scored at its present length, is no better than the
+worst of them. The beams' requests share their prompt (and the tokens the beams share) through
+the prefix cache, so a step costs about a block's prefill per beam.
 """
 
 from __future__ import annotations
@@ -81,55 +84,71 @@ class BeamSearch:
         self.prompt_len = len(prompt)
         self.eos_token_ids = frozenset() if params.ignore_eos else frozenset(eos_token_ids)
         self.live = [BeamSearchSequence(list(prompt))]
-        self.complete: list[BeamSearchSequence] = []
+        self.complete: list[BeamSearchSequence] = []  # the best finished, best first
         self.steps = 0
+        # transformers' count of a step's candidates: enough that `beam_width` go on even where
+        # every beam's likeliest extensions are end tokens.
+        self.candidates = max(2, 1 + len(self.eos_token_ids)) * params.beam_width
+        self._improvable = True  # whether a live beam may still beat a finished one
 
     @property
     def step_params(self) -> SamplingParams:
-        """What each beam's request of a step runs with."""
-        width = 2 * self.params.beam_width
+        """What each beam's request of a step runs with: its top logprobs, as many as a step
+        keeps (all of them might extend one beam), within the engine's bound."""
+        width = min(self.candidates, MAX_LOGPROBS)
         return SamplingParams(max_tokens=1, temperature=0.0, logprobs=width, ignore_eos=True)
 
     @property
     def done(self) -> bool:
-        return (
-            self.steps >= self.params.max_tokens
-            or not self.live
-            or len(self.complete) >= self.params.beam_width
-        )
+        return self.steps >= self.params.max_tokens or not self.live or not self._improvable
 
     def prompts(self) -> list[list[int]]:
         return [beam.tokens for beam in self.live]
 
     def advance(self, tops: Sequence[TokenLogprob]) -> None:
         """Extend each live beam by the candidates of its step's `TokenLogprob`."""
-        extended: list[BeamSearchSequence] = []
-        for beam, step in zip(self.live, tops, strict=True):
-            for rank, (token, logprob) in enumerate(step.top, start=1):
-                chosen = TokenLogprob(token, logprob, rank, step.top)
-                new = BeamSearchSequence(
-                    beam.tokens + [token], beam.logprobs + [chosen], beam.cum_logprob + logprob
-                )
-                if token in self.eos_token_ids:
-                    new.finish_reason = "stop"
-                    self.complete.append(new)
-                else:
-                    extended.append(new)
-        # Extensions of one step are of one length: the likeliest are the best.
-        extended.sort(key=lambda beam: beam.cum_logprob, reverse=True)
-        self.live = extended[: self.params.beam_width]
+        width = self.params.beam_width
+        last = self.steps + 1 >= self.params.max_tokens  # every extension ends here
+        extensions = [
+            (beam, TokenLogprob(token, logprob, rank, step.top))
+            for beam, step in zip(self.live, tops, strict=True)
+            for rank, (token, logprob) in enumerate(step.top, start=1)
+        ]
+        # Stable: equal scores keep the beams' order, then the tokens' rank.
+        extensions.sort(key=lambda e: e[0].cum_logprob + e[1].logprob, reverse=True)
+        live: list[BeamSearchSequence] = []
+        for i, (beam, chosen) in enumerate(extensions[: self.candidates]):
+            new = BeamSearchSequence(
+                beam.tokens + [chosen.token_id],
+                beam.logprobs + [chosen],
+                beam.cum_logprob + chosen.logprob,
+            )
+            ends = chosen.token_id in self.eos_token_ids
+            if not (ends or last):
+                if len(live) < width:
+                    live.append(new)
+            elif i < width:  # the rest are only there to keep `width` beams going
+                new.finish_reason = "stop" if ends else "length"
+                self.complete.append(new)
+        self.complete.sort(key=self.score, reverse=True)
+        del self.complete[width:]
+        self.live = live
         self.steps += 1
+        if len(self.complete) == width and live:
+            # transformers' early stop heuristic (`early_stopping=False`): the best live beam as
+            # if it ended now.
+            best = live[0].cum_logprob / self.steps**self.params.length_penalty
+            self._improvable = best > self.score(self.complete[-1])
 
     def score(self, beam: BeamSearchSequence) -> float:
         generated = len(beam.tokens) - self.prompt_len
         return beam.cum_logprob / (generated**self.params.length_penalty)
 
     def output(self, decode: Callable[[list[int]], str]) -> BeamSearchOutput:
-        """The `beam_width` best beams, best first, their text from `decode(token ids)`."""
-        for beam in self.live:
-            beam.finish_reason = "length"
-        ranked = sorted(self.complete + self.live, key=self.score, reverse=True)
-        best = ranked[: self.params.beam_width]
+        """The `beam_width` best finished beams, best first, their text from `decode(token
+        ids)`; the beams still live when the search stopped early are not among them, as in
+        transformers."""
+        best = self.complete
         for beam in best:
             generated = beam.tokens[self.prompt_len :]
             if beam.finish_reason == "stop":
