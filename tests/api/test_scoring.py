@@ -146,6 +146,62 @@ def test_echo_with_logprobs_scores_the_prompt_first(serve_batches, tiny_llama):
     assert logprobs.text_offset[len(prompt)] == len(echoed.text) - len(plain.text)
 
 
+def test_echo_with_logprobs_streams_the_prompt_first(serve_batches):
+    """As vLLM streams it: each choice's first chunk holds its prompt, then its first tokens,
+    and its logprobs the prompt's (null for the first token) before theirs; the chunks join
+    into the whole response."""
+    client = serve_batches().client()
+    prompts = [[1, 3251, 338, 263, 1243, 310, 278, 9853, 3402], [1, 450, 4996, 1354]]
+    args = {"model": "tiny", "prompt": prompts, "max_tokens": 5, "temperature": 0, "n": 2}
+    args.update(logprobs=2, echo=True)
+    whole = client.completions.create(**args).choices
+    chunks = list(client.completions.create(**args, stream=True))
+    assert all(len(chunk.choices) == 1 for chunk in chunks)
+    for choice in whole:
+        own = [c.choices[0] for c in chunks if c.choices[0].index == choice.index]
+        prompt = prompts[choice.index // 2]
+        first = own[0].logprobs
+        assert len(first.tokens) > len(prompt) and first.token_logprobs[0] is None
+        assert first.top_logprobs[0] is None and first.text_offset[0] == 0
+        echoed = choice.text[: first.text_offset[len(prompt)]]  # where the completion starts
+        assert echoed and own[0].text.startswith(echoed)
+        assert "".join(c.text for c in own) == choice.text
+        for name in ("tokens", "text_offset"):
+            assert [x for c in own for x in getattr(c.logprobs, name)] == getattr(
+                choice.logprobs, name
+            ), name
+        streamed = [x for c in own for x in c.logprobs.token_logprobs]
+        assert streamed == pytest.approx(choice.logprobs.token_logprobs, abs=TOLERANCE)
+        tops = [x for c in own for x in c.logprobs.top_logprobs]
+        assert [t and sorted(t) for t in tops] == [
+            t and sorted(t) for t in choice.logprobs.top_logprobs
+        ]
+        assert [c.finish_reason for c in own] == [None] * (len(own) - 1) + [choice.finish_reason]
+
+
+def test_a_stream_takes_prompt_logprobs_0_and_sends_none_as_vllm(serve_batches):
+    """vLLM's stream chunks have no prompt_logprobs: it refuses k > 0 in a stream (a 400, above)
+    and takes 0, which sends nothing."""
+    client = serve_batches().client()
+    extra = {"prompt_logprobs": 0}
+    greedy = {"model": "tiny", "max_tokens": 4, "temperature": 0}
+    for create_call, args in (
+        (client.chat.completions.create, {"messages": MESSAGES}),
+        (client.completions.create, {"prompt": "Hello"}),
+    ):
+        whole = create_call(**greedy, **args).model_dump()
+        stream = create_call(**greedy, **args, extra_body=extra, stream=True)
+        chunks = [chunk.model_dump() for chunk in stream]
+        assert chunks and all("prompt_logprobs" not in chunk for chunk in chunks)
+        assert all("prompt_logprobs" not in c["choices"][0] for c in chunks)
+        (choice,) = whole["choices"]
+        if "message" in choice:
+            text = "".join(c["choices"][0]["delta"]["content"] or "" for c in chunks)
+            assert text == choice["message"]["content"]
+        else:
+            assert "".join(c["choices"][0]["text"] for c in chunks) == choice["text"]
+
+
 @pytest.mark.parametrize("door", ["realtime", "batch"])
 def test_best_of_returns_the_n_likeliest_of_best_of_samples(serve_batches, door):
     client = serve_batches().client()
@@ -174,7 +230,6 @@ def test_best_of_returns_the_n_likeliest_of_best_of_samples(serve_batches, door)
         ({"n": 3, "best_of": 2}, "best_of"),
         ({"best_of": 21}, "best_of"),
         ({"best_of": 2, "stream": True}, "best_of"),
-        ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
         ({"logprobs": 6}, "logprobs"),
     ],
 )
@@ -239,6 +294,29 @@ def test_beam_search_equals_transformers_num_beams(serve_batches, tiny_llama, do
     assert [c["message"]["content"] for c in chat["choices"]] == [
         tokenizer.decode(beam, skip_special_tokens=True) for beam in expected
     ]
+
+
+def test_a_chat_beam_search_streams_its_beams_whole_as_vllm(serve_batches):
+    """vLLM's chat streams a beam search (its completions refuse it, below): the beams are
+    known at the end, so each choice arrives as one chunk with its whole text and its finish."""
+    client = serve_batches().client()
+    body = {"model": "tiny", "messages": MESSAGES, "max_tokens": 6, "n": 3}
+    beams = {"use_beam_search": True, "length_penalty": 0.5, "ignore_eos": True}
+    options = {"include_usage": True}
+    whole = client.chat.completions.create(**body, extra_body=beams)
+    stream = client.chat.completions.create(
+        **body, extra_body=beams, stream=True, stream_options=options
+    )
+    chunks = list(stream)
+    *choices, last = chunks
+    assert sorted(chunk.choices[0].index for chunk in choices) == [0, 1, 2]
+    for chunk in choices:
+        (streamed,) = chunk.choices
+        expected = whole.choices[streamed.index]
+        assert streamed.delta.role == "assistant"
+        assert streamed.delta.content == expected.message.content
+        assert streamed.finish_reason == expected.finish_reason == "length"
+    assert last.choices == [] and last.usage.completion_tokens == whole.usage.completion_tokens
 
 
 @pytest.mark.parametrize(

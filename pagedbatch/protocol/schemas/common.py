@@ -138,18 +138,13 @@ class SamplingRequest(RequestBody):
             raise ValueError("stream_options is only allowed when stream is true")
         return value
 
-    @field_validator("use_beam_search")
-    @classmethod
-    def _beams_not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
-        if value and info.data.get("stream"):
-            raise ValueError("beam search cannot be streamed: the best beams are known at the end")
-        return value
-
     @field_validator("prompt_logprobs")
     @classmethod
     def _not_streamed(cls, value: int, info: ValidationInfo) -> int:
-        if info.data.get("stream"):
-            raise ValueError("prompt_logprobs are not available when stream is true")
+        # As vLLM: its stream chunks have no field for them, so a stream may ask for 0 (which
+        # sends nothing) but not for more.
+        if value is not None and value > 0 and info.data.get("stream"):
+            raise ValueError("`prompt_logprobs` are not available when `stream=True`.")
         return value
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Annotated, Literal
 
-from pydantic import BaseModel, Field
+from pydantic import BaseModel, Field, ValidationInfo, field_validator
 
 from pagedbatch.protocol.schemas.common import (
     INT32_MAX,
@@ -40,6 +40,14 @@ class CompletionRequest(SamplingRequest):
     echo: bool = False
     best_of: int | None = Field(None, ge=1, le=20)
     suffix: Text | None = None
+
+    @field_validator("use_beam_search")
+    @classmethod
+    def _beams_not_streamed(cls, value: bool, info: ValidationInfo) -> bool:
+        # vLLM's completions refuse it so (its chat streams the beams, whole, once found).
+        if value and info.data.get("stream"):
+            raise ValueError("Streaming is not currently supported with beam search")
+        return value
 
 
 class CompletionLogprobs(BaseModel):

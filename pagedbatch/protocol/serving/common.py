@@ -332,7 +332,8 @@ def sampling_params(
             stop=request.stop,
             ignore_eos=request.ignore_eos,
             logprobs=logprobs,
-            prompt_logprobs=request.prompt_logprobs,
+            # A stream's chunks carry none (as vLLM's), so none are computed for one.
+            prompt_logprobs=None if request.stream else request.prompt_logprobs,
             logit_bias=request.logit_bias,
             structured=structured,
             # A stream is sent piece by piece; anything else is answered whole.

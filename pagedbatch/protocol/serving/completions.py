@@ -7,7 +7,9 @@ the engine request has `best_of` completions, and the `n` with the highest cumul
 
 `echo` with `logprobs`: a choice's logprobs start with its prompt's tokens (the first with a
 null logprob and null top logprobs, as OpenAI's legacy API gave them), scored by the engine as
-vLLM's `prompt_logprobs`, then its own tokens', their text offsets running on.
+vLLM's `prompt_logprobs`, then its own tokens', their text offsets running on. Streamed, as
+vLLM streams it, a choice's first chunk holds the prompt and its logprobs before its first
+tokens'.
 """
 
 from __future__ import annotations
@@ -101,9 +103,13 @@ class PreparedCompletion:
         return TokenPieces(self.tokenizer)
 
     def logprobs_writer(self, offset: int) -> LogprobsWriter | None:
-        """A writer of one choice's logprobs, its text starting at `offset`; None if not asked."""
+        """A writer of one choice's logprobs, its text starting at `offset` (0 where the prompt
+        is echoed: its logprobs come first); None if not asked."""
         if self.request.logprobs is None:
             return None
+        if self.request.echo:
+            # The engine may have scored the prompt's positions for more than `logprobs`.
+            return LogprobsWriter(self.pieces, 0, self.request.logprobs)
         return LogprobsWriter(self.pieces, offset)
 
     def _best(self, output: RequestOutput) -> list[CompletionOutput]:
@@ -118,12 +124,23 @@ class PreparedCompletion:
     def _logprobs(
         self, output: RequestOutput, choice: CompletionOutput, offset: int
     ) -> CompletionLogprobs | None:
-        if self.request.echo and self.request.logprobs is not None:
-            writer = LogprobsWriter(self.pieces, 0, self.request.logprobs)
-            echoed = writer.write_prompt(output.prompt_token_ids, output.prompt_logprobs or [])
-            return writer.write(choice.logprobs or [], into=echoed)
         writer = self.logprobs_writer(offset)
-        return None if writer is None else writer.write(choice.logprobs or [])
+        if writer is None:
+            return None
+        echoed = self.echoed_logprobs(writer, output.prompt_token_ids, output.prompt_logprobs)
+        return writer.write(choice.logprobs or [], into=echoed)
+
+    def echoed_logprobs(
+        self,
+        writer: LogprobsWriter,
+        prompt: Sequence[int],
+        scored: Sequence[TokenLogprob | None] | None,
+    ) -> CompletionLogprobs | None:
+        """The logprobs of the echoed prompt, written first by a choice's `writer`; None where
+        the prompt is not echoed."""
+        if not self.request.echo:
+            return None
+        return writer.write_prompt(prompt, scored or [])
 
 
 class LogprobsWriter:
@@ -239,7 +256,7 @@ def _engine_params(
     params = sampling_params(
         request, max_tokens=request.max_tokens, logprobs=logprobs, tokenizer=tokenizer
     )
-    scored = request.prompt_logprobs
+    scored = params.prompt_logprobs
     if request.echo and request.logprobs is not None:
         scored = max(scored or 0, request.logprobs)
     return replace(params, n=best_of, prompt_logprobs=scored)
@@ -262,8 +279,6 @@ def _refuse_unsupported(request: CompletionRequest) -> None:
     if request.best_of is not None and request.best_of > request.n and request.stream:
         # As OpenAI: the best are known only once all have finished.
         raise OpenAIError("best_of greater than n cannot be streamed.", param="best_of")
-    if request.echo and request.logprobs is not None and request.stream:
-        raise not_supported("echo with logprobs in a stream", "echo")
     if request.use_beam_search and (request.best_of or request.n) > request.n:
         raise not_supported("best_of with beam search", "best_of")
     if request.use_beam_search and request.echo and request.logprobs is not None:

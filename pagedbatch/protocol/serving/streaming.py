@@ -48,6 +48,8 @@ class Delta:
     first: bool
     refusal: str | None = None  # why the content filter ended the choice
     token_ids: list[int] = field(default_factory=list)  # generated since the last chunk
+    # On a choice's first delta, where the engine scored its prompt: the prompt's logprobs.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 class EventStream(Protocol):
@@ -105,6 +107,9 @@ class DeltaReader:
         # the tokens its completions generated.
         self._prompt_tokens: dict[int, tuple[int, int, int, int]] = {}
         self._completion_tokens = 0
+        # By engine request: its prompt's logprobs, which one output carries, for the first
+        # delta of each of its choices (which may come later: text held back for a stop string).
+        self._prompt_logprobs: dict[int, list[TokenLogprob | None]] = {}
 
     def usage(self) -> Usage:
         counts = self._prompt_tokens.values()
@@ -123,6 +128,8 @@ class DeltaReader:
                 output.num_image_tokens,
                 output.num_audio_tokens,
             )
+            if output.prompt_logprobs is not None:
+                self._prompt_logprobs[position] = output.prompt_logprobs
             for choice in output.outputs:
                 self._completion_tokens += len(choice.token_ids)
                 index = position * self._n + choice.index
@@ -137,6 +144,7 @@ class DeltaReader:
                     first=not sent.started,
                     refusal=choice.refusal,
                     token_ids=list(choice.token_ids),
+                    prompt_logprobs=None if sent.started else self._prompt_logprobs.get(position),
                 )
                 if not (delta.text or delta.logprobs or delta.finish_reason):
                     continue  # tokens whose text is held back (a stop string may be forming)
@@ -275,7 +283,8 @@ class ChatChunks:
 
 
 class CompletionChunks:
-    """`text_completion` objects; a choice's first delta starts with its prompt when echoed."""
+    """`text_completion` objects; a choice's first delta starts with its prompt when echoed,
+    and its logprobs with the prompt's, as vLLM streams them."""
 
     def __init__(self, prepared: PreparedCompletion) -> None:
         self._prepared = prepared
@@ -285,16 +294,21 @@ class CompletionChunks:
     def chunk(self, delta: Delta) -> Completion:
         prepared = self._prepared
         text = delta.text
+        logprobs = None
         if delta.first:
-            echoed = prepared.echoed(delta.index // prepared.request.n)
+            position = delta.index // prepared.request.n
+            echoed = prepared.echoed(position)
             text = echoed + text
-            self._logprobs[delta.index] = prepared.logprobs_writer(len(echoed))
+            writer = self._logprobs[delta.index] = prepared.logprobs_writer(len(echoed))
+            if writer is not None:
+                prompt = prepared.inputs[position].prompt_token_ids
+                logprobs = prepared.echoed_logprobs(writer, prompt, delta.prompt_logprobs)
         writer = self._logprobs[delta.index]
         choice = CompletionChoice(
             index=delta.index,
             text=text,
             finish_reason=delta.finish_reason,
-            logprobs=None if writer is None else writer.write(delta.logprobs),
+            logprobs=None if writer is None else writer.write(delta.logprobs, into=logprobs),
         )
         return self._chunk([choice])
 
