@@ -36,6 +36,16 @@ class ModelPrice(BaseModel):
     output: float = Field(ge=0, le=1e6)
 
 
+def price_adapters(prices: dict[str, ModelPrice], adapters: list[str], model: str) -> None:
+    """Price each LoRA adapter of `model` that `prices` leaves out as `model` itself, in place:
+    unpriced, an adapter's usage would cost nothing and pass every spend limit. An operator's
+    own price for an adapter stands."""
+    price = prices.get(model)
+    if price is not None:
+        for adapter in adapters:
+            prices.setdefault(adapter, price)
+
+
 def prices_from(value: Any) -> Any:
     """The prices setting: inline JSON, or the path of a JSON file holding it."""
     if isinstance(value, str) and not value.lstrip().startswith("{"):

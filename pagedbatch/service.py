@@ -23,6 +23,7 @@ from pagedbatch.api.app import create_app
 from pagedbatch.api.deps import Services
 from pagedbatch.api.engine_host import EngineHost
 from pagedbatch.api.engine_proxy import EngineProxy
+from pagedbatch.costs import price_adapters
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.config import default_model_name, parse_lora_modules
 from pagedbatch.pypi_models import MODELS as PYPI_MODELS
@@ -198,15 +199,14 @@ class Embedded:
 
 
 def with_adapter_prices(settings: Settings) -> Settings:
-    """`settings` with each LoRA adapter that its prices leave out priced as the model it
-    adapts: unpriced, an adapter's usage would cost nothing and pass every spend limit."""
-    adapters = parse_lora_modules(settings.lora_modules)
+    """`settings` with each `--lora-modules` adapter that its prices leave out priced as the
+    model it adapts (`price_adapters`); adapters loaded at run time are priced as they load."""
+    adapters = list(parse_lora_modules(settings.lora_modules))
     if not adapters:
         return settings
-    price = settings.prices.get(served_model(settings).name)
-    if price is None:
-        return settings
-    return settings.model_copy(update={"prices": dict.fromkeys(adapters, price) | settings.prices})
+    prices = dict(settings.prices)
+    price_adapters(prices, adapters, served_model(settings).name)
+    return settings.model_copy(update={"prices": prices})
 
 
 def embedded(settings: Settings) -> Embedded:

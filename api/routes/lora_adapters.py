@@ -24,6 +24,7 @@ from pydantic import BaseModel, ConfigDict, Field
 from pagedbatch.api.auth import require_admin
 from pagedbatch.api.deps import ServicesDep
 from pagedbatch.api.routes.openapi import error_responses, json_body
+from pagedbatch.costs import price_adapters
 from pagedbatch.engine import AsyncLLM
 from pagedbatch.engine.lora.registry import LoraInUse, LoraNameError, UnknownLora
 from pagedbatch.protocol.errors import OpenAIError
@@ -72,6 +73,9 @@ async def load_lora_adapter(
         raise OpenAIError(str(e), param="lora_name") from None
     except ValueError as e:
         raise OpenAIError(str(e), param="lora_path") from None
+    # The service's one price table, which the spend guard and the ledger read: priced as its
+    # model unless the operator priced it, the adapter's usage counts against spend limits.
+    price_adapters(services.settings.prices, [params.lora_name], engine.engine.model_name)
     return PlainTextResponse(f"Success: LoRA adapter '{params.lora_name}' added successfully.")
 
 

@@ -76,3 +76,34 @@ def test_an_operator_loads_and_unloads_an_adapter(serve_batches, tiny_llama, ada
     assert models() == {"tiny": None}
     answer = post("completions", {**request, "model": "mine"}, tenant)
     assert answer.status_code == 404 and answer.json()["error"]["code"] == "model_not_found"
+
+
+def test_an_adapter_loaded_at_run_time_costs_what_its_model_costs(
+    serve_batches, adapter: Path
+) -> None:
+    """Unpriced, a run-time adapter would cost nothing and pass every spend limit: it is priced
+    as its model, unless the operator priced it under its own name."""
+    server = serve_batches(
+        enable_lora=True,
+        admin_keys=ADMIN,
+        api_keys=TENANT,
+        prices={"tiny": {"input": 10_000.0, "output": 10_000.0}, "free": {"input": 0, "output": 0}},
+        key_monthly_spend_limit_usd=0.01,  # less than one request's worst case at tiny's price
+    )
+    admin = {"authorization": f"Bearer {ADMIN}"}
+    tenant = {"authorization": f"Bearer {TENANT}"}
+    request = {"prompt": "hello", "max_tokens": MAX_TOKENS, "temperature": 0}
+
+    def complete(model: str) -> httpx.Response:
+        body = {**request, "model": model}
+        return httpx.post(f"{server.url}/v1/completions", json=body, headers=tenant, timeout=60)
+
+    for name in ("mine", "free"):
+        body = {"lora_name": name, "lora_path": str(adapter)}
+        loaded = httpx.post(f"{server.url}/v1/load_lora_adapter", json=body, headers=admin)
+        assert loaded.status_code == 200, loaded.text
+    for model in ("tiny", "mine"):
+        refused = complete(model)
+        assert refused.status_code == 429, (model, refused.text)
+        assert refused.json()["error"]["code"] == "insufficient_quota"
+    assert complete("free").status_code == 200
