@@ -41,6 +41,8 @@ adapters, so that no step holds more than the model has slots for. A waiting req
 adapter waits for one of them to drain; base-model requests behind it may start, but no request
 of any adapter may (`_AdapterGate`), so that a steady stream of one adapter's requests cannot
 keep another's out: it waits at most until the running requests of one adapter have finished.
+A request of a better priority or user priority (a realtime one) does not wait: it preempts the
+running requests of one adapter that are all worse than it, the fewest such.
 
 A request's images and audio clips are encoded in the step that first reaches their
 placeholders, within a per-step encoder budget and the encoder cache's room (`encoder_cache`): a
@@ -254,23 +256,58 @@ class Scheduler:
         return cdiv(first_chunk, self.kv.block_size)
 
     def _make_room_for_better_waiting(self, out: SchedulerOutput) -> None:
-        """A waiting request that outranks running ones takes their seats or blocks."""
+        """A waiting request that outranks running ones takes their seats, blocks or LoRA slot."""
         free_blocks = self.kv.pool.num_free_blocks
         free_seats = self.max_num_seqs - len(self.running)
+        promised: set[str] = set()  # adapters of the waiting requests given room so far
+
+        def evict(victim: Request) -> None:
+            nonlocal free_blocks, free_seats
+            free_blocks += len(self.kv.block_ids(victim.request_id))
+            free_seats += 1
+            self._preempt(victim)
+            out.preempted.append(victim)
+
         for waiting in list(self.waiting):
+            victims = self._adapter_slot_victims(waiting, promised)
+            if victims is None:
+                return
+            for victim in victims:
+                evict(victim)
             need = self._blocks_needed(waiting)
             while (free_seats < 1 or free_blocks < need) and self.running:
                 victim = self.running[-1]
                 if self._key(victim) <= self._key(waiting):
                     return
-                free_blocks += len(self.kv.block_ids(victim.request_id))
-                free_seats += 1
-                self._preempt(victim)
-                out.preempted.append(victim)
+                evict(victim)
             if free_seats < 1 or free_blocks < need:
                 return
             free_seats -= 1
             free_blocks -= need
+            if waiting.lora_name is not None:
+                promised.add(waiting.lora_name)
+
+    def _adapter_slot_victims(self, waiting: Request, promised: set[str]) -> list[Request] | None:
+        """What `waiting` must preempt to hold its LoRA adapter among at most `max_loras` (with
+        those `promised` to better waiting requests): nothing where its adapter runs or a slot
+        is free; else the running requests of one adapter, every one of a worse priority or
+        user priority than `waiting`'s (arrival alone never preempts), the adapter with fewest
+        of them; None where no adapter's are all worse. So a realtime request never waits for
+        batch lines of other adapters to finish, and the lines it preempts, being worse, cannot
+        preempt it back."""
+        name = waiting.lora_name
+        if name is None or self.max_loras is None:
+            return []
+        held: dict[str, list[Request]] = {}
+        for request in self.running:
+            if request.lora_name is not None:
+                held.setdefault(request.lora_name, []).append(request)
+        taken = held.keys() | promised
+        if name in taken or len(taken) < self.max_loras:
+            return []
+        rank = self._key(waiting)[:2]
+        worse = [group for group in held.values() if all(self._key(r)[:2] > rank for r in group)]
+        return min(worse, key=len) if worse else None
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()

@@ -16,9 +16,11 @@ def make_scheduler(max_loras: int, max_seqs: int = 8) -> Scheduler:
     return Scheduler(kv, max_seqs, 64, "priority", max_loras=max_loras)
 
 
-def req(rid: str, lora: str | None, arrival: float) -> Request:
+def req(rid: str, lora: str | None, arrival: float, priority: int = 1) -> Request:
+    """A request of `priority` (0: realtime, 1: a batch line)."""
     request = Request(rid, [1, 2, 3, 4, 5], SamplingParams(), arrival_time=arrival)
     request.lora_name = lora
+    request.priority = priority
     return request
 
 
@@ -65,6 +67,38 @@ def test_every_request_of_many_adapters_over_few_slots_runs_and_no_step_holds_mo
         steps += 1
         assert steps < 200
     assert all(r.status is RequestStatus.FINISHED_STOPPED for r in requests)
+
+
+def test_a_realtime_request_preempts_the_fewest_batch_lines_of_one_adapter_for_a_slot():
+    sched = make_scheduler(max_loras=2)
+    for i, lora in enumerate(["a", "a", "b", None]):
+        sched.add(req(f"batch-{i}-{lora}", lora, arrival=i))
+    step(sched)
+    assert adapters(sched) == {"a", "b"}
+    sched.add(req("rt-c", "c", arrival=10, priority=0))
+    out = sched.schedule()
+    # "b" has one line running, "a" two: b's line makes way, and rt-c runs in this very step.
+    assert [r.request_id for r in out.preempted] == ["batch-2-b"]
+    assert "rt-c" in [s.request.request_id for s in out.scheduled]
+    assert adapters(sched) == {"a", "c"}
+    # The preempted line, a batch line, cannot take the slot back from a realtime request: it
+    # waits for one, as any line does.
+    for _ in range(3):
+        step(sched)
+        assert [r.request_id for r in sched.waiting] == ["batch-2-b"]
+
+
+def test_arrival_alone_never_preempts_for_an_adapter_slot():
+    sched = make_scheduler(max_loras=1)
+    sched.add(req("late-a", "a", arrival=5))
+    step(sched)
+    sched.add(req("early-b", "b", arrival=0))  # an earlier line of the same priority
+    out = sched.schedule()
+    assert not out.preempted and [r.request_id for r in sched.waiting] == ["early-b"]
+    urgent = req("urgent-b", "b", arrival=9)
+    urgent.user_priority = -5  # a batch line of better user priority
+    sched.add(urgent)
+    assert [r.request_id for r in sched.schedule().preempted] == ["late-a"]
 
 
 def test_without_adapters_served_the_waiting_queue_is_unchanged():
