@@ -12,6 +12,7 @@ import torch
 
 from pagedbatch.engine.worker.distributed import divide
 from pagedbatch.engine.worker.gguf import find_gguf, metadata_dir
+from pagedbatch.kernels.kv_quant import KV_CACHE_DTYPES
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 SCHEDULING_POLICIES = ("priority", "fcfs")
@@ -144,6 +145,16 @@ class EngineArgs:
         "of free memory. On CPU its pages are committed as blocks are first used, so RSS grows "
         "to it under load and then stays",
         gt=0,
+    )
+    kv_cache_dtype: str = arg(
+        "auto",
+        doc="how the KV cache stores keys and values: auto in the activations' dtype (see dtype); "
+        "int8 or fp8 (float8 e4m3) as one byte an element with a float32 scale per token and "
+        "KV head, so the same memory holds about twice the tokens of a bfloat16 cache (four "
+        "times a float32 one) and decode attention reads that much less; outputs are close to, "
+        "not identical with, auto's. Not with the fused decode layer of quantization gguf, "
+        "whose decode steps then take the unfused path",
+        choices=KV_CACHE_DTYPES,
     )
     enable_prefix_caching: bool = arg(
         True, doc="requests whose prompts share a prefix share its KV blocks"

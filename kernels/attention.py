@@ -36,7 +36,8 @@ from dataclasses import dataclass, field
 import torch
 import torch.nn.functional as F
 
-from pagedbatch.kernels import native
+from pagedbatch.kernels import kv_quant, native
+from pagedbatch.kernels.kv_quant import KVCacheTensor, QuantizedCache
 
 # Keys plus values gathered per decode call. Measured on the 2-core CPU: one gather of a whole
 # 64 x 400 batch ran up to twice as slow as chunks of 4-16 MiB, whose copy is still cached when
@@ -160,11 +161,16 @@ def prepare_attention(
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes key/value `[num_tokens, num_kv_heads, head_dim]` into their slots of the cache."""
+    """Writes key/value `[num_tokens, num_kv_heads, head_dim]` into their slots of the cache
+    (quantized, each row with its scale, into a QuantizedCache)."""
+    if isinstance(key_cache, QuantizedCache):
+        kv_quant.write(key_cache, key, slot_mapping)
+        kv_quant.write(value_cache, value, slot_mapping)
+        return
     num_kv_heads, head_dim = key_cache.shape[2:]
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
@@ -172,8 +178,8 @@ def reshape_and_cache(
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -181,18 +187,25 @@ def paged_attention(
     """Causal attention of query `[num_tokens, num_heads, head_dim]` over each sequence's cached
     context; returns the same shape. A query at position p attends keys k <= p, and with a sliding
     window w only those with p - k < w (as transformers' Mistral and Qwen2 do). Query head h reads
-    KV head h // (num_heads // num_kv_heads)."""
+    KV head h // (num_heads // num_kv_heads). A quantized cache's rows are dequantized to the
+    query's dtype as they are gathered (the C kernel dequantizes in its inner loop)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    keys = key_cache.view(-1, num_kv_heads, head_dim)
-    values = value_cache.view(-1, num_kv_heads, head_dim)
-    buffer = _workspace(key_cache)
+    quantized = isinstance(key_cache, QuantizedCache)
+    buffer = _workspace(key_cache, query.dtype if quantized else None)
     max_rows = buffer.shape[1]
     in_place = query.dtype == torch.float32 and query.device.type == "cpu"
     lib = native.library() if in_place else None
     plan = _plan(meta, sliding_window, query.dtype, max_rows, lib is not None)
 
     def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        if quantized:  # dequantized into fresh tensors: their bytes are not the cache's
+            return (
+                kv_quant.gather(key_cache, slots, query.dtype),
+                kv_quant.gather(value_cache, slots, query.dtype),
+            )
+        keys = key_cache.view(-1, num_kv_heads, head_dim)
+        values = value_cache.view(-1, num_kv_heads, head_dim)
         n = slots.numel()
         if n > max_rows:  # one long prefill: a buffer of its own, not kept
             return keys.index_select(0, slots), values.index_select(0, slots)
@@ -280,11 +293,15 @@ def _flash(
     )
 
 
+# The C kernel's codes for the cache formats it reads (cpu_attention.c's `enum kv_format`).
+_C_FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
+
+
 def _decode_in_place(
     lib: ctypes.CDLL,
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     meta: AttentionMetadata,
     rows: _DecodeRows,
     scale: float,
@@ -292,8 +309,15 @@ def _decode_in_place(
 ) -> None:
     num_heads, head_dim = query.shape[1:]
     tables = rows.tables
-    status = lib.paged_decode_attention(
-        query.data_ptr(), key_cache.data_ptr(), value_cache.data_ptr(),
+    if isinstance(key_cache, QuantizedCache):
+        caches = (key_cache.data, value_cache.data, key_cache.scales, value_cache.scales)
+    else:
+        caches = (key_cache, value_cache, None, None)
+    fmt = _C_FORMATS.get(key_cache.dtype)
+    if fmt is None:
+        raise ValueError(f"the C decode kernel reads no {key_cache.dtype} cache")
+    status = lib.paged_decode_attention_kv(
+        query.data_ptr(), *(0 if t is None else t.data_ptr() for t in caches), fmt,
         tables.data_ptr(), tables.shape[1],
         rows.token_rows.data_ptr(), rows.table_rows.data_ptr(), rows.first_keys.data_ptr(),
         rows.seq_lens.data_ptr(), rows.token_rows.numel(),
@@ -307,20 +331,20 @@ def _decode_in_place(
 _local = threading.local()
 
 
-def _workspace(cache: torch.Tensor) -> torch.Tensor:
-    """A `[2, rows, num_kv_heads, head_dim]` buffer for gathered keys and values, kept per thread
-    and cache layout: a fresh one per call would cost page faults on every layer."""
+def _workspace(cache: KVCacheTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """A `[2, rows, num_kv_heads, head_dim]` buffer for gathered keys and values in `dtype`
+    (default the cache's; a quantized cache's rows are gathered in the query's), kept per thread
+    and layout: a fresh one per call would cost page faults on every layer."""
     buffers: dict[tuple, torch.Tensor] = _local.__dict__.setdefault("buffers", {})
-    row_shape = tuple(cache.shape[2:])
-    key = (cache.dtype, cache.device, row_shape)
+    dtype = dtype or cache.dtype
+    device, row_shape = cache.device, tuple(cache.shape[2:])
+    key = (dtype, device, row_shape)
     if key not in buffers:
-        row_bytes = cache[0, 0].numel() * cache.element_size()
+        row_bytes = row_shape[0] * row_shape[1] * dtype.itemsize
         rows = max(1, _GATHER_BYTES // (2 * row_bytes))
         # A normal tensor, not an inference one: it may be written in and out of inference mode.
         with torch.inference_mode(False):
-            buffers[key] = torch.empty(
-                (2, rows, *row_shape), dtype=cache.dtype, device=cache.device
-            )
+            buffers[key] = torch.empty((2, rows, *row_shape), dtype=dtype, device=device)
     return buffers[key]
 
 

@@ -22,6 +22,12 @@
  * Vectors are GCC vector extensions of W floats, one AVX-512 register where the CPU has it (the
  * library is built with -march=native), else eight; head sizes that are no multiple of W take a
  * scalar loop.
+ *
+ * The cache may be float32 or quantized (kv_quant.py): int8 or float8 e4m3 elements, each
+ * (slot, KV head) row with a float32 scale in `key_scales`/`value_scales`
+ * [num_blocks, block_size, num_kv_heads]. Elements are widened to floats as they are loaded (a
+ * byte's W lanes at a time); a key's scale multiplies its score and a value's scale its weight,
+ * so dequantizing costs no multiply an element.
  */
 #include <math.h>
 #include <stdint.h>
@@ -37,6 +43,13 @@
 
 typedef float vec __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
+typedef int8_t i8vec __attribute__((vector_size(W)));
+typedef uint8_t u8vec __attribute__((vector_size(W)));
+
+/* How the cache's elements are stored: attention.py's _C_FORMATS. */
+enum kv_format { KV_FLOAT32 = 0, KV_INT8 = 1, KV_FP8 = 2 };
+
+static inline int64_t element_size(enum kv_format fmt) { return fmt == KV_FLOAT32 ? 4 : 1; }
 
 static inline vec load(const float *p) {
     vec v;
@@ -57,6 +70,44 @@ static inline ivec lane_index(void) {
 static inline vec vmax(vec a, vec b) {
     const ivec greater = a > b;
     return (vec)(((ivec)a & greater) | ((ivec)b & ~greater));
+}
+
+/* W float8 e4m3 (sign, 4 exponent bits of bias 7, 3 mantissa bits; no infinities) as floats:
+ * (8 + m) * 2^(e - 10), or m * 2^-9 for e = 0 (the subnormals), built from integers so that no
+ * float subnormal (slow on some CPUs) appears on the way. Exact: every e4m3 value is a float. */
+static inline vec fp8_to_float(u8vec bytes) {
+    const ivec x = __builtin_convertvector(bytes, ivec);
+    const ivec e = (x >> 3) & 15, normal = e != 0; /* all ones where e > 0 */
+    const vec mantissa = __builtin_convertvector((x & 7) | (normal & 8), vec);
+    const ivec power = ((e | (~normal & 1)) + 117) << 23; /* 2^(max(e, 1) - 10) */
+    return (vec)((ivec)(mantissa * (vec)power) | ((x & 0x80) << 24));
+}
+
+static inline float fp8_scalar(uint8_t b) {
+    const int e = (b >> 3) & 15, m = b & 7;
+    const float magnitude = e ? ldexpf((float)(m | 8), e - 10) : ldexpf((float)m, -9);
+    return b & 0x80 ? -magnitude : magnitude;
+}
+
+/* W elements of the cache from p (unscaled) as floats. */
+static inline __attribute__((always_inline)) vec load_kv(const uint8_t *p, enum kv_format fmt) {
+    if (fmt == KV_FLOAT32) return load((const float *)p);
+    if (fmt == KV_INT8) {
+        i8vec b;
+        memcpy(&b, p, sizeof b);
+        return __builtin_convertvector(b, vec);
+    }
+    u8vec b;
+    memcpy(&b, p, sizeof b);
+    return fp8_to_float(b);
+}
+
+/* Element i of the cache row at p (unscaled). */
+static inline __attribute__((always_inline)) float kv_element(const uint8_t *p, int64_t i,
+                                                             enum kv_format fmt) {
+    if (fmt == KV_FLOAT32) return ((const float *)p)[i];
+    if (fmt == KV_INT8) return (float)((const int8_t *)p)[i];
+    return fp8_scalar(p[i]);
 }
 
 /* Lane i of the result is the sum of a[i]'s lanes: a transpose of W vectors folded into one. Each
@@ -81,13 +132,13 @@ static inline __attribute__((always_inline)) vec sum_lanes(vec a[W]) {
  * and a sequence's next block is anywhere in the cache. */
 #define AHEAD 2
 
-static inline void prefetch_rows(const float *cache, const int32_t *table, int64_t j,
-                                 int64_t last_block, int64_t block_size, int64_t row, int64_t lo,
-                                 int64_t hi, int64_t span_lo, int64_t span) {
+static inline void prefetch_rows(const uint8_t *cache, const int32_t *table, int64_t j,
+                                 int64_t last_block, int64_t block_size, int64_t row_bytes,
+                                 int64_t lo, int64_t hi, int64_t span_lo, int64_t span) {
     if (j > last_block) return;
-    const float *base = cache + (int64_t)table[j] * block_size * row + span_lo;
+    const uint8_t *base = cache + (int64_t)table[j] * block_size * row_bytes + span_lo;
     for (int64_t r = lo; r < hi && r < block_size; ++r)
-        for (int64_t i = 0; i < span; i += 16) __builtin_prefetch(base + r * row + i, 0, 1);
+        for (int64_t i = 0; i < span; i += 64) __builtin_prefetch(base + r * row_bytes + i, 0, 1);
 }
 
 /* One work item: a sequence's query heads of KV heads kv_lo .. kv_hi - 1 and where it reads and
@@ -97,36 +148,46 @@ struct item {
     float *out, *scores;
     const int32_t *table;
     int64_t first, len, ctx, kv_lo, kv_hi, h_lo, heads, group, row, head_dim, block_size;
+    int64_t kv_heads; /* a slot's scales are kv_heads floats (a quantized cache's) */
     float scale;
     vec *top; /* each head's running maximum of its scores, lane-wise */
 };
 
-static inline float dot(const float *restrict a, const float *restrict b, int64_t n) {
+static inline __attribute__((always_inline)) float dot(const float *restrict a,
+                                                       const uint8_t *restrict b, int64_t n,
+                                                       enum kv_format fmt) {
     float acc = 0.0f;
 #pragma omp simd reduction(+ : acc)
-    for (int64_t d = 0; d < n; ++d) acc += a[d] * b[d];
+    for (int64_t d = 0; d < n; ++d) acc += a[d] * kv_element(b, d, fmt);
     return acc;
 }
 
 /* Whether head_dim suits the vector paths: a multiple of W that the registers hold. */
 static inline int vectorized(int64_t head_dim) { return head_dim % W == 0 && head_dim <= MAX_DIM; }
 
-/* The scores of `rows` (1 to W) consecutive slots whose keys start at k, the n-th of the context
- * onwards, for each of the item's heads; each head's maximum takes them in. */
+/* The scores of `rows` (1 to W) consecutive slots whose keys start at k (their scales at ks,
+ * a quantized cache's), the n-th of the context onwards, for each of the item's heads; each
+ * head's maximum takes them in. */
 static inline __attribute__((always_inline)) void chunk_scores(const struct item *it,
-                                                              const float *restrict k,
-                                                              int64_t rows, int64_t n) {
-    const int64_t head_dim = it->head_dim, row = it->row;
+                                                              const uint8_t *restrict k,
+                                                              const float *restrict ks,
+                                                              int64_t rows, int64_t n,
+                                                              enum kv_format fmt) {
+    const int64_t head_dim = it->head_dim, row = it->row, es = element_size(fmt);
     /* Lanes past `rows` are no slots: -inf, so that they count for nothing in the maximum. */
     const ivec past = lane_index() >= (int32_t)rows;
     const vec nothing = splat(-INFINITY);
     for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
-        const float *kg = k + g * head_dim;
+        const uint8_t *kg = k + g * head_dim * es;
+        /* Each slot's key scale, times the softmax scale (lanes past `rows` are masked below). */
+        vec scales = splat(it->scale);
+        if (fmt != KV_FLOAT32)
+            for (int o = 0; o < W; ++o) scales[o] *= o < rows ? ks[o * it->kv_heads + g] : 0.0f;
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             float *sh = it->scores + i * it->ctx + n;
             if (!vectorized(head_dim)) {
                 for (int64_t r = 0; r < rows; ++r) {
-                    sh[r] = it->scale * dot(it->q + h * head_dim, kg + r * row, head_dim);
+                    sh[r] = scales[r] * dot(it->q + h * head_dim, kg + r * row * es, head_dim, fmt);
                     /* one lane of the running maximum serves: the others stay -inf */
                     it->top[i][0] = sh[r] > it->top[i][0] ? sh[r] : it->top[i][0];
                 }
@@ -139,10 +200,11 @@ static inline __attribute__((always_inline)) void chunk_scores(const struct item
             for (int o = 0; o < W; ++o) {
                 vec a = {0};
                 if (o < rows)
-                    for (int64_t d = 0; d < head_dim; d += W) a += qh[d / W] * load(kg + o * row + d);
+                    for (int64_t d = 0; d < head_dim; d += W)
+                        a += qh[d / W] * load_kv(kg + (o * row + d) * es, fmt);
                 acc[o] = a;
             }
-            vec sc = sum_lanes(acc) * it->scale;
+            vec sc = sum_lanes(acc) * scales;
             if (rows == W) {
                 store(sh, sc);
             } else {
@@ -154,29 +216,38 @@ static inline __attribute__((always_inline)) void chunk_scores(const struct item
     }
 }
 
-/* Adds the values of `rows` consecutive slots whose values start at v, the n-th of the context
- * onwards, to each of the item's heads' outputs, weighted by the head's scores (by then
- * exponentiated): out_h += sum over o of w_h[n + o] * value o of KV head h / group. */
+/* Adds the values of `rows` consecutive slots whose values start at v (their scales at vs, a
+ * quantized cache's), the n-th of the context onwards, to each of the item's heads' outputs,
+ * weighted by the head's scores (by then exponentiated):
+ * out_h += sum over o of w_h[n + o] * value o of KV head h / group. */
 static inline __attribute__((always_inline)) void chunk_values(const struct item *it,
-                                                              const float *restrict v,
-                                                              int64_t rows, int64_t n) {
-    const int64_t head_dim = it->head_dim, row = it->row;
+                                                              const uint8_t *restrict v,
+                                                              const float *restrict vs,
+                                                              int64_t rows, int64_t n,
+                                                              enum kv_format fmt) {
+    const int64_t head_dim = it->head_dim, row = it->row, es = element_size(fmt);
     for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
-        const float *vg = v + g * head_dim;
+        const uint8_t *vg = v + g * head_dim * es;
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             const float *w = it->scores + i * it->ctx + n;
             float *o = it->out + h * head_dim;
             if (!vectorized(head_dim)) {
-                for (int64_t r = 0; r < rows; ++r)
+                for (int64_t r = 0; r < rows; ++r) {
+                    const float weight =
+                        fmt == KV_FLOAT32 ? w[r] : w[r] * vs[r * it->kv_heads + g];
+                    const uint8_t *vr = vg + r * row * es;
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) o[d] += w[r] * vg[r * row + d];
+                    for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * kv_element(vr, d, fmt);
+                }
                 continue;
             }
             vec acc[MAX_DIM / W];
             for (int64_t d = 0; d < head_dim; d += W) acc[d / W] = load(o + d);
             for (int64_t r = 0; r < rows; ++r) {
-                const vec weight = splat(w[r]);
-                for (int64_t d = 0; d < head_dim; d += W) acc[d / W] += weight * load(vg + r * row + d);
+                const vec weight =
+                    splat(fmt == KV_FLOAT32 ? w[r] : w[r] * vs[r * it->kv_heads + g]);
+                for (int64_t d = 0; d < head_dim; d += W)
+                    acc[d / W] += weight * load_kv(vg + (r * row + d) * es, fmt);
             }
             for (int64_t d = 0; d < head_dim; d += W) store(o + d, acc[d / W]);
         }
@@ -188,26 +259,43 @@ static inline __attribute__((always_inline)) void chunk_values(const struct item
 enum pass { KEYS, VALUES };
 
 static inline __attribute__((always_inline)) void walk(const struct item *it, enum pass pass,
-                                                      const float *restrict cache) {
+                                                      const uint8_t *restrict cache,
+                                                      const float *restrict scales,
+                                                      enum kv_format fmt) {
     const int64_t first_block = it->first / it->block_size;
     const int64_t last_block = (it->len - 1) / it->block_size;
-    const int64_t span_lo = it->kv_lo * it->head_dim, span = (it->kv_hi - it->kv_lo) * it->head_dim;
-    const int64_t block_size = it->block_size, row = it->row;
-    for (int64_t j = first_block; j < first_block + AHEAD; ++j)
-        prefetch_rows(cache, it->table, j, last_block, block_size, row, 0, block_size, span_lo,
-                      span);
+    const int64_t es = element_size(fmt), row_bytes = it->row * es;
+    const int64_t span_lo = it->kv_lo * it->head_dim * es;
+    const int64_t span = (it->kv_hi - it->kv_lo) * it->head_dim * es;
+    const int64_t block_size = it->block_size, kv_heads = it->kv_heads;
+    /* A quantized cache's scales, a slot's kv_heads floats, are asked for ahead as its rows. */
+    const int64_t scale_row = kv_heads * (int64_t)sizeof(float);
+    const uint8_t *scale_bytes = (const uint8_t *)scales;
+    for (int64_t j = first_block; j < first_block + AHEAD; ++j) {
+        prefetch_rows(cache, it->table, j, last_block, block_size, row_bytes, 0, block_size,
+                      span_lo, span);
+        if (fmt != KV_FLOAT32)
+            prefetch_rows(scale_bytes, it->table, j, last_block, block_size, scale_row, 0,
+                          block_size, 0, scale_row);
+    }
     for (int64_t j = first_block, n = 0; j <= last_block; ++j) {
         const int64_t lo = j == first_block ? it->first % block_size : 0;
         const int64_t hi = j == last_block ? (it->len - 1) % block_size + 1 : block_size;
-        const float *block = cache + (int64_t)it->table[j] * block_size * row;
+        const uint8_t *block = cache + (int64_t)it->table[j] * block_size * row_bytes;
+        const float *block_scales =
+            fmt == KV_FLOAT32 ? NULL : scales + (int64_t)it->table[j] * block_size * kv_heads;
         for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
             rows = hi - o < W ? hi - o : W;
-            prefetch_rows(cache, it->table, j + AHEAD, last_block, block_size, row, o, o + W,
+            prefetch_rows(cache, it->table, j + AHEAD, last_block, block_size, row_bytes, o, o + W,
                           span_lo, span);
+            if (fmt != KV_FLOAT32 && o % (64 / sizeof(float)) == 0)
+                prefetch_rows(scale_bytes, it->table, j + AHEAD, last_block, block_size,
+                              scale_row, o, o + W, 0, scale_row);
+            const float *chunk_scales = block_scales ? block_scales + o * kv_heads : NULL;
             if (pass == KEYS)
-                chunk_scores(it, block + o * row, rows, n);
+                chunk_scores(it, block + o * row_bytes, chunk_scales, rows, n, fmt);
             else
-                chunk_values(it, block + o * row, rows, n);
+                chunk_values(it, block + o * row_bytes, chunk_scales, rows, n, fmt);
         }
     }
 }
@@ -254,12 +342,15 @@ static float exponentiate(float *restrict s, int64_t count, float top) {
 
 /* Attention of one work item (see `struct item`). */
 static inline __attribute__((always_inline)) void attend(struct item *it,
-                                                        const float *restrict key_cache,
-                                                        const float *restrict value_cache) {
+                                                        const uint8_t *restrict key_cache,
+                                                        const uint8_t *restrict value_cache,
+                                                        const float *restrict key_scales,
+                                                        const float *restrict value_scales,
+                                                        enum kv_format fmt) {
     vec top[it->heads];
     for (int64_t i = 0; i < it->heads; ++i) top[i] = splat(-INFINITY);
     it->top = top;
-    walk(it, KEYS, key_cache);
+    walk(it, KEYS, key_cache, key_scales, fmt);
 
     float inv[it->heads];
     for (int64_t i = 0; i < it->heads; ++i) {
@@ -269,21 +360,42 @@ static inline __attribute__((always_inline)) void attend(struct item *it,
         float *o = it->out + (it->h_lo + i) * it->head_dim;
         for (int64_t d = 0; d < it->head_dim; ++d) o[d] = 0.0f;
     }
-    walk(it, VALUES, value_cache);
+    walk(it, VALUES, value_cache, value_scales, fmt);
     for (int64_t i = 0; i < it->heads; ++i) {
         float *o = it->out + (it->h_lo + i) * it->head_dim;
         for (int64_t d = 0; d < it->head_dim; ++d) o[d] *= inv[i];
     }
 }
 
+/* `attend` with the format as a constant, so that each format's loops are compiled for it. */
+static inline __attribute__((always_inline)) void attend_format(struct item *it,
+                                                               const uint8_t *key_cache,
+                                                               const uint8_t *value_cache,
+                                                               const float *key_scales,
+                                                               const float *value_scales,
+                                                               enum kv_format fmt) {
+    if (fmt == KV_INT8)
+        attend(it, key_cache, value_cache, key_scales, value_scales, KV_INT8);
+    else if (fmt == KV_FP8)
+        attend(it, key_cache, value_cache, key_scales, value_scales, KV_FP8);
+    else
+        attend(it, key_cache, value_cache, key_scales, value_scales, KV_FLOAT32);
+}
+
 /* Returns 0, or -1 when a thread could not allocate its score buffer (nothing is written then by
- * that thread; the caller treats the whole call as failed). */
-int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
-                           const int32_t *block_tables, int64_t table_width,
-                           const int64_t *token_rows, const int64_t *table_rows,
-                           const int64_t *first_keys, const int64_t *seq_lens, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int num_threads, float *out) {
+ * that thread; the caller treats the whole call as failed), -2 for a format it does not know.
+ * key_scales and value_scales are a quantized cache's (NULL for float32). */
+int paged_decode_attention_kv(const float *query, const void *key_cache, const void *value_cache,
+                              const float *key_scales, const float *value_scales, int format,
+                              const int32_t *block_tables, int64_t table_width,
+                              const int64_t *token_rows, const int64_t *table_rows,
+                              const int64_t *first_keys, const int64_t *seq_lens,
+                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, float scale, int num_threads,
+                              float *out) {
+    if (format != KV_FLOAT32 && format != KV_INT8 && format != KV_FP8) return -2;
+    const enum kv_format fmt = (enum kv_format)format;
+    const uint8_t *keys = key_cache, *values = value_cache;
     const int64_t group = num_heads / num_kv_heads;
     /* A whole sequence per work item reads its blocks front to back; with too few sequences to
      * keep every thread busy, each KV head is an item of its own. */
@@ -319,20 +431,34 @@ int paged_decode_attention(const float *query, const float *key_cache, const flo
                 .row = num_kv_heads * head_dim,
                 .head_dim = head_dim,
                 .block_size = block_size,
+                .kv_heads = num_kv_heads,
                 .scale = scale,
             };
             /* The common head sizes as constants: their loops unroll and keep to registers. */
             if (head_dim == 64) {
                 it.head_dim = 64;
-                attend(&it, key_cache, value_cache);
+                attend_format(&it, keys, values, key_scales, value_scales, fmt);
             } else if (head_dim == 128) {
                 it.head_dim = 128;
-                attend(&it, key_cache, value_cache);
+                attend_format(&it, keys, values, key_scales, value_scales, fmt);
             } else {
-                attend(&it, key_cache, value_cache);
+                attend_format(&it, keys, values, key_scales, value_scales, fmt);
             }
         }
         free(scores);
     }
     return failed ? -1 : 0;
+}
+
+/* The float32 cache's entry (decode_layer.c's): paged_decode_attention_kv without scales. */
+int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
+                           const int32_t *block_tables, int64_t table_width,
+                           const int64_t *token_rows, const int64_t *table_rows,
+                           const int64_t *first_keys, const int64_t *seq_lens, int64_t num_seqs,
+                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
+                           int64_t block_size, float scale, int num_threads, float *out) {
+    return paged_decode_attention_kv(query, key_cache, value_cache, NULL, NULL, KV_FLOAT32,
+                                     block_tables, table_width, token_rows, table_rows,
+                                     first_keys, seq_lens, num_seqs, num_heads, num_kv_heads,
+                                     head_dim, block_size, scale, num_threads, out);
 }

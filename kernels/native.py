@@ -45,6 +45,14 @@ SIGNATURES: dict[str, list[type]] = {
         _i64, _i64, _i64, _i64,  # heads, KV heads, head dim, block size
         _f32, _i32, _ptr,  # scale, threads, out
     ],
+    "paged_decode_attention_kv": [
+        _ptr, _ptr, _ptr,  # query, key cache, value cache
+        _ptr, _ptr, _i32,  # key scales, value scales (a quantized cache's), format
+        _ptr, _i64,  # block tables, their width
+        _ptr, _ptr, _ptr, _ptr, _i64,  # token rows, table rows, first keys, seq lens, how many
+        _i64, _i64, _i64, _i64,  # heads, KV heads, head dim, block size
+        _f32, _i32, _ptr,  # scale, threads, out
+    ],
     "rotary_embedding": [
         _ptr, _i64,  # positions, how many
         _ptr, _i64, _i64,  # query, its token stride, its heads

@@ -13,6 +13,13 @@ are numbered from `query_start_loc[i] // BLOCK_Q + i`, a strictly increasing seq
 search over `query_start_loc` finds a program's sequence. The grid `num_tokens // BLOCK_Q +
 num_seqs` covers every sequence's query blocks; programs past a sequence's last token exit at once.
 The launch thus needs nothing from the device, and costs no synchronisation.
+
+A quantized cache (kv_quant.py: int8 or float8 e4m3 elements, a float32 scale per slot and KV
+head) is read as bytes and widened to floats in the kernel (e4m3 by its bits, so that neither
+the GPU's float8 support nor the interpreter's matters); a key's scale multiplies its column of
+scores and a value's scale its column of probabilities, so the tiles' dots take the stored values
+as they are (every int8 and e4m3 value is exact in bfloat16 and float16). The cache write
+quantizes through torch (kv_quant.write): a few elementwise kernels per layer, not fused yet.
 """
 
 from __future__ import annotations
@@ -23,9 +30,27 @@ import torch
 import triton
 import triton.language as tl
 
+from pagedbatch.kernels import attention, kv_quant
 from pagedbatch.kernels.attention import AttentionMetadata
+from pagedbatch.kernels.kv_quant import KVCacheTensor, QuantizedCache
 
 _LOG2_E = math.log2(math.e)
+# The kernel's KV_FORMAT: how a cache's elements are stored.
+_AS_IS, _INT8, _FP8 = 0, 1, 2
+
+
+@triton.jit
+def _widen(raw, KV_FORMAT: tl.constexpr):
+    """Stored cache elements as float32 (unscaled): float8 e4m3 from its bits (loaded as uint8),
+    (8 + m) * 2^(e - 10), or m * 2^-9 where e = 0, as cpu_attention.c's fp8_to_float."""
+    if KV_FORMAT == 2:
+        x = raw.to(tl.int32)
+        e = (x >> 3) & 15
+        mantissa = tl.where(e != 0, (x & 7) | 8, x & 7).to(tl.float32)
+        power = ((tl.maximum(e, 1) + 117) << 23).to(tl.float32, bitcast=True)
+        magnitude = mantissa * power
+        return tl.where((x & 0x80) != 0, -magnitude, magnitude)
+    return raw.to(tl.float32)
 
 
 @triton.jit
@@ -49,6 +74,8 @@ def _paged_attention_kernel(
     query,
     key_cache,
     value_cache,
+    key_scales,
+    value_scales,
     block_tables,
     query_start_loc,
     seq_lens,
@@ -66,6 +93,8 @@ def _paged_attention_kernel(
     stride_vb,
     stride_vs,
     stride_vh,
+    stride_sb,
+    stride_ss,
     stride_bt,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -75,6 +104,7 @@ def _paged_attention_kernel(
     BLOCK_N: tl.constexpr,
     SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
+    KV_FORMAT: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -127,9 +157,13 @@ def _paged_attention_kernel(
         k = tl.load(
             key_cache + k_rows[None, :] + dims[:, None],
             mask=k_ok[None, :] & dim_ok[:, None],
-            other=0.0,
-        ).to(DOT_DTYPE)
+            other=0,
+        )
+        k = _widen(k, KV_FORMAT).to(DOT_DTYPE)
         scores = tl.dot(q, k, input_precision="ieee") * scale_log2
+        if KV_FORMAT != 0:  # each key's scale, on its column of scores
+            s_rows = block * stride_sb + offset * stride_ss + kv_head
+            scores = scores * tl.load(key_scales + s_rows, mask=k_ok, other=0.0)[None, :]
 
         attended = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -148,9 +182,14 @@ def _paged_attention_kernel(
         v = tl.load(
             value_cache + v_rows[:, None] + dims[None, :],
             mask=k_ok[:, None] & dim_ok[None, :],
-            other=0.0,
-        ).to(DOT_DTYPE)
-        acc = tl.dot(p.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")
+            other=0,
+        )
+        v = _widen(v, KV_FORMAT).to(DOT_DTYPE)
+        weights = p
+        if KV_FORMAT != 0:  # each value's scale, on its column of probabilities
+            s_rows = block * stride_sb + offset * stride_ss + kv_head
+            weights = p * tl.load(value_scales + s_rows, mask=k_ok, other=0.0)[None, :]
+        acc = tl.dot(weights.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")
         m = m_new
 
     # Every real row attends at least its own key, so its denominator is positive.
@@ -204,13 +243,17 @@ def _reshape_and_cache_kernel(
 def reshape_and_cache(
     key: torch.Tensor,
     value: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     slot_mapping: torch.Tensor,
 ) -> None:
-    """Writes key/value `[num_tokens, num_kv_heads, head_dim]` into their slots of the cache."""
+    """Writes key/value `[num_tokens, num_kv_heads, head_dim]` into their slots of the cache
+    (a quantized cache's through torch, see the module's docstring)."""
     num_tokens, num_kv_heads, head_dim = key.shape
     if num_tokens == 0:
+        return
+    if isinstance(key_cache, QuantizedCache):
+        attention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
     _check_rows(key, value, key_cache, value_cache)
     _reshape_and_cache_kernel[(num_tokens,)](
@@ -236,8 +279,8 @@ def reshape_and_cache(
 
 def paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     meta: AttentionMetadata,
     scale: float,
     sliding_window: int | None = None,
@@ -251,7 +294,8 @@ def paged_attention(
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
     if num_tokens == 0:
         return out
-    _check_rows(query, key_cache, value_cache)
+    keys, values, key_scales, value_scales, kv_format = _cache_operands(key_cache, value_cache)
+    _check_rows(query, keys, values, key_scales, value_scales)
     num_seqs = meta.seq_lens.numel()
     group = num_heads // num_kv_heads
     # tl.dot needs tiles of at least 16 rows. A decode program has one token, so its rows are
@@ -264,8 +308,10 @@ def paged_attention(
     _paged_attention_kernel[grid](
         out,
         query,
-        key_cache,
-        value_cache,
+        keys,
+        values,
+        key_scales,
+        value_scales,
         meta.block_tables,
         meta.query_start_loc,
         meta.seq_lens,
@@ -277,8 +323,9 @@ def paged_attention(
         query.stride(1),
         out.stride(0),
         out.stride(1),
-        *key_cache.stride()[:3],
-        *value_cache.stride()[:3],
+        *keys.stride()[:3],
+        *values.stride()[:3],
+        *key_scales.stride()[:2],
         meta.block_tables.stride(0),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -288,10 +335,32 @@ def paged_attention(
         BLOCK_N=_block_n(meta.max_seq_len, head_dim_pad * query.element_size()),
         SLIDING=sliding,
         DOT_DTYPE=_dot_dtype(query),
+        KV_FORMAT=kv_format,
         # Named, not left to Triton's default, which changes in 3.10.
         enable_fp_fusion=True,
     )
     return out
+
+
+def _cache_operands(
+    key_cache: KVCacheTensor, value_cache: KVCacheTensor
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
+    """What the kernel reads: keys, values, their scales (`[blocks, block_size, kv_heads]`, the
+    same strides for both; a float cache passes its keys, never read) and the format."""
+    if not isinstance(key_cache, QuantizedCache):
+        return key_cache, value_cache, key_cache, value_cache, _AS_IS
+    if key_cache.scales.stride() != value_cache.scales.stride():
+        raise ValueError("the key and value scales must have the same layout")
+    if key_cache.dtype == torch.int8:
+        keys, values, kv_format = key_cache.data, value_cache.data, _INT8
+    elif key_cache.dtype == torch.float8_e4m3fn:
+        keys, values = key_cache.data.view(torch.uint8), value_cache.data.view(torch.uint8)
+        kv_format = _FP8
+    else:
+        raise ValueError(f"the Triton attention reads no {key_cache.dtype} cache")
+    if key_cache.scales.dtype != kv_quant.SCALE_DTYPE:
+        raise ValueError(f"expected {kv_quant.SCALE_DTYPE} scales, got {key_cache.scales.dtype}")
+    return keys, values, key_cache.scales, value_cache.scales, kv_format
 
 
 def _block_n(max_seq_len: int, row_bytes: int) -> int:

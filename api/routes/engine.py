@@ -65,7 +65,8 @@ class EngineLoad(BaseModel):
         description="The engine's settings in force (EngineArgs, as PAGEDBATCH_* variables and "
         "flags name them), with what it resolved at start for auto and unset ones: "
         "served_model_name, dtype, matmul_precision, quantization, device, max_model_len, "
-        "num_kv_blocks. Null unless the "
+        "num_kv_blocks, kv_cache_dtype (auto as the dtype it stores, else int8 or fp8). Null "
+        "unless the "
         "request bears an admin key or the service has no keys.",
     )
 
@@ -131,4 +132,5 @@ def settings_in_force(engine: LLMEngine) -> dict[str, Any]:
         "device": str(engine.runner.device),
         "max_model_len": engine.max_model_len,
         "num_kv_blocks": engine.runner.num_blocks,
+        "kv_cache_dtype": engine.runner.kv_cache_dtype_name,
     }

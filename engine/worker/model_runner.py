@@ -44,7 +44,7 @@ from pagedbatch.engine.worker.parallel_layers import (
 from pagedbatch.engine.worker.pooler import pool_chunks
 from pagedbatch.engine.worker.quantization import resolve_quantization
 from pagedbatch.engine.worker.shard_threads import ShardThreads
-from pagedbatch.kernels import native, ops
+from pagedbatch.kernels import kv_quant, native, ops
 from pagedbatch.kernels.attention import prepare_attention
 
 logger = logging.getLogger(__name__)
@@ -205,6 +205,9 @@ class ModelRunner:
         self.tp = tp
         self.device = rank_device(args.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
+        # What the KV cache stores its elements in: the activations' dtype, or int8 / float8
+        # with a scale per row (kv_quant), which every attention path reads.
+        self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
         self.block_size = args.block_size
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         if self.device.type == "cpu":
@@ -312,9 +315,16 @@ class ModelRunner:
         return ResidentLoras(args.max_loras, cpu_loras, args.max_lora_rank)
 
     @property
+    def kv_cache_dtype_name(self) -> str:
+        """The KV cache's dtype as kv_cache_dtype names it (auto as the dtype it resolved to)."""
+        return kv_quant.dtype_name(self.kv_cache_dtype)
+
+    @property
     def kv_bytes_per_block(self) -> int:
-        per_token = 2 * self.cfg.num_layers * self.num_kv_heads * self.cfg.head_dim
-        return per_token * self.block_size * self.dtype.itemsize
+        """Keys and values of a block's tokens over every layer, a quantized cache's scales
+        included: the budget divided by it is the number of blocks."""
+        row = kv_quant.bytes_per_row(self.kv_cache_dtype, self.cfg.head_dim)
+        return 2 * self.cfg.num_layers * self.num_kv_heads * row * self.block_size
 
     def _blocks_for_budget(self, gib: float | None) -> int:
         if gib is None and self.device.type == "cuda":
@@ -325,11 +335,11 @@ class ModelRunner:
             budget = gib * 2**30 if gib is not None else cpu_kv_budget_bytes() / self.tp.size
         return max(1, int(budget // self.kv_bytes_per_block))
 
-    def _empty_cache(self, null_block: bool) -> torch.Tensor:
+    def _empty_cache(self, null_block: bool) -> kv_quant.KVCacheTensor:
         rows = self.num_blocks + (1 if null_block else 0)
         shape = (rows, self.block_size, self.num_kv_heads, self.cfg.head_dim)
         # Uninitialised on purpose: attention only reads slots that were written.
-        return torch.empty(shape, dtype=self.dtype, device=self.device)
+        return kv_quant.empty_cache(shape, self.kv_cache_dtype, self.device)
 
     def _graphs_apply(self) -> bool:
         """Whether decode steps can replay from captures: one rank (no collectives), the Triton

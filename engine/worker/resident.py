@@ -15,6 +15,7 @@ from dataclasses import asdict, dataclass
 import torch
 from torch import nn
 
+from pagedbatch.kernels.kv_quant import KVCacheTensor, cache_tensors
 from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight
 
 
@@ -26,7 +27,7 @@ class ResidentSize:
 
     @classmethod
     def of(
-        cls, model: nn.Module, kv_caches: list[tuple[torch.Tensor, torch.Tensor]]
+        cls, model: nn.Module, kv_caches: list[tuple[KVCacheTensor, KVCacheTensor]]
     ) -> ResidentSize:
         seen: set[int] = set()
         weights = quantized = 0
@@ -40,7 +41,7 @@ class ResidentSize:
                 quantized += size
             else:
                 weights += size
-        kv = sum(_nbytes(t) for pair in kv_caches for t in pair)
+        kv = sum(_nbytes(t) for pair in kv_caches for c in pair for t in cache_tensors(c))
         return cls(weights_bytes=weights, quantized_bytes=quantized, kv_cache_bytes=kv)
 
     def as_dict(self) -> dict[str, int]:

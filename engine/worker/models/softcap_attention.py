@@ -1,7 +1,8 @@
 """Paged attention with soft-capped scores (Gemma 2's `attn_logit_softcapping`): each score
 becomes cap * tanh(score / cap) before the mask and the softmax, as transformers' eager attention
 computes it. SDPA, the C decode kernel and the Triton kernel have no such step, so this is torch
-on gathered keys, on any device: decode sequences (one query each) batched, padded to the
+on gathered keys (a quantized cache's dequantized as they are gathered, kv_quant.gather), on any
+device: decode sequences (one query each) batched, padded to the
 longest context of their chunk; a sequence with more queries alone, its queries in chunks."""
 
 from __future__ import annotations
@@ -9,6 +10,7 @@ from __future__ import annotations
 import torch
 
 from pagedbatch.kernels.attention import AttentionMetadata
+from pagedbatch.kernels.kv_quant import KVCacheTensor, gather
 
 # Gathered key elements per decode chunk (values as many again): float32, 16 MiB each.
 _DECODE_ELEMENTS = 4 * 2**20
@@ -18,8 +20,8 @@ _QUERY_ROWS = 512
 
 def softcapped_paged_attention(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     meta: AttentionMetadata,
     scale: float,
     softcap: float,
@@ -47,8 +49,8 @@ def softcapped_paged_attention(
 
 def _decode(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     meta: AttentionMetadata,
     seqs: list[int],
     scale: float,
@@ -68,8 +70,8 @@ def _decode(
     read = torch.minimum(key_pos[None, :], seq_lens[:, None] - 1)
     blocks = meta.block_tables.index_select(0, index).gather(1, read // meta.block_size).long()
     slots = blocks * meta.block_size + read % meta.block_size
-    k = key_cache.view(-1, num_kv_heads, head_dim)[slots]  # [seqs, keys, kv_heads, head_dim]
-    v = value_cache.view(-1, num_kv_heads, head_dim)[slots]
+    k = gather(key_cache, slots, query.dtype)  # [seqs, keys, kv_heads, head_dim]
+    v = gather(value_cache, slots, query.dtype)
     q = query.index_select(0, rows).view(len(seqs), num_kv_heads, -1, head_dim)
     masked = key_pos[None, :] >= seq_lens[:, None]
     if sliding_window is not None:
@@ -82,8 +84,8 @@ def _decode(
 
 def _prefill(
     query: torch.Tensor,
-    key_cache: torch.Tensor,
-    value_cache: torch.Tensor,
+    key_cache: KVCacheTensor,
+    value_cache: KVCacheTensor,
     meta: AttentionMetadata,
     seq: int,
     start: int,
@@ -102,8 +104,8 @@ def _prefill(
     blocks = meta.block_tables[seq].long()[key_pos // meta.block_size]
     slots = blocks * meta.block_size + key_pos % meta.block_size
     # [heads, keys, head_dim], each query head beside its KV head's keys
-    k = key_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
-    v = value_cache.view(-1, num_kv_heads, head_dim)[slots].transpose(0, 1)
+    k = gather(key_cache, slots, query.dtype).transpose(0, 1)
+    v = gather(value_cache, slots, query.dtype).transpose(0, 1)
     k, v = k.repeat_interleave(groups, dim=0), v.repeat_interleave(groups, dim=0)
     first_pos = seq_len - (end - start)
     for row in range(start, end, _QUERY_ROWS):

@@ -1,0 +1,112 @@
+"""`kv_cache_dtype` int8 and fp8: the engine stores K and V one byte an element with a scale per
+token and KV head (kernels/kv_quant.py), fits more blocks in the same memory, reports the dtype,
+and scores text close to the unquantized cache's (not identically: see the kernel tests for the
+bounds), through prefill chunks that read earlier chunks' keys and through decode."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from greedy_checks import random_prompts
+
+from pagedbatch.api.routes.engine import settings_in_force
+from pagedbatch.engine import LLM, EngineArgs, LLMEngine, SamplingParams
+from pagedbatch.kernels import kv_quant, ops
+from pagedbatch.kernels.kv_quant import QUANTIZED, QuantizedCache
+
+# Logprobs of the quantized engine against the float engine whose K and V are rounded to the
+# format's values before they are cached: the same numbers but for float32 rounding (the kernels
+# scale scores where the reference scales elements).
+TOLERANCE = 1e-3
+# Decode computes a token's K and V in another order than prefill (float32's last bits), and an
+# element near a rounding boundary of the format then lands on the other side: a step of the
+# row's scale. The tiny random model's logits are steep (a token's logprob about -22), so one
+# such step moves a logprob by up to ~0.01 (measured: 0.0074 with int8, 1e-5 with fp8); a
+# cache read wrongly moves it by nats.
+DECODE_TOLERANCE = 0.05
+GIB = 2**30
+
+
+def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices():
+    with pytest.raises(ValueError, match="kv_cache_dtype.*auto, fp8, int8"):
+        EngineArgs(model="x", kv_cache_dtype="fp16")
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_the_same_memory_holds_more_blocks_and_the_stats_say_the_dtype(tiny_llama, kv):
+    budget = 0.01  # GiB
+    plain = LLMEngine(EngineArgs(model=str(tiny_llama), kv_cache_memory_gib=budget))
+    quant = LLMEngine(
+        EngineArgs(model=str(tiny_llama), kv_cache_memory_gib=budget, kv_cache_dtype=kv)
+    )
+    head_dim = plain.model_config.head_dim
+    # float32 rows of head_dim * 4 bytes against head_dim bytes plus a 4-byte scale
+    ratio = quant.runner.num_blocks / plain.runner.num_blocks
+    assert ratio == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.01)
+    key_cache, value_cache = quant.runner.kv_caches[0]
+    assert isinstance(key_cache, QuantizedCache) and isinstance(value_cache, QuantizedCache)
+    assert key_cache.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]
+    # The resident bytes are the budget's, scales included.
+    runner = quant.runner
+    assert quant.resident.kv_cache_bytes == runner.num_blocks * runner.kv_bytes_per_block
+    assert quant.resident.kv_cache_bytes <= budget * GIB
+    assert settings_in_force(quant)["kv_cache_dtype"] == kv
+    assert settings_in_force(plain)["kv_cache_dtype"] == "float32"
+
+
+def scored(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
+    return [[e.logprob for e in o.prompt_logprobs[1:]] for o in llm.generate(prompts, params)]
+
+
+@pytest.fixture
+def rounded_reference(monkeypatch):
+    """`make(kv)`: makes the next engines' float caches hold K and V rounded through the format
+    (quantized and dequantized as they are written): what a quantized cache holds, in float32."""
+
+    def make(kv: str) -> None:
+        write = ops.TORCH.reshape_and_cache
+        dtype = QUANTIZED[kv]
+
+        def rounded(key, value, key_cache, value_cache, slots):
+            key, value = (kv_quant.dequantize(*kv_quant.quantize(x, dtype), x.dtype)
+                          for x in (key, value))  # fmt: skip
+            write(key, value, key_cache, value_cache, slots)
+
+        monkeypatch.setattr(ops, "TORCH", ops.TORCH._replace(reshape_and_cache=rounded))
+        ops.reset()
+
+    yield make
+    ops.reset()
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("model", ["tiny_llama", "gemma2"])
+def test_prefill_chunks_and_decode_read_what_was_stored(request, rounded_reference, model, kv):
+    model_dir = request.getfixturevalue(model)
+    # Prompts prefilled 16 tokens a step: each chunk reads the earlier ones' keys from the cache.
+    args = dict(num_kv_blocks=64, block_size=16, max_num_batched_tokens=16)
+    prompts = random_prompts(3, 30, 60, seed=31)
+    quant = LLM(model_dir, kv_cache_dtype=kv, **args)
+    greedy = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True, logprobs=0)
+    decoded = [o.outputs[0] for o in quant.generate(prompts, greedy)]
+    full = [p + list(c.token_ids) for p, c in zip(prompts, decoded, strict=True)]
+    quant_scores = scored(quant, full)
+    rounded_reference(kv)
+    reference = LLM(model_dir, **args)
+    assert reference.engine.runner.kv_cache_dtype == torch.float32
+    for prompt, completion, got, expected in zip(
+        prompts, decoded, quant_scores, scored(reference, full), strict=True
+    ):
+        # Prefill, in chunks: every token of prompt and completion scored.
+        assert max(abs(x - y) for x, y in zip(got, expected, strict=True)) < TOLERANCE
+        # Decode: the logprobs of the tokens as the quantized engine decoded them.
+        decoded_scores = [e.logprob for e in completion.logprobs]
+        tail = expected[len(prompt) - 1 :]
+        error = max(abs(x - y) for x, y in zip(decoded_scores, tail, strict=True))
+        assert error < DECODE_TOLERANCE
+
+
+@pytest.fixture(scope="module")
+def gemma2(make_checkpoint):
+    return make_checkpoint("gemma2")
