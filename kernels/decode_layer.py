@@ -59,7 +59,13 @@ def fusable(weight: object, runs: int = 1) -> bool:
 
 def _linears(weight: QuantizedWeight) -> list[_Linear]:
     return [
-        _Linear(fmt.ggml_type, int(weight.int8), blocks.data_ptr(), blocks.shape[0], weight.cols)
+        _Linear(
+            fmt.ggml_type,
+            int(fmt in weight.int8_formats),
+            blocks.data_ptr(),
+            blocks.shape[0],
+            weight.cols,
+        )
         for blocks, fmt in weight.runs
     ]
 

@@ -16,9 +16,11 @@ Two paths, chosen by how many rows x has:
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by torch's float32 GEMM; one tile in memory at a time.
 
-Models take the float path, whose greedy tokens agree with exact mode's (SmolLM2, 8 chats, 137
-tokens of 137; int8: 5 of 8 answers whole). `PAGEDBATCH_QUANT_ACTIVATIONS=int8` puts them on the
-int8 path, read when a model's weights are loaded, for measuring it.
+Models take the float path for the blocks of 32, whose greedy tokens agree with exact mode's
+(SmolLM2, 8 chats, 137 tokens of 137; int8: 5 of 8 answers whole), and the int8 path for the K
+formats (`INT8_BY_DEFAULT`), whose float path dequantizes each row before multiplying it (Q6_K's
+15x slower than its int8 path). `PAGEDBATCH_QUANT_ACTIVATIONS` (read when a model's weights are
+loaded) says otherwise: `int8` for every format of `INT8_FORMATS`, `float32` for none.
 
 Without the C kernels (no compiler, `PAGEDBATCH_NATIVE_KERNELS=0`) both paths take the tiles,
 dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic as the GEMM path.
@@ -43,7 +45,9 @@ ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
 GEMM_SETTING = "PAGEDBATCH_QUANT_GEMM"
 GEMM_PASSES = {"bf16x3": 3, "bf16": 1}  # its settings' bf16 products a weight
 # The formats quant_matmul_int8 reads; the others take float activations whatever is asked.
-INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0})
+INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Format.Q6_K})
+# Those whose float path has no streaming code (see the top): int8 unless the setting says float32.
+INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
 # Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
 # amortises the dequantization over them.
 SMALL_BATCH = 8
@@ -51,12 +55,14 @@ SMALL_BATCH = 8
 TILE_ELEMENTS = 1 << 20
 
 
-def int8_activations() -> bool:
-    """Whether `PAGEDBATCH_QUANT_ACTIVATIONS` asks for int8 activations (default: float32)."""
-    value = os.environ.get(ACTIVATIONS_SETTING, "float32").strip().lower()
-    if value not in {"float32", "int8"}:
-        raise ValueError(f"{ACTIVATIONS_SETTING} is float32 or int8, not {value!r}")
-    return value == "int8"
+def int8_formats() -> frozenset[Format]:
+    """The formats whose few-row products take int8 activations, as `PAGEDBATCH_QUANT_ACTIVATIONS`
+    says: `auto` (the default) `INT8_BY_DEFAULT`, `int8` all of `INT8_FORMATS`, `float32` none."""
+    value = os.environ.get(ACTIVATIONS_SETTING, "auto").strip().lower()
+    choices = {"auto": INT8_BY_DEFAULT, "int8": INT8_FORMATS, "float32": frozenset()}
+    if value not in choices:
+        raise ValueError(f"{ACTIVATIONS_SETTING} is auto, float32 or int8, not {value!r}")
+    return choices[value]
 
 
 def gemm_path() -> tuple[str, int] | None:
@@ -193,7 +199,7 @@ class QuantizedTensor:
 
 class QuantizedWeight:
     """A linear's weight kept in its blocks: `weight(x, bias)` is x @ W.T + bias by
-    `quant_matmul`, for float32 x on the CPU, on the activations `int8_activations()` said when
+    `quant_matmul`, for float32 x on the CPU, on the activations `int8_formats()` said when
     it was made; by `triton_quant.quant_matmul` where `on_triton(x)`, in x's dtype. Built from
     the linear's parts in order (q, k and v of a fused projection, all of one width):
     consecutive parts of one format share one array of blocks, a run; a weight of several runs
@@ -202,7 +208,7 @@ class QuantizedWeight:
     def __init__(self, runs: list[tuple[torch.Tensor, Format]], cols: int):
         self.runs = [(blocks.contiguous(), fmt) for blocks, fmt in runs]
         self.cols = cols
-        self.int8 = int8_activations()
+        self.int8_formats = int8_formats()
 
     @classmethod
     def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
@@ -237,6 +243,8 @@ class QuantizedWeight:
 
             outs = [triton_quant.quant_matmul(x, b, fmt, self.cols) for b, fmt in self.runs]
         else:
-            outs = [quant_matmul(x, b, fmt, self.cols, self.int8) for b, fmt in self.runs]
+            outs = [
+                quant_matmul(x, b, fmt, self.cols, fmt in self.int8_formats) for b, fmt in self.runs
+            ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out.add_(bias)

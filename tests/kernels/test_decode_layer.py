@@ -14,6 +14,7 @@ import torch
 from gguf import GGMLQuantizationType
 from gguf.quants import quantize
 from safetensors.torch import load_file
+from test_quant_blocks import random_blocks
 
 from pagedbatch.engine import LLM
 from pagedbatch.engine.worker.models import llama
@@ -21,7 +22,12 @@ from pagedbatch.engine.worker.models.llama import decode_layers
 from pagedbatch.kernels.attention import prepare_attention
 from pagedbatch.kernels.decode_layer import run_layer
 from pagedbatch.kernels.quant_blocks import Format
-from pagedbatch.kernels.quant_linear import SMALL_BATCH, QuantizedTensor, QuantizedWeight
+from pagedbatch.kernels.quant_linear import (
+    ACTIVATIONS_SETTING,
+    SMALL_BATCH,
+    QuantizedTensor,
+    QuantizedWeight,
+)
 
 pytestmark = pytest.mark.skipif(
     shutil.which("cc") is None and shutil.which("gcc") is None, reason="no C compiler"
@@ -36,10 +42,12 @@ PARTS = {
 
 
 def quantized_model(
-    checkpoint: Path, fmt: Format, v_fmt: Format | None = None
+    checkpoint: Path, fmt: Format, v_fmt: Format | None = None, k_formats: dict | None = None
 ) -> tuple[LLM, torch.nn.Module]:
     """The checkpoint's engine with every decoder linear on its weights quantized to `fmt`
-    (v_proj's to `v_fmt`, where given: q, k and v in two runs of blocks)."""
+    (v_proj's to `v_fmt`, where given: q, k and v in two runs of blocks); the parts named in
+    `k_formats` in the K format it gives, as random blocks of weights about the checkpoint's
+    size (the gguf package does not quantize to K formats)."""
     llm = LLM(checkpoint, num_kv_blocks=32)
     model = llm.engine.runner.model
     weights = load_file(str(checkpoint / "model.safetensors"))
@@ -48,6 +56,11 @@ def quantized_model(
             parts = []
             for name in names:
                 w = weights[f"model.layers.{i}.{block}.{name}.weight"].numpy()
+                if name in (k_formats or {}):
+                    k_fmt = k_formats[name]
+                    blocks = random_blocks(k_fmt, *w.shape, seed=i, scale=2e-4)
+                    parts.append(QuantizedTensor(torch.from_numpy(blocks), k_fmt, w.shape[1]))
+                    continue
                 part_fmt = v_fmt if name == "v_proj" and v_fmt else fmt
                 blocks = quantize(w.astype(np.float32), GGMLQuantizationType(part_fmt.ggml_type))
                 parts.append(QuantizedTensor(torch.from_numpy(blocks), part_fmt, w.shape[1]))
@@ -147,6 +160,40 @@ def test_gemma3s_layers_with_q_k_and_v_in_two_formats(make_checkpoint, seq_lens,
     got = model(ids, meta.positions, kv_caches, meta)
     assert len(fused_calls) == len(model.layers)
     torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("seq_lens", [[20], [5, 70, 17]])
+@pytest.mark.parametrize("activations", ["auto", "float32"])
+@torch.inference_mode()
+def test_gemma3s_q4_k_m_formats_with_k_format_products_on_int8_activations(
+    make_checkpoint, seq_lens, activations, fused_calls, monkeypatch
+):
+    """Every format of Gemma 3's Q4_K_M file, each product as the few-row path takes it: by
+    default o in Q4_K and down in Q6_K on int8 activations, q, k, gate and up in Q5_0 and v in
+    Q8_0 on float ones (K formats need widths of 256: hidden 256, 4 heads of 64). On float
+    activations the two paths agree to float32's rounding; on int8 ones an activation that the
+    paths' last bits put on either side of an int8 rounding step moves by a step (amax / 127):
+    the hidden states then differ by about a thousandth of their norm."""
+    monkeypatch.setenv(ACTIVATIONS_SETTING, activations)
+    shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+    k_formats = {"o_proj": Format.Q4_K, "down_proj": Format.Q6_K}
+    checkpoint = make_checkpoint("gemma3", **shape)
+    llm, model = quantized_model(checkpoint, Format.Q5_0, Format.Q8_0, k_formats)
+    assert model.layers[0].mlp.down_proj.packed.formats == (Format.Q6_K,)
+    kv_caches = llm.engine.runner.kv_caches
+    ids, meta = decode_step(llm, seq_lens)
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    fused = model._decode_layers[1][0].struct  # what decode_layer.c was given
+    int8 = int(activations == "auto")
+    flags = (fused.o.int8, fused.down.int8, fused.qkv[0].int8, fused.qkv[1].int8)
+    assert flags == (int8, int8, 0, 0)
+    assert expected.abs().max() > 1  # the random weights kept the hidden states of a model's size
+    if activations == "float32":
+        torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
+    else:
+        assert (got - expected).norm() <= 1e-2 * expected.norm()
 
 
 @torch.inference_mode()

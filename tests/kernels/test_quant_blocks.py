@@ -30,13 +30,15 @@ SHAPES = {
 }
 
 
-def random_blocks(fmt: Format, rows: int, cols: int, seed: int = 0) -> np.ndarray:
+def random_blocks(
+    fmt: Format, rows: int, cols: int, seed: int = 0, scale: float = 0.05
+) -> np.ndarray:
     """Blocks of random quants (every bit pattern: all nibbles, int8 -128, every packed scale)
-    whose float16 fields are finite and of a weight's size."""
+    whose float16 fields are finite and of a weight's size (uniform within +-`scale`)."""
     rng = np.random.default_rng(seed)
     raw = rng.integers(0, 256, (rows, cols // fmt.size, fmt.block_bytes), dtype=np.uint8)
     for at in HALVES[fmt]:
-        half = rng.uniform(-0.05, 0.05, (rows, cols // fmt.size, 1)).astype(np.float16)
+        half = rng.uniform(-scale, scale, (rows, cols // fmt.size, 1)).astype(np.float16)
         raw[..., at : at + 2] = half.view(np.uint8)
     return raw.reshape(rows, -1)
 

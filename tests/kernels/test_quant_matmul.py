@@ -127,7 +127,7 @@ def test_float_path_within_float32_rounding(lib, fmt, rows, cols, n):
 def test_int8_path_sums_exactly_what_it_quantized(lib, fmt):
     """With activations the int8 grid holds exactly (each block's amax 127, integers), the int8
     path's only error is float32 rounding: the integer sums themselves are exact."""
-    rows, cols = 17, 576
+    rows, cols = 17, 576 if fmt.size == BLOCK else 512
     blocks = random_blocks(fmt, rows, cols, seed=5)
     ints = torch.randint(-127, 128, (3, cols), generator=torch.Generator().manual_seed(0))
     ints.view(3, -1, BLOCK)[..., 0] = 127
@@ -168,8 +168,8 @@ def test_what_the_kernels_do_not_read_is_refused(lib):
         assert kernel(10, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
         assert kernel(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 1, out.data_ptr()) == -1
         assert kernel(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
-    q4_k = Format.Q4_K.ggml_type  # the int8 path reads the blocks of 32 only
-    assert lib.quant_matmul_int8(q4_k, blocks.data_ptr(), 1, 256, x.data_ptr(), 1, 1, 0) == -1
+    q5_k = Format.Q5_K.ggml_type  # the int8 path reads no Q5_K
+    assert lib.quant_matmul_int8(q5_k, blocks.data_ptr(), 1, 256, x.data_ptr(), 1, 1, 0) == -1
     assert lib.quant_dequantize(10, blocks.data_ptr(), 2, 256, 1, out.data_ptr()) == -1
 
 
@@ -210,14 +210,22 @@ def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
     assert error.le(bound(x.reshape(n, cols), weights)).all()
 
 
-def test_models_take_float_activations_unless_the_setting_says_int8(monkeypatch):
+def test_models_take_int8_activations_for_the_k_formats_unless_the_setting_says_otherwise(
+    monkeypatch,
+):
     blocks = torch.from_numpy(random_blocks(Format.Q8_0, 4, 32))
-    assert not quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8
+
+    def formats() -> frozenset[Format]:
+        return quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8_formats
+
+    assert formats() == {Format.Q4_K, Format.Q6_K}
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int8")
-    assert quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8
+    assert formats() == quant_linear.INT8_FORMATS
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "float32")
+    assert formats() == frozenset()
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int4")
-    with pytest.raises(ValueError, match="float32 or int8"):
-        quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32)
+    with pytest.raises(ValueError, match="auto, float32 or int8"):
+        formats()
 
 
 @pytest.mark.usefixtures("native_path")

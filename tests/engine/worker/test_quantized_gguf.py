@@ -162,7 +162,14 @@ def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_mo
     """Gemma 3 270M's Q4_K_M file: Q5_0 (its 640-wide rows), Q4_K, Q6_K and Q8_0 tensors, a
     fused q/k/v's parts in different formats (v in Q8_0)."""
     path = real_model("gemma-3-270m")
-    prompts = ["The capital of France is", "Two plus two equals"]
+    prompts = [
+        "The capital of France is",
+        "Two plus two equals",
+        "The largest planet in the solar system is",
+        "Water boils at",
+        "The author of Hamlet is",
+        "In 1969, humans first",
+    ]
     answers = {}
     for mode in ("none", "gguf"):
         llm = LLM(path, num_kv_blocks=64, quantization=mode)
@@ -174,4 +181,13 @@ def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_mo
     # q/k/v in two runs where v is Q8_0; gate/up, the output and down projections in one.
     assert (Format.Q5_0, Format.Q8_0) in formats
     assert {(Format.Q5_0,), (Format.Q4_K,), (Format.Q6_K,), (Format.Q8_0,)} <= formats
-    assert answers["gguf"] == answers["none"]  # all 32 tokens on the machine that wrote this
+    # The K formats' products take int8 activations (quant_linear.INT8_BY_DEFAULT), as llama.cpp
+    # computes them: greedy tokens agreeing before the first difference, 91 of 96 on the machine
+    # that wrote this (all 96 with PAGEDBATCH_QUANT_ACTIVATIONS=float32, exact mode's arithmetic
+    # in another order).
+    assert all(Format.Q4_K in p.int8_formats for p in packed if isinstance(p, QuantizedWeight))
+    agreeing = sum(
+        next((i for i, (a, b) in enumerate(zip(exact, approx, strict=False)) if a != b), len(exact))
+        for exact, approx in zip(answers["none"], answers["gguf"], strict=True)
+    )
+    assert agreeing >= 0.9 * sum(len(exact) for exact in answers["none"]), answers
