@@ -169,7 +169,10 @@ class EngineCore:
                 continue
             if grammar is not None:
                 try:
-                    self.grammars.start(request.request_id, grammar.result())
+                    params = request.sampling_params
+                    structured = None if params is None else params.structured
+                    after = None if structured is None else structured.starts_after
+                    self.grammars.start(request.request_id, grammar.result(), after)
                 except Exception as e:  # noqa: BLE001 - reported to the request's caller
                     self._fail_own(request, f"grammar failed: {e}", e)
                     continue

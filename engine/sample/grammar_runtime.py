@@ -2,7 +2,9 @@
 grammars against the tokenizer off the engine thread (each cache salt, that is each tenant, on a
 lane of its own, within a time budget; cached per salt, least recently used dropped), keeps one
 matcher per constrained request, masks the logits of each step in one batched call, and says when
-a grammar has ended so the engine stops the request without waiting for EOS.
+a grammar has ended so the engine stops the request without waiting for EOS. A grammar that
+starts after a token (`StructuredOutput.starts_after`, a reasoning model's end of thinking)
+leaves its request's tokens free until that token has been sampled.
 """
 
 from __future__ import annotations
@@ -105,6 +107,8 @@ class GrammarRuntime:
         self._compiler: xgr.GrammarCompiler | None = None  # built by the first compile
         self._compiler_lock = threading.Lock()
         self._matchers: dict[str, xgr.GrammarMatcher] = {}
+        # Requests whose grammar waits for a token (the end of their thinking), by that token.
+        self._waiting: dict[str, int] = {}
         # One row of xgrammar's token bitmask (32 tokens a word), made as it makes them.
         words = -(-vocab_size // 32)
         self._scratch = torch.full((1, words), -1, dtype=torch.int32)
@@ -207,17 +211,28 @@ class GrammarRuntime:
     def _compile(self, grammar: str) -> xgr.CompiledGrammar:
         return self._compiler_ready().compile_grammar(grammar)
 
-    def start(self, request_id: str, compiled: xgr.CompiledGrammar) -> None:
+    def start(
+        self, request_id: str, compiled: xgr.CompiledGrammar, starts_after: int | None = None
+    ) -> None:
+        """The request's grammar applies from its first token, or from the token after its
+        first `starts_after`."""
         import xgrammar as xgr
 
         self._matchers[request_id] = xgr.GrammarMatcher(compiled)
+        if starts_after is not None:
+            self._waiting[request_id] = starts_after
 
     def release(self, request_id: str) -> None:
         self._matchers.pop(request_id, None)
+        self._waiting.pop(request_id, None)
 
     def apply_masks(self, logits: torch.Tensor, requests: Sequence[Request]) -> None:
         """Set to -inf, in place, every logit a row's grammar forbids next (one batched call)."""
-        rows = [i for i, request in enumerate(requests) if request.request_id in self._matchers]
+        rows = [
+            i
+            for i, request in enumerate(requests)
+            if request.request_id in self._matchers and request.request_id not in self._waiting
+        ]
         if not rows:
             return
         import xgrammar as xgr
@@ -231,9 +246,15 @@ class GrammarRuntime:
     def accept(self, request_id: str, token: int) -> bool:
         """Advance the request's grammar past its sampled token. True once the grammar has ended:
         a stop token was accepted, or nothing but one may follow (so the engine need not spend a
-        step sampling it). Unconstrained requests never end here."""
+        step sampling it). Unconstrained requests never end here, nor do those whose grammar
+        waits: the token it waits for starts it, with the next token."""
         matcher = self._matchers.get(request_id)
         if matcher is None:
+            return False
+        awaited = self._waiting.get(request_id)
+        if awaited is not None:
+            if token == awaited:
+                del self._waiting[request_id]
             return False
         if not matcher.accept_token(token):
             raise GrammarViolation(f"token {token} does not follow the request's grammar")

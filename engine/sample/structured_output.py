@@ -59,11 +59,21 @@ MAX_GRAMMAR_CHARS = 2**20
 @dataclass(frozen=True)
 class StructuredOutput:
     """What a request's output must be: a grammar (xgrammar EBNF). Build one with `json_object`,
-    `json_schema` or `structural_tag`; a hand-written grammar is checked on construction."""
+    `json_schema` or `structural_tag`; a hand-written grammar is checked on construction.
+
+    `starts_after` is a token the grammar waits for: the output is free up to and including its
+    first sampling of that token, and obeys the grammar from the next one, as vLLM applies
+    structured output to a reasoning model's answer after its thinking (`</think>`). None: the
+    grammar applies from the first token.
+    """
 
     grammar: str
+    starts_after: int | None = None
 
     def __post_init__(self) -> None:
+        after = self.starts_after
+        if after is not None and (type(after) is not int or after < 0):
+            raise ValueError(f"starts_after must be a token id, got {after!r}")
         _check_ebnf(self.grammar)
 
     @classmethod

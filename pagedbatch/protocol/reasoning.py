@@ -38,6 +38,7 @@ class ReasoningSplitter:
     end: str
     end_token_id: int
     starts_inside: bool
+    start_token_id: int | None = None
 
     @classmethod
     def for_prompt(
@@ -49,7 +50,21 @@ class ReasoningSplitter:
             return None
         start, end = tags
         inside = prompt.rstrip().endswith(start)
-        return cls(start, end, tokenizer.convert_tokens_to_ids(end), starts_inside=inside)
+        ids = tokenizer.convert_tokens_to_ids([end, start])
+        return cls(start, end, ids[0], starts_inside=inside, start_token_id=ids[1])
+
+    def grammar_starts_after(self, prompt_token_ids: Sequence[int]) -> int | None:
+        """The token after which a structured output's grammar applies (vLLM's
+        `reasoning_ended`): the end of the thinking, so that the thinking is free and the answer
+        obeys; None (from the first token) where the prompt has closed the thinking already,
+        its last tag the closing one (a template whose thinking is switched off writes an
+        empty one)."""
+        for token in reversed(prompt_token_ids):
+            if token == self.end_token_id:
+                return None
+            if token == self.start_token_id:
+                break
+        return self.end_token_id
 
     def split(self, text: str) -> Split:
         """The whole output `text` as reasoning and content; either None where it has none."""

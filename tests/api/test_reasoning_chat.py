@@ -141,6 +141,63 @@ def test_a_batch_line_answers_as_the_realtime_door(serve_batches, thinker):
     assert answer["usage"]["completion_tokens_details"]["reasoning_tokens"] == 1
 
 
+CITY = {
+    "type": "json_schema",
+    "json_schema": {
+        "name": "city",
+        "strict": True,
+        "schema": {
+            "type": "object",
+            "properties": {"city": {"enum": ["Paris", "Lyon"]}},
+            "required": ["city"],
+            "additionalProperties": False,
+        },
+    },
+}
+
+
+@embedded
+def test_a_response_format_applies_after_the_thinking(serve_batches, thinker):
+    """As vLLM: the thinking is free (the grammar waits for `</think>`), then the answer obeys
+    the schema. The prompt opens the thinking (R1's template); a bias on `</think>` makes the
+    tiny model close it a few tokens in."""
+    client = serve_batches(model=str(thinker("r1")), served_model_name="thinker").client()
+    for strength in range(1, 40):  # the least bias that closes the thinking past 2 tokens
+        bias = {str(END_THINK): strength}
+        free = ask(client, logit_bias=bias, max_tokens=12).choices[0].message
+        thought = free.model_extra["reasoning_content"]
+        if free.content is not None and len(thought) > 2:
+            break
+    else:
+        pytest.fail("no bias closed the thinking")
+    answer = ask(client, logit_bias=bias, max_tokens=40, response_format=CITY)
+    message = answer.choices[0].message
+    assert message.model_extra["reasoning_content"] == thought  # free, as without the schema
+    assert json.loads(message.content)["city"] in ("Paris", "Lyon")
+    assert answer.choices[0].finish_reason == "stop"  # the grammar ended it
+    reasoning, content, thinking = streamed(
+        client, logit_bias=bias, max_tokens=40, response_format=CITY
+    )
+    assert (reasoning, content) == (thought, message.content)
+    assert thinking == answer.usage.completion_tokens_details.reasoning_tokens
+
+
+@embedded
+def test_a_prompt_that_closed_the_thinking_starts_the_grammar_at_once(serve_batches, thinker):
+    """With thinking switched off, Qwen3's template writes an empty one into the prompt: the
+    answer obeys from its first token, and cannot open a thinking of its own."""
+    client = serve_batches(model=str(thinker("qwen3")), served_model_name="thinker").client()
+    opens = {"logit_bias": {str(THINK): 100}, "reasoning_effort": "none", "max_tokens": 40}
+    free = ask(client, **opens).choices[0].message
+    assert free.model_extra["reasoning_content"]  # free, it would think
+    answer = ask(client, **opens, response_format=CITY).choices[0].message
+    assert "reasoning_content" not in answer.model_extra
+    assert json.loads(answer.content)["city"] in ("Paris", "Lyon")
+    # Thinking switched on, the grammar waits for `</think>`: never closed here, all thinking.
+    thinking = ask(client, logit_bias={str(THINK): 100}, max_tokens=6, response_format=CITY)
+    assert thinking.choices[0].message.model_extra["reasoning_content"] == "<think>" * 5
+
+
 def test_a_model_without_the_tags_is_not_split_and_a_named_parser_insists(tiny_llama, thinker):
     assert LLMEngine(EngineArgs(model=str(tiny_llama))).reasoning_tags is None
     with pytest.raises(ValueError, match="no <think> and </think> tokens"):

@@ -9,11 +9,11 @@ import pytest
 from pagedbatch.protocol.reasoning import ReasoningSplitter, ReasoningStream, Split
 
 START, END = "<think>", "</think>"
-END_ID = 7
+START_ID, END_ID = 6, 7
 
 
 def splitter(starts_inside: bool) -> ReasoningSplitter:
-    return ReasoningSplitter(START, END, END_ID, starts_inside)
+    return ReasoningSplitter(START, END, END_ID, starts_inside, START_ID)
 
 
 @pytest.mark.parametrize(
@@ -78,3 +78,17 @@ def test_an_output_that_may_still_open_its_thinking_sends_nothing_yet():
     assert stream.feed("\n", [1], finished=False) == Split(None, None)
     assert stream.feed("<think>", [2], finished=False) == Split(None, None)
     assert stream.feed("x", [3], finished=False) == Split("x", None)
+
+
+@pytest.mark.parametrize(
+    ("prompt", "after"),
+    [
+        ([1, 2, START_ID, 3], END_ID),  # the prompt opened the thinking (R1's templates)
+        ([1, 2, 3], END_ID),  # the model may open it (Qwen3's): the answer comes after it
+        ([1, START_ID, 3, END_ID, 4], None),  # closed (thinking switched off): at once
+        ([1, START_ID, END_ID, 2, START_ID, 3], END_ID),  # an earlier turn's, then a new one
+    ],
+)
+def test_a_grammar_starts_after_the_thinking_unless_the_prompt_closed_it(prompt, after):
+    """vLLM's `reasoning_ended`: the prompt's last thinking tag decides."""
+    assert splitter(False).grammar_starts_after(prompt) == after

@@ -2,14 +2,16 @@
 
 `response_format`, `tools` and `tool_choice` become a grammar the engine enforces token by token
 (protocol/structured_output.py), so JSON and tool calls are well-formed whatever the model; tool
-calls come back out of the text as `tool_calls` (protocol/tool_calls.py).
+calls come back out of the text as `tool_calls` (protocol/tool_calls.py). A reasoning model's
+grammar applies after its thinking, as vLLM's: from the token after `</think>`, or from the
+first where the prompt has closed the thinking.
 """
 
 from __future__ import annotations
 
 import json
 from collections.abc import Collection, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import cached_property, lru_cache
 from typing import Any, Literal
 
@@ -181,12 +183,18 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
     beam = beam_params(request, max_tokens, len(prompt), served)
     if beam is not None and (requested is not None or items):
         raise not_supported("Beam search with structured output, tools or media", "use_beam_search")
+    reasoning = ReasoningSplitter.for_prompt(served.reasoning_tags, text, tokenizer)
+    structured = None if requested is None else requested.structured
+    if structured is not None and reasoning is not None:
+        # As vLLM: a reasoning model thinks freely, and its answer obeys.
+        after = reasoning.grammar_starts_after(prompt)
+        structured = replace(structured, starts_after=after)
     params = sampling_params(
         request,
         max_tokens=max_tokens,
         logprobs=(request.top_logprobs or 0) if request.logprobs else None,
         tokenizer=tokenizer,
-        structured=None if requested is None else requested.structured,
+        structured=structured,
     )
     chat_id = new_id("chatcmpl-")
     return PreparedChat(
@@ -199,7 +207,7 @@ def prepare_chat(request: ChatCompletionRequest, served: ServedModel) -> Prepare
             EngineInput(chat_id, prompt, params, items, request.priority, lora_name, beam=beam)
         ],
         calls_tools=requested is not None and bool(requested.tool_names),
-        reasoning=ReasoningSplitter.for_prompt(served.reasoning_tags, text, tokenizer),
+        reasoning=reasoning,
     )
 
 

@@ -8,6 +8,7 @@ import re
 import threading
 import time
 from collections.abc import Callable
+from dataclasses import replace
 
 import jsonschema
 import pytest
@@ -445,3 +446,26 @@ def test_a_request_whose_grammar_is_too_costly_fails_alone_as_the_clients_error(
     )
     assert isinstance(json.loads(done["json"].outputs[0].text), dict)
     assert lanes_idle(engine.grammars)
+
+
+def test_a_grammar_that_starts_after_a_token_leaves_the_output_free_until_it(llm):
+    """`starts_after` (a reasoning model's `</think>`): each output is what it is without the
+    grammar up to its first sampling of that token, and obeys the grammar from the next token;
+    an output that never samples it is never constrained."""
+    prompt, seeds = "Think first:", range(12)
+    free = sample(llm, prompt, None, n=len(seeds), max_tokens=24)
+    after = free[0].token_ids[3]  # a token one output samples early
+    structured = replace(StructuredOutput.json_schema({"enum": ["yes", "no"]}), starts_after=after)
+    outputs = sample(llm, prompt, structured, n=len(seeds), max_tokens=24)
+    started = 0
+    for unconstrained, output in zip(free, outputs, strict=True):
+        tokens = unconstrained.token_ids
+        if after not in tokens:
+            assert output.token_ids == tokens
+            continue
+        started += 1
+        thinking = tokens.index(after) + 1
+        assert output.token_ids[:thinking] == tokens[:thinking]
+        answer = llm.tokenizer.decode(output.token_ids[thinking:])
+        assert answer in ('"yes"', '"no"') and output.finish_reason == "stop"
+    assert started >= 1
