@@ -108,13 +108,22 @@ def test_beams_that_end_on_end_tokens_equal_transformers(ending_llama, width, le
     assert_pool_whole(llm)
 
 
-def test_the_async_search_gives_the_same_beams_as_one_output(tiny_llama):
-    prompt = random_prompts(1, 8, 8, seed=32)[0]
-    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=True)
-    (expected,) = LLM(tiny_llama, num_kv_blocks=128).beam_search([prompt], params)
+@pytest.mark.parametrize("ends", [False, True])
+def test_the_async_search_gives_the_same_beams_as_one_output(request, ends):
+    """The serving path's search (over AsyncLLM, as the doors run it) finds LLM.beam_search's
+    beams, also where they end on end tokens."""
+    model_dir = request.getfixturevalue("ending_llama" if ends else "tiny_llama")
+    params = BeamSearchParams(beam_width=3, max_tokens=5, ignore_eos=not ends)
+    offline = LLM(model_dir, num_kv_blocks=128)
+    prompts = random_prompts(4, 6, 12, seed=41) if ends else random_prompts(1, 8, 8, seed=32)
+    found = offline.beam_search(prompts, params)
+    # Where end tokens are on, a prompt some of whose best beams end.
+    prompt, expected = next(
+        (p, e) for p, e in zip(prompts, found, strict=True) if not ends or "stop" in reasons(e)
+    )
 
     async def main():
-        llm = AsyncLLM(tiny_llama, num_kv_blocks=128)
+        llm = AsyncLLM(model_dir, num_kv_blocks=128)
         try:
             return [output async for output in beam_search(llm, prompt, params, "b", logprobs=2)]
         finally:
@@ -127,10 +136,14 @@ def test_the_async_search_gives_the_same_beams_as_one_output(tiny_llama):
     assert [completion.text for completion in output.outputs] == [
         beam.text for beam in expected.sequences
     ]
+    assert [completion.finish_reason for completion in output.outputs] == reasons(expected)
     for completion in output.outputs:
-        assert completion.finish_reason == "length"
         assert [lp.token_id for lp in completion.logprobs] == completion.token_ids
         assert all(len(lp.top) == 2 for lp in completion.logprobs)
+
+
+def reasons(output) -> list[str]:
+    return [beam.finish_reason for beam in output.sequences]
 
 
 def step(*top: tuple[int, float]) -> TokenLogprob:
