@@ -219,36 +219,53 @@ static inline void split_avx512(__m512 lo, __m512 hi, __m512i *h, __m512i *l) {
     *l = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, back_hi), _mm512_sub_ps(lo, back_lo));
 }
 
-/* 16 bf16 pairs (v) of row r at expanded column c into a pair-interleaved panel: the 16 lanes
- * scattered PANEL dwords apart. */
-static inline void place_pairs_avx512(__m512i v, uint32_t *panel, int64_t c, int r) {
-    const __m512i at = _mm512_mullo_epi32(
-        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
-        _mm512_set1_epi32(PANEL));
-    _mm512_i32scatter_epi32(panel + (c / 2) * PANEL + r, at, v, 4);
+/* 16 vectors of 16 lanes transposed in registers: lane j of r[k] becomes lane k of r[j]. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int k = 0; k < 16; k += 2) { /* pairs of rows interleaved within 128-bit lanes */
+        t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* lane L of r[k + q]: column 4L + q of rows k .. k + 3 */
+        r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+        r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+        r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+        r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int q = 0; q < 4; ++q) { /* columns q, 4 + q, 8 + q, 12 + q gathered from the lanes */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88);
+        const __m512 w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+        const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88);
+        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+        t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+        t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+        t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+        t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+    }
+    for (int k = 0; k < 16; ++k) r[k] = t[k];
 }
 
-/* emit_portable's work with the 32 weights in two vectors: into the pair-interleaved panel, or
- * (rows != NULL) into the row `rows` of a row-by-row panel. */
-static inline void emit_avx512(__m512 lo, __m512 hi, int passes, int64_t cols, uint32_t *panel,
-                               uint16_t *rows, int64_t c, int r) {
+/* 16 rows' 16 bf16 pairs each (v[r]: row r0 + r's pairs at expanded columns c .. c + 31) into
+ * the pair-interleaved panel: transposed in registers, so that pair j of the 16 rows is one
+ * aligned store (where a row at a time needs a scatter of 16 dwords PANEL apart). */
+static inline void place_rows_avx512(__m512 v[16], uint32_t *panel, int64_t c, int r0) {
+    transpose16(v);
+    for (int j = 0; j < 16; ++j) _mm512_store_ps((float *)(panel + (c / 2 + j) * PANEL + r0), v[j]);
+}
+
+/* emit_portable's work with the 32 weights in two vectors, into the row `rows` of a row-by-row
+ * panel (AMX's). */
+static inline void emit_avx512(__m512 lo, __m512 hi, int passes, int64_t cols, uint16_t *rows,
+                               int64_t c) {
     __m512i h, l;
     if (passes == 3)
         split_avx512(lo, hi, &h, &l);
     else
         h = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
-    if (rows) {
-        _mm512_storeu_si512(rows + c, h);
-        if (passes == 3) {
-            _mm512_storeu_si512(rows + cols + c, l);
-            _mm512_storeu_si512(rows + 2 * cols + c, h);
-        }
-        return;
-    }
-    place_pairs_avx512(h, panel, c, r);
+    _mm512_storeu_si512(rows + c, h);
     if (passes == 3) {
-        place_pairs_avx512(l, panel, cols + c, r);
-        place_pairs_avx512(h, panel, 2 * cols + c, r);
+        _mm512_storeu_si512(rows + cols + c, l);
+        _mm512_storeu_si512(rows + 2 * cols + c, h);
     }
 }
 
@@ -272,22 +289,76 @@ static inline void block_vectors(int type, const uint8_t *b, __m512 *lo, __m512 
 }
 #endif
 
+#ifdef GEMM_AVX512
+/* The AVX-512 path's pair-interleaved panel: the panel's rows (`panel_w`, `valid` of them) taken
+ * 16 at a time, block column by block column; each 32 columns of the 16 rows split into bf16
+ * parts, one vector a row, then transposed into place (place_rows_avx512). Rows past `valid` are
+ * zeros. `scratch` holds 16 blocks' floats (K formats, expanded by the scalar code). */
+static void pack_pairs_avx512(int type, const uint8_t *panel_w, int64_t row_bytes, int64_t cols,
+                              int valid, int passes, uint32_t *panel, float *scratch) {
+    const int64_t size = block_size(type), stride = block_bytes(type);
+    const int direct = type == Q4_0 || type == Q4_1 || type == Q8_0;
+    for (int r0 = 0; r0 < PANEL; r0 += 16) {
+        const int here = valid - r0 >= 16 ? 16 : valid - r0 > 0 ? valid - r0 : 0;
+        const uint8_t *base = panel_w + r0 * row_bytes;
+        for (int64_t c = 0; c < cols; c += size) {
+            const int64_t at = c / size * stride;
+            if (!direct)
+                for (int r = 0; r < here; ++r)
+                    dequantize_block(type, base + r * row_bytes + at, scratch + r * size);
+            for (int64_t i = 0; i < size; i += BLOCK) {
+                __m512 h[16], l[16];
+                for (int r = 0; r < 16; ++r) {
+                    __m512 lo = _mm512_setzero_ps(), hi = _mm512_setzero_ps();
+                    if (r < here && direct)
+                        block_vectors(type, base + r * row_bytes + at, &lo, &hi);
+                    else if (r < here) {
+                        lo = _mm512_loadu_ps(scratch + r * size + i);
+                        hi = _mm512_loadu_ps(scratch + r * size + i + 16);
+                    }
+                    __m512i hv, lv = _mm512_setzero_si512();
+                    if (passes == 3)
+                        split_avx512(lo, hi, &hv, &lv);
+                    else
+                        hv = (__m512i)_mm512_cvtne2ps_pbh(hi, lo);
+                    h[r] = _mm512_castsi512_ps(hv);
+                    l[r] = _mm512_castsi512_ps(lv);
+                }
+                if (passes == 3) {
+                    place_rows_avx512(l, panel, cols + c + i, r0);
+                    for (int j = 0; j < 16; ++j) l[j] = h[j];
+                    place_rows_avx512(l, panel, 2 * cols + c + i, r0);
+                }
+                place_rows_avx512(h, panel, c + i, r0);
+            }
+        }
+    }
+}
+#endif
+
 /* Panel p of w (its rows p * PANEL ..., at most `rows` in all) expanded by `passes`: into the
  * pair-interleaved `panel`, or (`row_panel` not NULL, AMX) row by row into `row_panel`.
- * `scratch` holds one block's floats. `vectors`: with AVX-512 (the portable code otherwise). */
+ * `scratch` holds 16 blocks' floats. `vectors`: with AVX-512 (the portable code otherwise). */
 static void pack_panel(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
                        int passes, uint32_t *panel, uint16_t *row_panel, float *scratch,
                        int vectors) {
     const int64_t size = block_size(type), stride = block_bytes(type);
     const int64_t row_bytes = cols / size * stride, kcols = passes * cols;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
+#ifdef GEMM_AVX512
+    if (vectors && !row_panel) {
+        pack_pairs_avx512(type, w + p * PANEL * row_bytes, row_bytes, cols, valid, passes, panel,
+                          scratch);
+        return;
+    }
+#endif
+    (void)vectors;
     if (valid < PANEL) {
         if (row_panel)
             memset(row_panel + valid * kcols, 0, 2 * (size_t)((PANEL - valid) * kcols));
         else
             memset(panel, 0, sizeof *panel * (size_t)(kcols / 2 * PANEL));
     }
-    (void)vectors;
     for (int r = 0; r < valid; ++r) {
         const uint8_t *row = w + (p * PANEL + r) * row_bytes;
 #ifdef GEMM_AVX512
@@ -296,7 +367,7 @@ static void pack_panel(int type, const uint8_t *w, int64_t rows, int64_t cols, i
             for (int64_t c = 0; c < cols; c += BLOCK, row += stride) {
                 __m512 lo, hi;
                 block_vectors(type, row, &lo, &hi);
-                emit_avx512(lo, hi, passes, cols, panel, to_row, c, r);
+                emit_avx512(lo, hi, passes, cols, to_row, c);
             }
             continue;
         }
@@ -307,7 +378,7 @@ static void pack_panel(int type, const uint8_t *w, int64_t rows, int64_t cols, i
 #ifdef GEMM_AVX512
                 if (vectors) {
                     emit_avx512(_mm512_loadu_ps(scratch + i), _mm512_loadu_ps(scratch + i + 16),
-                                passes, cols, panel, to_row, c + i, r);
+                                passes, cols, to_row, c + i);
                     continue;
                 }
 #endif
@@ -486,30 +557,11 @@ static void activations_amx(const float *x, int64_t start, int64_t count, int64_
 static inline void store_transposed(const float *scratch, float *out, int64_t ldo, int64_t xs,
                                     int64_t ws) {
     if (xs <= 0 || ws <= 0) return;
-    __m512 r[16], t[16];
+    __m512 r[16];
     for (int k = 0; k < 16; ++k) r[k] = _mm512_load_ps(scratch + 16 * k);
-    for (int k = 0; k < 16; k += 2) { /* pairs of rows interleaved within 128-bit lanes */
-        t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
-        t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
-    }
-    for (int k = 0; k < 16; k += 4) { /* lane L of r[k + q]: column 4L + q of rows k .. k + 3 */
-        r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
-        r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
-        r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
-        r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
-    }
+    transpose16(r);
     const __mmask16 mask = ws >= 16 ? 0xffff : (__mmask16)((1u << ws) - 1);
-    for (int q = 0; q < 4; ++q) { /* columns q, 4 + q, 8 + q, 12 + q gathered from the lanes */
-        const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88);
-        const __m512 w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
-        const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88);
-        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
-        const __m512 col[4] = {
-            _mm512_shuffle_f32x4(v0, v1, 0x88), _mm512_shuffle_f32x4(w0, w1, 0x88),
-            _mm512_shuffle_f32x4(v0, v1, 0xDD), _mm512_shuffle_f32x4(w0, w1, 0xDD)};
-        for (int l = 0; l < 4; ++l)
-            if (4 * l + q < xs) _mm512_mask_storeu_ps(out + (4 * l + q) * ldo, mask, col[l]);
-    }
+    for (int i = 0; i < 16 && i < xs; ++i) _mm512_mask_storeu_ps(out + i * ldo, mask, r[i]);
 }
 
 /* The chunk's rows (xv padded with zero rows to a multiple of AMX_ROWS) by the panel. */
@@ -580,7 +632,7 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
 #pragma omp parallel num_threads(num_threads)
     {
         uint32_t *panel = aligned_alloc(64, sizeof *panel * (size_t)(kcols / 2 * PANEL));
-        float *scratch = aligned_alloc(64, sizeof *scratch * SUPER_BLOCK);
+        float *scratch = aligned_alloc(64, sizeof *scratch * 16 * SUPER_BLOCK);
         if (!panel || !scratch) {
 #pragma omp atomic write
             failed = 1;
@@ -628,5 +680,310 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
         free(scratch);
     }
     free(xb);
+    return failed ? -2 : 0;
+}
+
+/* ---------------------------------------------------------------------------------------------
+ * int8 activations (PAGEDBATCH_QUANT_GEMM=int8; llama.cpp's arithmetic, the issue's option (a)).
+ * Each row of x is quantized per block of 32 as llama.cpp's q8: d = max |x| / 127, q =
+ * round(x / d) in -127 .. 127, and each weight kept as the stored integer it is, unsigned, with
+ * its group's float scale s and offset m (w = s q + m: Q4_0 q - 8, Q5_0 q - 16, Q8_0 q + 128
+ * shifted to unsigned, Q4_1 and the K formats' mins; a group is 32 weights, Q6_K's 16 of their
+ * own scale). An output is then
+ *     sum over groups g of  s_g xd_g (sum_k q_k xq_k)  +  m_g xd_g (sum_k xq_k),
+ * the integer sums exact (vpdpbusd: unsigned weight bytes by signed activation bytes, four a
+ * lane), the second term the product of the offset with the quantized activations' sum: the
+ * whole is the exact weights times the quantized activations, whose error is at most sum over
+ * blocks of d / 2 sum |w| (quant_matmul.c's int8 bound), then float32's rounding.
+ * The panel: pq[kq * PANEL + r] holds row r's four weight bytes at columns 4 kq .. 4 kq + 3;
+ * ps, pm[g * PANEL + r] its group g's scale and offset. */
+
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#define GEMM_VNNI 1
+#include <immintrin.h>
+#endif
+
+enum { INT8_PORTABLE = 0, INT8_VNNI = 1, ROWS_VNNI = 4 };
+
+static int group_size(int type) { return type == Q6_K ? 16 : BLOCK; }
+
+/* One stored block as unsigned integers q (block_size(type) of them) and each group's scale s
+ * and offset m: the weight k of group g is s[g] q[k] + m[g]. */
+static void integer_block(int type, const uint8_t *b, uint8_t *q, float *s, float *m) {
+    switch (type) {
+    case Q4_0:
+    case Q4_1: {
+        const float d = half_to_float(b);
+        const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
+        for (int i = 0; i < 16; ++i) q[i] = qs[i] & 0x0F, q[i + 16] = qs[i] >> 4;
+        s[0] = d;
+        m[0] = type == Q4_1 ? half_to_float(b + 2) : -8.0f * d;
+        return;
+    }
+    case Q5_0: {
+        const float d = half_to_float(b);
+        const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 |
+                            (uint32_t)b[5] << 24;
+        for (int i = 0; i < 16; ++i) {
+            q[i] = (uint8_t)((b[6 + i] & 0x0F) | ((qh >> i) & 1u) << 4);
+            q[i + 16] = (uint8_t)((b[6 + i] >> 4) | ((qh >> (i + 16)) & 1u) << 4);
+        }
+        s[0] = d;
+        m[0] = -16.0f * d;
+        return;
+    }
+    case Q8_0: {
+        const float d = half_to_float(b);
+        for (int i = 0; i < BLOCK; ++i) q[i] = b[2 + i] ^ 0x80; /* int8 + 128 */
+        s[0] = d;
+        m[0] = -128.0f * d;
+        return;
+    }
+    case Q4_K:
+    case Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
+        for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            s[j] = d * (float)sc;
+            m[j] = -(dmin * (float)mn);
+            const uint8_t *run = qs + 32 * (j / 2);
+            for (int l = 0; l < 32; ++l) {
+                int v = j % 2 ? run[l] >> 4 : run[l] & 0x0F;
+                if (type == Q5_K) v |= ((qh[l] >> j) & 1) << 4;
+                q[32 * j + l] = (uint8_t)v;
+            }
+        }
+        return;
+    }
+    default: { /* Q6_K: groups of 16 */
+        const float d = half_to_float(b + 208);
+        const int8_t *scales = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; ++g) s[g] = d * (float)scales[g], m[g] = -32.0f * s[g];
+        const uint8_t *ql = b, *qh = b + 128;
+        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, q += 128)
+            for (int k = 0; k < 4; ++k)
+                for (int l = 0; l < 32; ++l) {
+                    const uint8_t bits = ql[l + 32 * (k % 2)];
+                    const int low = k < 2 ? bits & 0x0F : bits >> 4;
+                    q[32 * k + l] = (uint8_t)(low | ((qh[l] >> (2 * k)) & 3) << 4);
+                }
+    }
+    }
+}
+
+/* Panel p's integers, scales and offsets (see above); rows past the matrix's end are zeros. */
+static void pack_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
+                      uint32_t *pq, float *ps, float *pm) {
+    const int64_t size = block_size(type), stride = block_bytes(type), group = group_size(type);
+    const int64_t row_bytes = cols / size * stride, groups = size / group;
+    const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
+    if (valid < PANEL) {
+        memset(pq, 0, sizeof *pq * (size_t)(cols / 4 * PANEL));
+        memset(ps, 0, sizeof *ps * (size_t)(cols / group * PANEL));
+        memset(pm, 0, sizeof *pm * (size_t)(cols / group * PANEL));
+    }
+    uint8_t q[SUPER_BLOCK];
+    float s[16], m[16];
+    for (int r = 0; r < valid; ++r) {
+        const uint8_t *row = w + (p * PANEL + r) * row_bytes;
+        for (int64_t c = 0; c < cols; c += size, row += stride) {
+            integer_block(type, row, q, s, m);
+            for (int64_t k = 0; k < size / 4; ++k) {
+                uint32_t quad;
+                memcpy(&quad, q + 4 * k, sizeof quad);
+                pq[(c / 4 + k) * PANEL + r] = quad;
+            }
+            for (int64_t g = 0; g < groups; ++g) {
+                ps[(c / group + g) * PANEL + r] = s[g];
+                pm[(c / group + g) * PANEL + r] = m[g];
+            }
+        }
+    }
+}
+
+/* x's rows [start, start + count) quantized per 32: xq (cols bytes a row), xd (a scale a block)
+ * and xs (d times the sum of the group's quants, a group's). */
+static void quantize_rows(const float *x, int64_t start, int64_t count, int64_t cols,
+                          int64_t group, int8_t *xq, float *xd, float *xs) {
+#pragma omp for schedule(static)
+    for (int64_t i = 0; i < count; ++i) {
+        const float *row = x + (start + i) * cols;
+        for (int64_t c = 0; c < cols; c += BLOCK) {
+            float amax = 0.0f;
+            for (int k = 0; k < BLOCK; ++k) amax = fmaxf(amax, fabsf(row[c + k]));
+            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
+            int8_t *o = xq + i * cols + c;
+            for (int k = 0; k < BLOCK; ++k) o[k] = (int8_t)lrintf(row[c + k] * id);
+            xd[i * (cols / BLOCK) + c / BLOCK] = d;
+            for (int64_t g = 0; g < BLOCK / group; ++g) {
+                int sum = 0;
+                for (int64_t k = 0; k < group; ++k) sum += o[g * group + k];
+                xs[i * (cols / group) + c / group + g] = d * (float)sum;
+            }
+        }
+    }
+}
+
+/* The portable products: each output's groups in order, the integer sum then two fused
+ * multiply-adds (the VNNI path's arithmetic lane by lane, so the two agree to the bit). */
+static void panel_int8_portable(const int8_t *xq, const float *xd, const float *xs, int64_t count,
+                                int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
+                                const float *pm, int valid, float *out, int64_t ldo) {
+    const int64_t groups = cols / group;
+    for (int64_t i = 0; i < count; ++i) {
+        const int8_t *a = xq + i * cols;
+        for (int j = 0; j < valid; ++j) {
+            float acc = 0.0f;
+            for (int64_t g = 0; g < groups; ++g) {
+                int32_t sum = 0;
+                for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
+                    const uint32_t quad = pq[(k / 4) * PANEL + j];
+                    for (int b = 0; b < 4; ++b) sum += (int32_t)((quad >> (8 * b)) & 0xFF) * a[k + b];
+                }
+                const float scale = ps[g * PANEL + j] * xd[i * (cols / BLOCK) + g * group / BLOCK];
+                acc = fmaf((float)sum, scale, acc);
+                acc = fmaf(pm[g * PANEL + j], xs[i * groups + g], acc);
+            }
+            out[i * ldo + j] = acc;
+        }
+    }
+}
+
+#ifdef GEMM_VNNI
+/* `mr` (at most ROWS_VNNI) rows of x by the panel's 32 rows: per group, the integer sums in
+ * 2 * mr vectors (vpdpbusd, four columns a step), then scaled into 2 * mr float32 vectors. */
+static inline __attribute__((always_inline)) void rows_vnni(
+    int mr, const int8_t *xq, const float *xd, const float *xs, int64_t cols, int64_t group,
+    const uint32_t *pq, const float *ps, const float *pm, __mmask16 mask0, __mmask16 mask1,
+    float *out, int64_t ldo) {
+    const int64_t groups = cols / group, blocks = cols / BLOCK;
+    __m512 acc[ROWS_VNNI][2];
+#pragma GCC unroll 4
+    for (int m = 0; m < mr; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m512i sum[ROWS_VNNI][2];
+#pragma GCC unroll 4
+        for (int m = 0; m < mr; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
+        for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
+            const __m512i b0 = _mm512_load_si512(pq + (k / 4) * PANEL);
+            const __m512i b1 = _mm512_load_si512(pq + (k / 4) * PANEL + 16);
+#pragma GCC unroll 4
+            for (int m = 0; m < mr; ++m) {
+                int32_t quad;
+                memcpy(&quad, xq + m * cols + k, sizeof quad);
+                const __m512i a = _mm512_set1_epi32(quad);
+                sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], b0, a);
+                sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], b1, a);
+            }
+        }
+        const __m512 s0 = _mm512_load_ps(ps + g * PANEL), s1 = _mm512_load_ps(ps + g * PANEL + 16);
+        const __m512 m0 = _mm512_load_ps(pm + g * PANEL), m1 = _mm512_load_ps(pm + g * PANEL + 16);
+#pragma GCC unroll 4
+        for (int m = 0; m < mr; ++m) {
+            const __m512 d = _mm512_set1_ps(xd[m * blocks + g * group / BLOCK]);
+            const __m512 t = _mm512_set1_ps(xs[m * groups + g]);
+            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][0]), _mm512_mul_ps(s0, d), acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][1]), _mm512_mul_ps(s1, d), acc[m][1]);
+            acc[m][0] = _mm512_fmadd_ps(m0, t, acc[m][0]);
+            acc[m][1] = _mm512_fmadd_ps(m1, t, acc[m][1]);
+        }
+    }
+#pragma GCC unroll 4
+    for (int m = 0; m < mr; ++m) {
+        _mm512_mask_storeu_ps(out + m * ldo, mask0, acc[m][0]);
+        _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, acc[m][1]);
+    }
+}
+
+static void panel_int8_vnni(const int8_t *xq, const float *xd, const float *xs, int64_t count,
+                            int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
+                            const float *pm, int valid, float *out, int64_t ldo) {
+    const __mmask16 mask0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
+    const __mmask16 mask1 =
+        valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    const int64_t blocks = cols / BLOCK, groups = cols / group;
+    int64_t i = 0;
+    for (; i + ROWS_VNNI <= count; i += ROWS_VNNI)
+        rows_vnni(ROWS_VNNI, xq + i * cols, xd + i * blocks, xs + i * groups, cols, group, pq, ps,
+                  pm, mask0, mask1, out + i * ldo, ldo);
+    const int8_t *a = xq + i * cols;
+    const float *d = xd + i * blocks, *t = xs + i * groups;
+    float *o = out + i * ldo;
+    switch (count - i) { /* the tail, its row count a constant in each case */
+#define TAIL(n) \
+    case n: rows_vnni(n, a, d, t, cols, group, pq, ps, pm, mask0, mask1, o, ldo); break;
+        TAIL(1) TAIL(2) TAIL(3)
+#undef TAIL
+    default: break;
+    }
+}
+#endif
+
+/* Which int8 paths were compiled here: bit INT8_x set for each (the portable one always). */
+int quant_gemm_int8_paths(void) {
+    int paths = 1 << INT8_PORTABLE;
+#ifdef GEMM_VNNI
+    paths |= 1 << INT8_VNNI;
+#endif
+    return paths;
+}
+
+/* out[n, rows] = x[n, cols] @ dequantized(w).T with x quantized per 32 to int8 (see above), by
+ * `path` (INT8_x). Returns as quant_gemm does: 0; -1 for a type it does not read or cols not a
+ * whole number of blocks; -2 where its buffers cannot be allocated; -3 for a path not compiled. */
+int quant_gemm_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                    int64_t n, int path, int num_threads, float *out) {
+    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
+    if (path < 0 || path > INT8_VNNI || !(quant_gemm_int8_paths() & (1 << path))) return -3;
+    if (n <= 0 || rows <= 0) return 0;
+    const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);
+    const int64_t panels = (rows + PANEL - 1) / PANEL;
+    int8_t *xq = aligned_alloc(64, (size_t)(chunk * cols));
+    float *xd = aligned_alloc(64, sizeof *xd * (size_t)(chunk * (cols / BLOCK)));
+    float *xs = aligned_alloc(64, sizeof *xs * (size_t)(chunk * (cols / group)));
+    int failed = !xq || !xd || !xs;
+    if (failed) {
+        free(xq), free(xd), free(xs);
+        return -2;
+    }
+#pragma omp parallel num_threads(num_threads)
+    {
+        uint32_t *pq = aligned_alloc(64, sizeof *pq * (size_t)(cols / 4 * PANEL));
+        float *ps = aligned_alloc(64, sizeof *ps * (size_t)(cols / group * PANEL));
+        float *pm = aligned_alloc(64, sizeof *pm * (size_t)(cols / group * PANEL));
+        if (!pq || !ps || !pm) {
+#pragma omp atomic write
+            failed = 1;
+        }
+        for (int64_t start = 0; start < n; start += chunk) {
+            const int64_t count = n - start < chunk ? n - start : chunk;
+            quantize_rows(x, start, count, cols, group, xq, xd, xs); /* ends in a barrier */
+            int stop;
+#pragma omp atomic read
+            stop = failed;
+            if (stop) break;
+#pragma omp for schedule(static)
+            for (int64_t p = 0; p < panels; ++p) {
+                const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
+                float *o = out + start * rows + p * PANEL;
+                pack_int8(type, w, rows, cols, p, pq, ps, pm);
+#ifdef GEMM_VNNI
+                if (path == INT8_VNNI) {
+                    panel_int8_vnni(xq, xd, xs, count, cols, group, pq, ps, pm, valid, o, rows);
+                    continue;
+                }
+#endif
+                panel_int8_portable(xq, xd, xs, count, cols, group, pq, ps, pm, valid, o, rows);
+            } /* a barrier before the next chunk's quantization */
+        }
+        free(pq);
+        free(ps);
+        free(pm);
+    }
+    free(xq);
+    free(xd);
+    free(xs);
     return failed ? -2 : 0;
 }

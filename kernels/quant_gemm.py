@@ -12,6 +12,11 @@ accuracy near enough) or one (bf16); the bounds are in quant_gemm.c.
 - amx: Intel AMX-BF16 tiles (Sapphire Rapids and later), where Linux grants the tile state;
 - avx512: AVX512-BF16's vdpbf16ps (Zen 4, Cooper Lake and later);
 - portable: plain C, for checking the other two anywhere; quant_linear does not take it.
+
+And int8 (`quant_gemm_int8`, llama.cpp's arithmetic): x quantized per block of 32 to int8, each
+weight its stored integer with its group's scale and offset, integer sums (`int8_paths()`):
+- vnni: AVX512-VNNI's vpdpbusd (Zen 4, Ice Lake and later);
+- portable: plain C, the same arithmetic to the bit.
 """
 
 from __future__ import annotations
@@ -34,6 +39,9 @@ logger = logging.getLogger(__name__)
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 # The paths by the number quant_gemm.c knows them by, fastest last.
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}
+INT8_PATHS = {"portable": 0, "vnni": 1}
+# The products a setting names: bf16 products a weight (3 or 1), or int8 activations.
+PRODUCTS = ("bf16x3", "bf16", "int8")
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
@@ -42,6 +50,11 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _i64, _i32, _i32, _i32, _ptr,  # x, its rows, path, passes, threads, out
     ],
     "quant_gemm_paths": [],
+    "quant_gemm_int8": [
+        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
+        _ptr, _i64, _i32, _i32, _ptr,  # x, its rows, path, threads, out
+    ],
+    "quant_gemm_int8_paths": [],
 }  # fmt: skip
 
 
@@ -76,6 +89,16 @@ def paths() -> frozenset[str]:
     return frozenset(name for name, bit in PATHS.items() if mask >> bit & 1)
 
 
+@functools.cache
+def int8_paths() -> frozenset[str]:
+    """The int8 paths compiled for this CPU (none without the library)."""
+    lib = library()
+    if lib is None:
+        return frozenset()
+    mask = lib.quant_gemm_int8_paths()
+    return frozenset(name for name, bit in INT8_PATHS.items() if mask >> bit & 1)
+
+
 def fastest() -> str | None:
     """amx, else avx512, where one runs here: the path quant_linear takes past a few rows."""
     return next((p for p in ("amx", "avx512") if p in paths()), None)
@@ -100,3 +123,33 @@ def quant_gemm(
     if status != 0:
         raise ValueError(f"quant_gemm does not read {fmt.name} rows of {cols} ({path}: {status})")
     return out
+
+
+def quant_gemm_int8(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, path: str
+) -> torch.Tensor:
+    """As `quant_gemm`, with x quantized per block of 32 to int8 and integer products by `path`
+    (an `INT8_PATHS` name): `[n, rows]` float32."""
+    lib = library()
+    if lib is None or path not in int8_paths():
+        raise RuntimeError(f"quant_gemm's int8 {path} path does not run here")
+    out = torch.empty(x.shape[0], blocks.shape[0])
+    status = lib.quant_gemm_int8(
+        fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], cols,
+        x.data_ptr(), x.shape[0], INT8_PATHS[path], torch.get_num_threads(), out.data_ptr(),
+    )  # fmt: skip
+    if status == -2:
+        raise MemoryError("quant_gemm_int8 could not allocate its buffers")
+    if status != 0:
+        raise ValueError(f"quant_gemm_int8 does not read {fmt.name} rows of {cols} ({status})")
+    return out
+
+
+def multiply(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, product: str, path: str
+) -> torch.Tensor:
+    """x @ W.T by `product` (bf16x3, bf16 or int8, see `PRODUCTS`) on `path` (one of `paths()`
+    for the bf16 products, of `int8_paths()` for int8)."""
+    if product == "int8":
+        return quant_gemm_int8(x, blocks, fmt, cols, path)
+    return quant_gemm(x, blocks, fmt, cols, path, 3 if product == "bf16x3" else 1)

@@ -11,7 +11,9 @@ Two paths, chosen by how many rows x has:
   32 rows of W once a call to bfloat16 and multiplies it with every row of x on AMX tiles or
   AVX512-BF16, whichever the CPU has: each weight and activation split in two bf16 and three
   products summed (bf16x3, float32's accuracy near enough: greedy answers follow exact mode's,
-  where one bf16 product (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16).
+  where one bf16 product (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16);
+  `PAGEDBATCH_QUANT_GEMM=int8` takes int8 activations quantized per 32 and VNNI's integer
+  products instead (llama.cpp's arithmetic; see quant_gemm.c).
   Where the CPU has neither, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's arithmetic),
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by torch's float32 GEMM; one tile in memory at a time.
@@ -43,7 +45,6 @@ from pagedbatch.kernels.quant_blocks import Format, dequantize
 
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
 GEMM_SETTING = "PAGEDBATCH_QUANT_GEMM"
-GEMM_PASSES = {"bf16x3": 3, "bf16": 1}  # its settings' bf16 products a weight
 # The formats quant_matmul_int8 reads; the others take float activations whatever is asked.
 INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Format.Q6_K})
 # Those whose float path has no streaming code (see the top): int8 unless the setting says float32.
@@ -65,16 +66,19 @@ def int8_formats() -> frozenset[Format]:
     return choices[value]
 
 
-def gemm_path() -> tuple[str, int] | None:
-    """The `quant_gemm` path that many rows take and its bf16 products a weight: its fastest path
-    here, with 3 (bf16x3, the default) or 1 (`PAGEDBATCH_QUANT_GEMM=bf16`); None where it has
-    none (no AMX or AVX512-BF16, no compiler) or `float32` asks for the tiles (exact mode's
-    arithmetic)."""
+def gemm_path() -> tuple[str, str] | None:
+    """The product many rows take and its `quant_gemm` path: bf16x3 (the default) or bf16
+    (`PAGEDBATCH_QUANT_GEMM=bf16`) on its fastest bf16 path (AMX, else AVX512-BF16), or int8
+    activations (`int8`) on VNNI; None where that product has no fast path here (no compiler;
+    Zen 3's AVX2 has neither) or `float32` asks for the tiles (exact mode's arithmetic)."""
     value = os.environ.get(GEMM_SETTING, "bf16x3").strip().lower()
-    if value not in GEMM_PASSES and value != "float32":
-        raise ValueError(f"{GEMM_SETTING} is bf16x3, bf16 or float32, not {value!r}")
-    path = quant_gemm.fastest() if value != "float32" else None
-    return None if path is None else (path, GEMM_PASSES[value])
+    if value not in quant_gemm.PRODUCTS and value != "float32":
+        raise ValueError(f"{GEMM_SETTING} is bf16x3, bf16, int8 or float32, not {value!r}")
+    if value == "float32":
+        return None
+    path = "vnni" if "vnni" in quant_gemm.int8_paths() else None
+    path = path if value == "int8" else quant_gemm.fastest()
+    return None if path is None else (value, path)
 
 
 def quant_matmul(
@@ -89,7 +93,7 @@ def quant_matmul(
     if lib is not None and x2.shape[0] <= SMALL_BATCH:
         out = _small_batch(lib, x2, blocks, fmt, cols, int8 and fmt in INT8_FORMATS)
     elif lib is not None and (gemm := gemm_path()) is not None:
-        out = quant_gemm.quant_gemm(x2, blocks, fmt, cols, *gemm)
+        out = quant_gemm.multiply(x2, blocks, fmt, cols, *gemm)
     else:
         out = _tiles(lib, x2, blocks, fmt, cols)
     return out.reshape(*lead, blocks.shape[0])

@@ -6,16 +6,21 @@ One part (bf16): a weight and an activation each move by at most 2^-8 of themsel
 by at most ~2^-7 of sum |x w| (the bound below allows 1.01 x that, plus float32's rounding).
 Three products of two parts (bf16x3): each moves by at most 2^-16 of itself, an output by under
 2^-14 of sum |x w|.
+int8 (x quantized per block of 32, integer products): the exact weights times the quantized
+activations, so an output moves by at most sum over blocks of amax / 254 times sum |w|
+(`activation_bound`, quant_matmul.c's int8 bound).
 """
 
 from __future__ import annotations
 
+import ctypes
 import shutil
+import subprocess
 
 import pytest
 import torch
 from test_quant_blocks import random_blocks
-from test_quant_matmul import rounding_bound, with_outliers
+from test_quant_matmul import activation_bound, rounding_bound, with_outliers
 
 from pagedbatch.kernels import native, quant_gemm, quant_linear
 from pagedbatch.kernels.quant_blocks import Format, dequantize
@@ -39,6 +44,7 @@ def built():
         pytest.skip("no C compiler")
     quant_gemm.library.cache_clear()
     quant_gemm.paths.cache_clear()
+    quant_gemm.int8_paths.cache_clear()
     assert quant_gemm.library() is not None, "quant_gemm.c did not build; see the warning"
 
 
@@ -102,6 +108,12 @@ def test_what_it_does_not_read_is_refused():
     assert lib.quant_gemm(3, *call, 7, 1, 1, out.data_ptr()) == -3  # no such path
     with pytest.raises(RuntimeError, match="does not run here"):
         quant_gemm.quant_gemm(x.reshape(1, 64), blocks, Format.Q4_1, 64, "tpu")
+    int8 = (blocks.data_ptr(), 2, 32, x.data_ptr(), 1)
+    assert lib.quant_gemm_int8(10, *int8, 0, 1, out.data_ptr()) == -1  # no such format
+    assert lib.quant_gemm_int8(12, *int8, 0, 1, out.data_ptr()) == -1  # 32 of a super-block
+    assert lib.quant_gemm_int8(3, *int8, 5, 1, out.data_ptr()) == -3  # no such path
+    with pytest.raises(RuntimeError, match="does not run here"):
+        quant_gemm.quant_gemm_int8(x.reshape(1, 64), blocks, Format.Q4_1, 64, "amx")
 
 
 def test_the_paths_are_those_the_cpu_has():
@@ -114,20 +126,94 @@ def test_the_paths_are_those_the_cpu_has():
     assert quant_gemm.fastest() == next(
         (p for p in ("amx", "avx512") if p in quant_gemm.paths()), None
     )
+    vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
+    assert quant_gemm.int8_paths() == ({"portable", "vnni"} if vnni else {"portable"})
+
+
+def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
+    """Built for Zen 3 (AVX2, no AVX-512): neither bf16 path nor VNNI is compiled, so
+    quant_linear's many rows keep the float32 tiles, as before quant_gemm.c; its portable paths
+    still answer within their bounds."""
+    compiler = shutil.which("cc") or shutil.which("gcc")
+    flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=znver3"]
+    target = tmp_path / "quant_gemm_znver3.so"
+    subprocess.run([compiler, *flags, str(quant_gemm.SOURCE), "-o", str(target), "-lm"], check=True)
+    lib = ctypes.CDLL(str(target))
+    for name, argtypes in quant_gemm.SIGNATURES.items():
+        getattr(lib, name).argtypes = argtypes
+    assert lib.quant_gemm_paths() == 1 << quant_gemm.PATHS["portable"]
+    assert lib.quant_gemm_int8_paths() == 1 << quant_gemm.INT8_PATHS["portable"]
+    fmt, rows, cols = Format.Q4_K, 40, 512
+    blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=6))
+    weights = dequantize(blocks, fmt)
+    x = with_outliers(9, cols)
+    out = torch.empty(9, rows)
+    call = (fmt.ggml_type, blocks.data_ptr(), rows, cols, x.data_ptr(), 9)
+    assert lib.quant_gemm(*call, 0, 3, 1, out.data_ptr()) == 0
+    assert error_within(out, x, weights, 3)
+    assert lib.quant_gemm_int8(*call, 0, 1, out.data_ptr()) == 0
+    assert (out.double() - x.double() @ weights.T).abs().le(activation_bound(x, weights)).all()
+
+
+@pytest.mark.parametrize("path", sorted(quant_gemm.INT8_PATHS))
+@pytest.mark.parametrize(("fmt", "rows", "cols"), shapes(), ids=str)
+def test_int8_within_the_activation_bound(path, fmt, rows, cols):
+    if path not in quant_gemm.int8_paths():
+        pytest.skip(f"this CPU runs no int8 {path} path")
+    blocks = random_blocks(fmt, rows, cols, seed=rows)
+    weights = dequantize(blocks, fmt)
+    for n in X_ROWS if path != "portable" else X_ROWS[:2]:
+        x = with_outliers(n, cols)
+        out = quant_gemm.quant_gemm_int8(x, torch.from_numpy(blocks), fmt, cols, path)
+        assert out.shape == (n, rows)
+        error = (out.double() - x.double() @ weights.T).abs()
+        assert error.le(activation_bound(x, weights)).all(), (n, path)
+
+
+@pytest.mark.parametrize("fmt", list(Format), ids=str)
+def test_int8_paths_agree_to_the_bit(fmt):
+    """VNNI's lanes take the portable code's steps (integer sums, then two fused multiply-adds a
+    group, groups in order): equal outputs, partial panel and a ragged tail of rows included."""
+    if "vnni" not in quant_gemm.int8_paths():
+        pytest.skip("this CPU runs no VNNI")
+    rows, cols = (45, 512) if fmt.size == 256 else (45, 576)
+    blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=4))
+    x = with_outliers(11, cols)
+    portable = quant_gemm.quant_gemm_int8(x, blocks, fmt, cols, "portable")
+    assert torch.equal(quant_gemm.quant_gemm_int8(x, blocks, fmt, cols, "vnni"), portable)
+
+
+def test_int8_is_exact_on_integer_activations():
+    """Activations that are integers of at most 127 with a 127 in every block quantize exactly:
+    the output is then the float64 product up to float32's rounding."""
+    fmt, rows, cols = Format.Q6_K, 33, 512
+    blocks = random_blocks(fmt, rows, cols, seed=5)
+    weights = dequantize(blocks, fmt)
+    x = torch.randint(-127, 128, (10, cols), generator=torch.Generator().manual_seed(5)).float()
+    x[:, ::32] = 127.0
+    for path in quant_gemm.int8_paths():
+        out = quant_gemm.quant_gemm_int8(x, torch.from_numpy(blocks), fmt, cols, path)
+        error = (out.double() - x.double() @ weights.T).abs()
+        assert error.le(rounding_bound(x, weights)).all(), path
 
 
 @pytest.mark.parametrize(
-    ("setting", "passes"), [(None, 3), ("bf16x3", 3), ("bf16", 1), ("float32", None)]
+    ("setting", "product"),
+    [(None, "bf16x3"), ("bf16x3", "bf16x3"), ("bf16", "bf16"), ("int8", "int8"), ("float32", None)],
 )
-def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, passes):
-    """`quant_matmul` with 40 rows: quant_gemm's fastest path at the setting's passes, or the
-    float32 tiles (exact mode's arithmetic) where float32 is asked or no path runs here."""
+def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
+    """`quant_matmul` with 40 rows: the setting's product on its fastest path here, or the
+    float32 tiles (exact mode's arithmetic) where float32 is asked or no path runs here (AVX2
+    alone, as Zen 3: neither bf16 nor VNNI)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
-    fastest = quant_gemm.fastest()
-    expected = None if passes is None or fastest is None else (fastest, passes)
+    if product == "int8":
+        path = "vnni" if "vnni" in quant_gemm.int8_paths() else None
+    else:
+        path = quant_gemm.fastest()
+    expected = None if product is None or path is None else (product, path)
     assert quant_linear.gemm_path() == expected
     fmt, rows, cols = Format.Q4_1, 100, 576
     blocks = random_blocks(fmt, rows, cols, seed=1)
@@ -137,13 +223,16 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, passes):
     error = (out.double() - x.double() @ weights.T).abs()
     if expected is None:
         assert error.le(rounding_bound(x, weights)).all()
+    elif product == "int8":
+        assert error.le(activation_bound(x, weights)).all()
     else:
-        assert error_within(out, x, weights, passes)
-        taken = quant_gemm.quant_gemm(x, torch.from_numpy(blocks), fmt, cols, *expected)
+        assert error_within(out, x, weights, 3 if product == "bf16x3" else 1)
+    if expected is not None:
+        taken = quant_gemm.multiply(x, torch.from_numpy(blocks), fmt, cols, *expected)
         assert torch.equal(out, taken)
 
 
 def test_a_setting_it_does_not_know_is_refused(monkeypatch):
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "int4")
-    with pytest.raises(ValueError, match="bf16x3, bf16 or float32"):
+    with pytest.raises(ValueError, match="bf16x3, bf16, int8 or float32"):
         quant_linear.gemm_path()
