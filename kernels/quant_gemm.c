@@ -96,6 +96,35 @@ static inline float from_bf16(uint16_t b) {
     return f;
 }
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+/* 16 vectors of 16 lanes transposed in registers: lane j of r[k] becomes lane k of r[j]. */
+static inline void transpose16(__m512 r[16]) {
+    __m512 t[16];
+    for (int k = 0; k < 16; k += 2) { /* pairs of rows interleaved within 128-bit lanes */
+        t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
+        t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 16; k += 4) { /* lane L of r[k + q]: column 4L + q of rows k .. k + 3 */
+        r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
+        r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
+        r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
+        r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
+    }
+    for (int q = 0; q < 4; ++q) { /* columns q, 4 + q, 8 + q, 12 + q gathered from the lanes */
+        const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88);
+        const __m512 w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
+        const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88);
+        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
+        t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
+        t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
+        t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
+        t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
+    }
+    for (int k = 0; k < 16; ++k) r[k] = t[k];
+}
+#endif
+
 /* Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (of 8), packed in 12 bytes. */
 static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
     if (j < 4) {
@@ -217,32 +246,6 @@ static inline void split_avx512(__m512 lo, __m512 hi, __m512i *h, __m512i *l) {
     const __m512 back_lo = _mm512_cvtpbh_ps((__m256bh)_mm512_castsi512_si256(*h));
     const __m512 back_hi = _mm512_cvtpbh_ps((__m256bh)_mm512_extracti64x4_epi64(*h, 1));
     *l = (__m512i)_mm512_cvtne2ps_pbh(_mm512_sub_ps(hi, back_hi), _mm512_sub_ps(lo, back_lo));
-}
-
-/* 16 vectors of 16 lanes transposed in registers: lane j of r[k] becomes lane k of r[j]. */
-static inline void transpose16(__m512 r[16]) {
-    __m512 t[16];
-    for (int k = 0; k < 16; k += 2) { /* pairs of rows interleaved within 128-bit lanes */
-        t[k] = _mm512_unpacklo_ps(r[k], r[k + 1]);
-        t[k + 1] = _mm512_unpackhi_ps(r[k], r[k + 1]);
-    }
-    for (int k = 0; k < 16; k += 4) { /* lane L of r[k + q]: column 4L + q of rows k .. k + 3 */
-        r[k] = _mm512_shuffle_ps(t[k], t[k + 2], 0x44);
-        r[k + 1] = _mm512_shuffle_ps(t[k], t[k + 2], 0xEE);
-        r[k + 2] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0x44);
-        r[k + 3] = _mm512_shuffle_ps(t[k + 1], t[k + 3], 0xEE);
-    }
-    for (int q = 0; q < 4; ++q) { /* columns q, 4 + q, 8 + q, 12 + q gathered from the lanes */
-        const __m512 v0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0x88);
-        const __m512 w0 = _mm512_shuffle_f32x4(r[q], r[4 + q], 0xDD);
-        const __m512 v1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0x88);
-        const __m512 w1 = _mm512_shuffle_f32x4(r[8 + q], r[12 + q], 0xDD);
-        t[q] = _mm512_shuffle_f32x4(v0, v1, 0x88);
-        t[4 + q] = _mm512_shuffle_f32x4(w0, w1, 0x88);
-        t[8 + q] = _mm512_shuffle_f32x4(v0, v1, 0xDD);
-        t[12 + q] = _mm512_shuffle_f32x4(w0, w1, 0xDD);
-    }
-    for (int k = 0; k < 16; ++k) r[k] = t[k];
 }
 
 /* 16 rows' 16 bf16 pairs each (v[r]: row r0 + r's pairs at expanded columns c .. c + 31) into
@@ -773,14 +776,63 @@ static void integer_block(int type, const uint8_t *b, uint8_t *q, float *s, floa
     }
 }
 
-/* Panel p's integers, scales and offsets (see above); rows past the matrix's end are zeros. */
+#ifdef GEMM_VNNI
+/* One stored block of Q4_0, Q4_1 or Q8_0 as its 32 unsigned integers (integer_block's). */
+static inline __m256i block_bytes_avx(int type, const uint8_t *b) {
+    if (type == Q8_0)
+        return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)),
+                                _mm256_set1_epi8((char)0x80));
+    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2)));
+    const __m128i low = _mm_set1_epi8(0x0F);
+    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+}
+
+/* pack_int8's integers for the formats of 32 with code of their own, 16 rows at a time: 64
+ * columns (two blocks) of each row in one vector of 16 quads, transposed in registers so that a
+ * quad of the 16 rows is one aligned store. */
+static void pack_quads_avx512(int type, const uint8_t *panel_w, int64_t row_bytes, int64_t cols,
+                              int valid, uint32_t *pq) {
+    const int64_t stride = block_bytes(type);
+    for (int r0 = 0; r0 < PANEL; r0 += 16) {
+        const int here = valid - r0 >= 16 ? 16 : valid - r0 > 0 ? valid - r0 : 0;
+        const uint8_t *base = panel_w + r0 * row_bytes;
+        for (int64_t c = 0; c < cols; c += 2 * BLOCK) {
+            const int two = c + BLOCK < cols;
+            __m512 v[16];
+            for (int r = 0; r < 16; ++r) {
+                __m512i q = _mm512_setzero_si512();
+                if (r < here) {
+                    const uint8_t *b = base + r * row_bytes + c / BLOCK * stride;
+                    q = _mm512_castsi256_si512(block_bytes_avx(type, b));
+                    if (two) q = _mm512_inserti64x4(q, block_bytes_avx(type, b + stride), 1);
+                }
+                v[r] = _mm512_castsi512_ps(q);
+            }
+            transpose16(v);
+            for (int k = 0; k < (two ? 16 : 8); ++k)
+                _mm512_store_ps((float *)(pq + (c / 4 + k) * PANEL + r0), v[k]);
+        }
+    }
+}
+#endif
+
+/* Panel p's integers, scales and offsets (see above); rows past the matrix's end are zeros.
+ * `vectors`: the AVX-512 code for the integers of Q4_0, Q4_1 and Q8_0. */
 static void pack_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
-                      uint32_t *pq, float *ps, float *pm) {
+                      uint32_t *pq, float *ps, float *pm, int vectors) {
     const int64_t size = block_size(type), stride = block_bytes(type), group = group_size(type);
     const int64_t row_bytes = cols / size * stride, groups = size / group;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
+    int quads_done = 0;
+#ifdef GEMM_VNNI
+    if (vectors && (type == Q4_0 || type == Q4_1 || type == Q8_0)) {
+        pack_quads_avx512(type, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
+        quads_done = 1;
+    }
+#endif
+    (void)vectors;
     if (valid < PANEL) {
-        memset(pq, 0, sizeof *pq * (size_t)(cols / 4 * PANEL));
+        if (!quads_done) memset(pq, 0, sizeof *pq * (size_t)(cols / 4 * PANEL));
         memset(ps, 0, sizeof *ps * (size_t)(cols / group * PANEL));
         memset(pm, 0, sizeof *pm * (size_t)(cols / group * PANEL));
     }
@@ -789,11 +841,18 @@ static void pack_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, in
     for (int r = 0; r < valid; ++r) {
         const uint8_t *row = w + (p * PANEL + r) * row_bytes;
         for (int64_t c = 0; c < cols; c += size, row += stride) {
-            integer_block(type, row, q, s, m);
-            for (int64_t k = 0; k < size / 4; ++k) {
-                uint32_t quad;
-                memcpy(&quad, q + 4 * k, sizeof quad);
-                pq[(c / 4 + k) * PANEL + r] = quad;
+            if (quads_done) { /* the scale and offset alone */
+                s[0] = half_to_float(row);
+                m[0] = type == Q4_1   ? half_to_float(row + 2)
+                       : type == Q8_0 ? -128.0f * s[0]
+                                      : -8.0f * s[0];
+            } else {
+                integer_block(type, row, q, s, m);
+                for (int64_t k = 0; k < size / 4; ++k) {
+                    uint32_t quad;
+                    memcpy(&quad, q + 4 * k, sizeof quad);
+                    pq[(c / 4 + k) * PANEL + r] = quad;
+                }
             }
             for (int64_t g = 0; g < groups; ++g) {
                 ps[(c / group + g) * PANEL + r] = s[g];
@@ -968,7 +1027,7 @@ int quant_gemm_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
             for (int64_t p = 0; p < panels; ++p) {
                 const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
                 float *o = out + start * rows + p * PANEL;
-                pack_int8(type, w, rows, cols, p, pq, ps, pm);
+                pack_int8(type, w, rows, cols, p, pq, ps, pm, path == INT8_VNNI);
 #ifdef GEMM_VNNI
                 if (path == INT8_VNNI) {
                     panel_int8_vnni(xq, xd, xs, count, cols, group, pq, ps, pm, valid, o, rows);
