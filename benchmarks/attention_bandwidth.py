@@ -5,11 +5,13 @@
     python benchmarks/attention_bandwidth.py --batch 256 --context 4096 --dtype float16
     python benchmarks/attention_bandwidth.py --device cpu --batch 128 --context 400 \\
         --num-heads 12 --num-kv-heads 4 --head-dim 64 --layers 12   # small's decode at 128
+    python benchmarks/attention_bandwidth.py --kv-cache-dtype int8  # a quantized cache
 
 A decode step reads every cached key and value of every sequence once, and little else, so its
 speed is bound by memory bandwidth. Prints one JSON line:
 - kv_bytes: bytes of K and V the batch attends per layer (sequences x context x KV heads x
-  head_dim x 2 x element size); the kernel reads each once.
+  head_dim x 2 x element size; with --kv-cache-dtype int8 or fp8 one byte an element plus each
+  row's 4-byte scale); the kernel reads each once.
 - kernel_ms, kernel_gbps: mean wall-clock time per call over --iters calls (a layer's call; on
   CUDA the device synchronized before and after them), and kv_bytes over it.
 - torch_ms, torch_gbps: the same for the torch path (gather, then SDPA), for comparison.
@@ -48,6 +50,12 @@ def parse_args() -> argparse.Namespace:
     p.add_argument("--head-dim", type=int, default=128)
     p.add_argument("--block-size", type=int, default=16)
     p.add_argument("--dtype", choices=DTYPES, help="default: bfloat16 on CUDA, else float32")
+    p.add_argument(
+        "--kv-cache-dtype",
+        choices=["auto", "int8", "fp8"],
+        default="auto",
+        help="the cache's storage, as the engine's kv_cache_dtype: auto is --dtype",
+    )
     p.add_argument("--layers", type=int, default=1, help="caches the calls go round")
     p.add_argument("--iters", type=int, default=50)
     p.add_argument("--sliding-window", type=int, default=None)
@@ -92,7 +100,7 @@ def main() -> None:
     if device.type == "cpu" and dtype_name != "float32":
         sys.exit("on the CPU the C kernel takes float32 alone")
     dtype = DTYPES[dtype_name]
-    from pagedbatch.kernels import attention, native
+    from pagedbatch.kernels import attention, kv_quant, native
     from pagedbatch.kernels.attention import prepare_attention
 
     if device.type == "cuda":  # the Triton kernels need triton, which only CUDA machines must have
@@ -108,10 +116,15 @@ def main() -> None:
     num_blocks = args.batch * blocks_per_seq
     gen = torch.Generator(device=device).manual_seed(0)
     shape = (num_blocks, args.block_size, args.num_kv_heads, args.head_dim)
-    caches = [
-        tuple(torch.randn(shape, generator=gen, device=device).to(dtype) for _ in range(2))
-        for _ in range(args.layers)
-    ]
+    stored = kv_quant.storage_dtype(args.kv_cache_dtype, dtype)
+
+    def cache() -> kv_quant.KVCacheTensor:
+        values = torch.randn(shape, generator=gen, device=device)
+        if stored == dtype:
+            return values.to(dtype)
+        return kv_quant.QuantizedCache(*kv_quant.quantize(values, stored))
+
+    caches = [(cache(), cache()) for _ in range(args.layers)]
     block_ids = torch.randperm(num_blocks, generator=gen, device=device)
     block_tables = block_ids.view(args.batch, blocks_per_seq).to(torch.int32)
     query = torch.randn(args.batch, args.num_heads, args.head_dim, generator=gen, device=device)
@@ -149,7 +162,8 @@ def main() -> None:
     diff = (call(kernel)(0).float() - expected.float()).abs().max().item()
     kernel_ms = timer(call(kernel))
     attended = min(args.context, args.sliding_window or args.context)
-    kv_bytes = 2 * args.batch * attended * args.num_kv_heads * args.head_dim * dtype.itemsize
+    row_bytes = kv_quant.bytes_per_row(stored, args.head_dim)
+    kv_bytes = 2 * args.batch * attended * args.num_kv_heads * row_bytes
     reference = reference_gbps(device, timer)
     kernel_gbps = kv_bytes / kernel_ms / 1e6
     figures = {
@@ -157,6 +171,7 @@ def main() -> None:
         "threads": torch.get_num_threads(),
         "kernel": kernel_name,
         "dtype": dtype_name,
+        "kv_cache_dtype": kv_quant.dtype_name(stored),
         "batch": args.batch,
         "context": args.context,
         "sliding_window": args.sliding_window,

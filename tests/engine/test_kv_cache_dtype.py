@@ -110,3 +110,18 @@ def test_prefill_chunks_and_decode_read_what_was_stored(request, rounded_referen
 @pytest.fixture(scope="module")
 def gemma2(make_checkpoint):
     return make_checkpoint("gemma2")
+
+
+@pytest.mark.real_model
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_quantization_gguf_decodes_unfused_over_a_quantized_cache(real_model, kv):
+    # decode_layer.c reads a float32 cache only: under int8/fp8 its fused layers are not built
+    # and decode steps take the layers' torch path, whose attention reads the quantized cache.
+    llm = LLM(real_model("smollm2-135m-instruct"), num_kv_blocks=64, kv_cache_dtype=kv)
+    assert llm.engine.runner.quantization == "gguf"
+    chat = [{"role": "user", "content": "What is the capital of France?"}]
+    prompt = llm.tokenizer.apply_chat_template(chat, tokenize=False, add_generation_prompt=True)
+    (out,) = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=16))
+    assert "Paris" in out.outputs[0].text
+    model = llm.engine.runner.model
+    assert model._decode_layers is not None and model._decode_layers[1] == []
