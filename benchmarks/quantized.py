@@ -336,6 +336,19 @@ def batch_figures(
     agreement = report.get("greedy_agreement_vs_exact") or {}
     beyond_kv = report["ours"].get("peak_rss_beyond_kv_mib")
     rss_bound = RSS_FILE_FACTOR * file_mib + RSS_EXTRA_MIB
+    # The engine's own process (the child that ran LLM.generate): its peak RSS, the KV-cache
+    # blocks it wrote (the only resident pages of the cache on CPU), and what is left.
+    memory = {
+        "peak_rss_mib": report["ours"].get("peak_rss_mib"),
+        "kv_written_mib": report["ours"].get("kv_written_mib"),
+        "peak_rss_beyond_kv_mib": beyond_kv,
+        "bound_mib": round(rss_bound, 1),
+    }
+    log(
+        f"ours gguf memory: peak RSS {memory['peak_rss_mib']} MiB, KV cache written "
+        f"{memory['kv_written_mib']} MiB, beyond it {beyond_kv} MiB against the bound of "
+        f"{RSS_FILE_FACTOR} x {file_mib:.1f} MiB + {RSS_EXTRA_MIB} = {rss_bound:.1f} MiB"
+    )
     figures = {
         "workload": report["workload"],
         "ours_gguf": report["ours"],
@@ -344,6 +357,7 @@ def batch_figures(
         "ratio_vs_llama_server": _ratio(ours_tps, server["output_tps"]),
         "quantization_speedup": report.get("quantization_speedup"),
         "greedy_agreement_vs_exact": agreement,
+        "memory": memory,
         "peak_rss_beyond_kv_mib": beyond_kv,
         "peak_rss_bound_mib": round(rss_bound, 1),
     }
