@@ -82,9 +82,20 @@ def rank_device(name: str, rank: int, size: int) -> torch.device:
 
 
 HALF_DTYPES = (torch.bfloat16, torch.float16)
+# The CPU flags (Linux's names) of a native bfloat16 dot product: AVX512-BF16's vdpbf16ps, AMX's
+# tiles. Without either, oneDNN emulates bfloat16: float32's arithmetic plus the conversions.
+NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
+    """`dtype` as it applies; bfloat16 on a CPU without native bfloat16 (AVX512-BF16 or AMX, as
+    its /proc/cpuinfo flags say) refused at start, where vLLM's CPU backend warns: emulated, it
+    would cost float32's arithmetic and more, for bfloat16's precision."""
+    if name == "bfloat16" and device.type == "cpu" and not NATIVE_BF16_FLAGS & native.cpu_flags():
+        raise ValueError(
+            "dtype bfloat16 on CPU needs native bfloat16 (AVX512-BF16 or AMX: the avx512_bf16 "
+            "or amx_bf16 flag in /proc/cpuinfo), which this CPU lacks; use dtype float32"
+        )
     if name != "auto":
         return DTYPES[name]
     if device.type != "cuda":
@@ -106,7 +117,7 @@ def resolve_matmul_precision(
         raise ValueError("matmul_precision bfloat16 applies to float32 models on CPU only")
     if name != "auto":
         return name
-    native_bf16 = {"amx_bf16", "avx512_bf16"} & cpu_flags
+    native_bf16 = NATIVE_BF16_FLAGS & cpu_flags
     fast = device.type == "cpu" and dtype == torch.float32 and native_bf16
     return "bfloat16" if fast and cfg.pooling is not None else "highest"
 
