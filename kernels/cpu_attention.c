@@ -1,4 +1,4 @@
-/* Paged decode attention on the CPU, float32: each sequence has one query token, and its keys and
+/* Paged decode attention on the CPU, float32 queries: each sequence has one query token, and its keys and
  * values are read in place from their cache blocks, never gathered into a copy.
  *
  * Layouts (all contiguous, row-major):
@@ -27,7 +27,9 @@
  * (slot, KV head) row with a float32 scale in `key_scales`/`value_scales`
  * [num_blocks, block_size, num_kv_heads]. Elements are widened to floats as they are loaded (a
  * byte's W lanes at a time); a key's scale multiplies its score and a value's scale its weight,
- * so dequantizing costs no multiply an element.
+ * so dequantizing costs no multiply an element. A bfloat16 cache (dtype bfloat16) has no scales:
+ * its elements are widened exactly, their 16 bits the top half of a float's. Queries and outputs
+ * stay float32 in every format (attention.py converts a bfloat16 query's at the call).
  */
 #include <math.h>
 #include <stdint.h>
@@ -45,11 +47,18 @@ typedef float vec __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
 typedef int8_t i8vec __attribute__((vector_size(W)));
 typedef uint8_t u8vec __attribute__((vector_size(W)));
+typedef uint16_t u16vec __attribute__((vector_size(W * sizeof(uint16_t))));
+typedef uint32_t u32vec __attribute__((vector_size(W * sizeof(uint32_t))));
 
 /* How the cache's elements are stored: attention.py's _C_FORMATS. */
-enum kv_format { KV_FLOAT32 = 0, KV_INT8 = 1, KV_FP8 = 2 };
+enum kv_format { KV_FLOAT32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
 
-static inline int64_t element_size(enum kv_format fmt) { return fmt == KV_FLOAT32 ? 4 : 1; }
+static inline int64_t element_size(enum kv_format fmt) {
+    return fmt == KV_FLOAT32 ? 4 : fmt == KV_BF16 ? 2 : 1;
+}
+
+/* Whether the format's rows carry a scale each (int8, float8). */
+static inline int scaled(enum kv_format fmt) { return fmt == KV_INT8 || fmt == KV_FP8; }
 
 static inline vec load(const float *p) {
     vec v;
@@ -97,6 +106,11 @@ static inline __attribute__((always_inline)) vec load_kv(const uint8_t *p, enum 
         memcpy(&b, p, sizeof b);
         return __builtin_convertvector(b, vec);
     }
+    if (fmt == KV_BF16) {
+        u16vec h;
+        memcpy(&h, p, sizeof h);
+        return (vec)(__builtin_convertvector(h, u32vec) << 16);
+    }
     u8vec b;
     memcpy(&b, p, sizeof b);
     return fp8_to_float(b);
@@ -107,6 +121,12 @@ static inline __attribute__((always_inline)) float kv_element(const uint8_t *p, 
                                                              enum kv_format fmt) {
     if (fmt == KV_FLOAT32) return ((const float *)p)[i];
     if (fmt == KV_INT8) return (float)((const int8_t *)p)[i];
+    if (fmt == KV_BF16) {
+        const uint32_t bits = (uint32_t)((const uint16_t *)p)[i] << 16;
+        float x;
+        memcpy(&x, &bits, sizeof x);
+        return x;
+    }
     return fp8_scalar(p[i]);
 }
 
@@ -181,7 +201,7 @@ static inline __attribute__((always_inline)) void chunk_scores(const struct item
         const uint8_t *kg = k + g * head_dim * es;
         /* Each slot's key scale, times the softmax scale (lanes past `rows` are masked below). */
         vec scales = splat(it->scale);
-        if (fmt != KV_FLOAT32)
+        if (scaled(fmt))
             for (int o = 0; o < W; ++o) scales[o] *= o < rows ? ks[o * it->kv_heads + g] : 0.0f;
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             float *sh = it->scores + i * it->ctx + n;
@@ -234,7 +254,7 @@ static inline __attribute__((always_inline)) void chunk_values(const struct item
             if (!vectorized(head_dim)) {
                 for (int64_t r = 0; r < rows; ++r) {
                     const float weight =
-                        fmt == KV_FLOAT32 ? w[r] : w[r] * vs[r * it->kv_heads + g];
+                        scaled(fmt) ? w[r] * vs[r * it->kv_heads + g] : w[r];
                     const uint8_t *vr = vg + r * row * es;
 #pragma omp simd
                     for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * kv_element(vr, d, fmt);
@@ -245,7 +265,7 @@ static inline __attribute__((always_inline)) void chunk_values(const struct item
             for (int64_t d = 0; d < head_dim; d += W) acc[d / W] = load(o + d);
             for (int64_t r = 0; r < rows; ++r) {
                 const vec weight =
-                    splat(fmt == KV_FLOAT32 ? w[r] : w[r] * vs[r * it->kv_heads + g]);
+                    splat(scaled(fmt) ? w[r] * vs[r * it->kv_heads + g] : w[r]);
                 for (int64_t d = 0; d < head_dim; d += W)
                     acc[d / W] += weight * load_kv(vg + (r * row + d) * es, fmt);
             }
@@ -274,7 +294,7 @@ static inline __attribute__((always_inline)) void walk(const struct item *it, en
     for (int64_t j = first_block; j < first_block + AHEAD; ++j) {
         prefetch_rows(cache, it->table, j, last_block, block_size, row_bytes, 0, block_size,
                       span_lo, span);
-        if (fmt != KV_FLOAT32)
+        if (scaled(fmt))
             prefetch_rows(scale_bytes, it->table, j, last_block, block_size, scale_row, 0,
                           block_size, 0, scale_row);
     }
@@ -283,12 +303,12 @@ static inline __attribute__((always_inline)) void walk(const struct item *it, en
         const int64_t hi = j == last_block ? (it->len - 1) % block_size + 1 : block_size;
         const uint8_t *block = cache + (int64_t)it->table[j] * block_size * row_bytes;
         const float *block_scales =
-            fmt == KV_FLOAT32 ? NULL : scales + (int64_t)it->table[j] * block_size * kv_heads;
+            scaled(fmt) ? scales + (int64_t)it->table[j] * block_size * kv_heads : NULL;
         for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
             rows = hi - o < W ? hi - o : W;
             prefetch_rows(cache, it->table, j + AHEAD, last_block, block_size, row_bytes, o, o + W,
                           span_lo, span);
-            if (fmt != KV_FLOAT32 && o % (64 / sizeof(float)) == 0)
+            if (scaled(fmt) && o % (64 / sizeof(float)) == 0)
                 prefetch_rows(scale_bytes, it->table, j + AHEAD, last_block, block_size,
                               scale_row, o, o + W, 0, scale_row);
             const float *chunk_scales = block_scales ? block_scales + o * kv_heads : NULL;
@@ -378,13 +398,15 @@ static inline __attribute__((always_inline)) void attend_format(struct item *it,
         attend(it, key_cache, value_cache, key_scales, value_scales, KV_INT8);
     else if (fmt == KV_FP8)
         attend(it, key_cache, value_cache, key_scales, value_scales, KV_FP8);
+    else if (fmt == KV_BF16)
+        attend(it, key_cache, value_cache, key_scales, value_scales, KV_BF16);
     else
         attend(it, key_cache, value_cache, key_scales, value_scales, KV_FLOAT32);
 }
 
 /* Returns 0, or -1 when a thread could not allocate its score buffer (nothing is written then by
  * that thread; the caller treats the whole call as failed), -2 for a format it does not know.
- * key_scales and value_scales are a quantized cache's (NULL for float32). */
+ * key_scales and value_scales are a quantized cache's (NULL for float32 and bfloat16). */
 int paged_decode_attention_kv(const float *query, const void *key_cache, const void *value_cache,
                               const float *key_scales, const float *value_scales, int format,
                               const int32_t *block_tables, int64_t table_width,
@@ -393,7 +415,7 @@ int paged_decode_attention_kv(const float *query, const void *key_cache, const v
                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, float scale, int num_threads,
                               float *out) {
-    if (format != KV_FLOAT32 && format != KV_INT8 && format != KV_FP8) return -2;
+    if (format < KV_FLOAT32 || format > KV_BF16) return -2;
     const enum kv_format fmt = (enum kv_format)format;
     const uint8_t *keys = key_cache, *values = value_cache;
     const int64_t group = num_heads / num_kv_heads;
