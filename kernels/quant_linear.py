@@ -9,11 +9,11 @@ Two paths, chosen by how many rows x has:
   quant_matmul.c);
 - more (prefill, a decode step of many sequences): `quant_gemm.c`, which expands each panel of
   32 rows of W once a call to bfloat16 and multiplies it with every row of x on AMX tiles or
-  AVX512-BF16, whichever the CPU has: each weight and activation split in two bf16 and three
-  products summed (bf16x3, float32's accuracy near enough: greedy answers follow exact mode's,
-  where one bf16 product (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16);
-  `PAGEDBATCH_QUANT_GEMM=int8` takes int8 activations quantized per 32 and VNNI's integer
-  products instead (llama.cpp's arithmetic; see quant_gemm.c).
+  AVX512-BF16: each weight and activation split in two bf16 and three products summed (bf16x3,
+  float32's accuracy near enough: greedy answers follow exact mode's, where one bf16 product
+  (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16); or with int8 activations
+  quantized per 32 and VNNI's integer products (llama.cpp's arithmetic; see quant_gemm.c).
+  `gemm_path` says which: by default bf16x3 on AMX, the tiles below elsewhere.
   Where the CPU has neither, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's arithmetic),
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by torch's float32 GEMM; one tile in memory at a time.
@@ -67,17 +67,23 @@ def int8_formats() -> frozenset[Format]:
 
 
 def gemm_path() -> tuple[str, str] | None:
-    """The product many rows take and its `quant_gemm` path: bf16x3 (the default) or bf16
-    (`PAGEDBATCH_QUANT_GEMM=bf16`) on its fastest bf16 path (AMX, else AVX512-BF16), or int8
-    activations (`int8`) on VNNI; None where that product has no fast path here (no compiler;
-    Zen 3's AVX2 has neither) or `float32` asks for the tiles (exact mode's arithmetic)."""
-    value = os.environ.get(GEMM_SETTING, "bf16x3").strip().lower()
-    if value not in quant_gemm.PRODUCTS and value != "float32":
-        raise ValueError(f"{GEMM_SETTING} is bf16x3, bf16, int8 or float32, not {value!r}")
+    """The product many rows take and its `quant_gemm` path, as `PAGEDBATCH_QUANT_GEMM` says:
+    - `auto` (the default): bf16x3 on AMX tiles where the CPU has them, else None (bf16x3 on
+      AVX512-BF16 took 2.8x the float32 tiles' time: benchmarks/README.md);
+    - `bf16x3` or `bf16` (one product): on the fastest bf16 path (AMX, else AVX512-BF16);
+    - `int8`: int8 activations on VNNI;
+    - `float32`: None.
+    None: the float32 tiles (exact mode's arithmetic), also where the asked product has no fast
+    path here or no compiler."""
+    value = os.environ.get(GEMM_SETTING, "auto").strip().lower()
+    if value not in (*quant_gemm.PRODUCTS, "auto", "float32"):
+        raise ValueError(f"{GEMM_SETTING} is auto, bf16x3, bf16, int8 or float32, not {value!r}")
+    vnni = "vnni" if "vnni" in quant_gemm.int8_paths() else None
+    if value == "auto":
+        return ("bf16x3", "amx") if "amx" in quant_gemm.paths() else None
     if value == "float32":
         return None
-    path = "vnni" if "vnni" in quant_gemm.int8_paths() else None
-    path = path if value == "int8" else quant_gemm.fastest()
+    path = vnni if value == "int8" else quant_gemm.fastest()
     return None if path is None else (value, path)
 
 

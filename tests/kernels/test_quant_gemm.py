@@ -199,20 +199,28 @@ def test_int8_is_exact_on_integer_activations():
 
 @pytest.mark.parametrize(
     ("setting", "product"),
-    [(None, "bf16x3"), ("bf16x3", "bf16x3"), ("bf16", "bf16"), ("int8", "int8"), ("float32", None)],
+    [
+        (None, "auto"),
+        ("auto", "auto"),
+        ("bf16x3", "bf16x3"),
+        ("bf16", "bf16"),
+        ("int8", "int8"),
+        ("float32", None),
+    ],
 )
 def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
     """`quant_matmul` with 40 rows: the setting's product on its fastest path here, or the
     float32 tiles (exact mode's arithmetic) where float32 is asked or no path runs here (AVX2
-    alone, as Zen 3: neither bf16 nor VNNI)."""
+    alone, as Zen 3: neither bf16 nor VNNI). auto: bf16x3 on AMX, else the tiles (AVX512-BF16's
+    bf16x3 is slower than they are)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
-    if product == "int8":
-        path = "vnni" if "vnni" in quant_gemm.int8_paths() else None
-    else:
-        path = quant_gemm.fastest()
+    vnni = "vnni" if "vnni" in quant_gemm.int8_paths() else None
+    if product == "auto":
+        product = "bf16x3" if "amx" in quant_gemm.paths() else None
+    path = vnni if product == "int8" else quant_gemm.fastest()
     expected = None if product is None or path is None else (product, path)
     assert quant_linear.gemm_path() == expected
     fmt, rows, cols = Format.Q4_1, 100, 576
@@ -234,5 +242,5 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
 
 def test_a_setting_it_does_not_know_is_refused(monkeypatch):
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "int4")
-    with pytest.raises(ValueError, match="bf16x3, bf16, int8 or float32"):
+    with pytest.raises(ValueError, match="auto, bf16x3, bf16, int8 or float32"):
         quant_linear.gemm_path()
