@@ -17,6 +17,8 @@ And int8 (`quant_gemm_int8`, llama.cpp's arithmetic): x quantized per block of 3
 weight its stored integer with its group's scale and offset, integer sums (`int8_paths()`):
 - vnni: AVX512-VNNI's vpdpbusd (Zen 4, Ice Lake and later);
 - portable: plain C, the same arithmetic to the bit.
+Taken only where `PAGEDBATCH_QUANT_GEMM=int8` asks: SmolLM2's greedy answers with it failed the
+quality gate (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -100,7 +102,8 @@ def int8_paths() -> frozenset[str]:
 
 
 def fastest() -> str | None:
-    """amx, else avx512, where one runs here: the path quant_linear takes past a few rows."""
+    """amx, else avx512, where one runs here: the bf16 path for `PAGEDBATCH_QUANT_GEMM=bf16x3`
+    or `bf16` (by default quant_linear takes amx alone: see quant_linear.gemm_path)."""
     return next((p for p in ("amx", "avx512") if p in paths()), None)
 
 
