@@ -32,6 +32,7 @@ import contextlib
 import hashlib
 import json
 import os
+import shutil
 import sys
 import tempfile
 import time
@@ -41,7 +42,6 @@ from typing import Any
 
 from harness import (
     CACHE_ROOT,
-    _built_once,
     apply_defaults,
     ensure_model,
     load_avg,
@@ -69,20 +69,28 @@ LORA_OVERHEAD_TARGET = 1.3  # at most
 RATIO_VS_VLLM_TARGET = 1.0  # at least
 
 
-def ensure_adapters(model_dir: Path, count: int, rank: int, seed: int) -> list[tuple[str, Path]]:
-    """`count` PEFT adapters of rank `rank` on `model_dir`'s model, made once each into
-    ~/.cache/pagedbatch (keyed by the checkpoint's path and weights' size and time): (name,
-    folder)."""
+def ensure_adapters(
+    model_dir: Path, count: int, rank: int, seed: int, root: Path = CACHE_ROOT
+) -> list[tuple[str, Path]]:
+    """`count` PEFT adapters of rank `rank` on `model_dir`'s model, made once each into `root`
+    (keyed by the checkpoint's path and weights' size and time): (name, folder)."""
     weights = model_dir / "model.safetensors"
     stat = weights.stat() if weights.is_file() else None
     key = [str(model_dir.resolve()), stat and stat.st_size, stat and stat.st_mtime_ns, rank, seed]
     digest = hashlib.sha256(json.dumps(key).encode()).hexdigest()[:12]
     adapters = []
     for i in range(count):
-        target = CACHE_ROOT / f"lora-{model_dir.name}-r{rank}-{digest}-{i}"
+        target = root / f"lora-{model_dir.name}-r{rank}-{digest}-{i}"
         if not (target / "adapter_model.safetensors").is_file():
             log(f"making adapter {i} (rank {rank}) in {target}")
-            _built_once(target, lambda out, s=seed + i: _make_adapter(model_dir, out, rank, s))
+            # Made beside its place and renamed into it: a concurrent run never sees half of it.
+            root.mkdir(parents=True, exist_ok=True)
+            staging = Path(tempfile.mkdtemp(prefix=target.name + ".", dir=root))
+            _make_adapter(model_dir, staging, rank, seed + i)
+            try:
+                staging.rename(target)
+            except OSError:  # another run's is there: the same bytes
+                shutil.rmtree(staging, ignore_errors=True)
         adapters.append((f"bench-lora-{i}", target))
     return adapters
 
@@ -222,7 +230,8 @@ def worker_vllm(spec_path: str, spawn_time: float, with_loras: bool) -> dict[str
 
 def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[str, Any]:
     model_dir = ensure_model(args.model, args.size)
-    adapters = ensure_adapters(model_dir, args.adapters, args.rank, args.seed)
+    root = Path(args.adapter_dir) if args.adapter_dir else CACHE_ROOT
+    adapters = ensure_adapters(model_dir, args.adapters, args.rank, args.seed, root)
     shape = read_model_shape(model_dir)
     requests = workload_from_args(args)
     gemm_peak = measure_gemm_peak(3 if args.quick else 10)
@@ -354,6 +363,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--adapters", type=int, help="adapters the requests are spread over")
     p.add_argument("--rank", type=int, default=16, help="every adapter's rank (max_lora_rank)")
     p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--adapter-dir", help="where adapters are made (default ~/.cache/pagedbatch)")
     p.add_argument("--min-prompt-len", type=int)
     p.add_argument("--max-prompt-len", type=int)
     p.add_argument("--min-output-len", type=int)

@@ -14,10 +14,11 @@ SCRIPT = Path(__file__).resolve().parents[2] / "benchmarks" / "lora.py"
 
 
 def test_a_quick_run_reports_ours_with_and_without_adapters(
-    make_checkpoint: Callable[..., Path],
+    make_checkpoint: Callable[..., Path], tmp_path: Path
 ) -> None:
     model = make_checkpoint("llama")
     args = ["--quick", "--model", str(model), "--requests", "6", "--adapters", "3"]
+    args += ["--adapter-dir", str(tmp_path)]
     report = last_json_line(python_output(str(SCRIPT), *args, timeout=600))
     assert report is not None
 
@@ -34,6 +35,7 @@ def test_a_quick_run_reports_ours_with_and_without_adapters(
     # random adapters on every linear: each request's answer differs from the base model's
     assert report["adapters_changed_answers"] > 0.5
     assert report["ratio_vs_vllm"] is None and "vllm_lora" not in report
+    assert len(list(tmp_path.glob("lora-*/adapter_model.safetensors"))) == 3
 
 
 def test_comparisons_divide_as_documented(tmp_path: Path) -> None:
