@@ -294,8 +294,20 @@ class Settings(EngineSettings):
         return {name: getattr(self, name) for name in ENGINE_SETTINGS}
 
 
+# The kernels' process-wide switches (docs/configuration.md's kernels paragraph): read from the
+# environment where each kernel is chosen (kernels/ops.py, native.py, quant_linear.py), in every
+# process that runs an engine and in tools that run no service, so they are no Settings fields.
+KERNEL_VARIABLES = (
+    "PAGEDBATCH_KERNELS",
+    "PAGEDBATCH_NATIVE_KERNELS",
+    "PAGEDBATCH_QUANT_ACTIVATIONS",
+    "PAGEDBATCH_QUANT_GEMM",
+)
+
+
 def unknown_variables(environ: Mapping[str, str]) -> list[str]:
     """`PAGEDBATCH_*` variables in `environ` that name no setting: a typo, or a name from an
     older release, which would otherwise be ignored without a word."""
     known = {f"{ENV_PREFIX}{name}".upper() for name in Settings.model_fields}
+    known.update(KERNEL_VARIABLES)
     return sorted(k for k in environ if k.upper().startswith(ENV_PREFIX) and k.upper() not in known)

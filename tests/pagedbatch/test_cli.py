@@ -14,7 +14,7 @@ import pytest
 
 from pagedbatch.cli import build_parser, check_exposure, engine_kwargs, main, settings_from_args
 from pagedbatch.engine import EngineArgs
-from pagedbatch.settings import ENGINE_SETTINGS, Settings, unknown_variables
+from pagedbatch.settings import ENGINE_SETTINGS, KERNEL_VARIABLES, Settings, unknown_variables
 
 CONFIGURATION = Path(__file__).resolve().parents[2] / "docs" / "configuration.md"
 ENGINE_ARGS = dataclasses.fields(EngineArgs)
@@ -191,6 +191,23 @@ def test_a_variable_that_names_no_setting_is_told_not_silently_ignored():
         "PAGEDBATCH_BATCH_TOKENS_UNDER_REALTIME",
         "pagedbatch_max_num_seqz",
     ]
+
+
+def test_the_kernels_switches_are_known_variables_and_documented():
+    """The kernels read their own switches from the environment: each is one the service knows
+    (not warned of as ignored) and that docs/configuration.md describes."""
+    from pagedbatch.kernels import native, ops, quant_linear
+
+    read = {
+        ops.SETTING,
+        native.SETTING,
+        quant_linear.ACTIVATIONS_SETTING,
+        quant_linear.GEMM_SETTING,
+    }
+    assert read == set(KERNEL_VARIABLES)
+    assert unknown_variables(dict.fromkeys(read, "auto")) == []
+    documented = CONFIGURATION.read_text()
+    assert all(f"`{name}" in documented for name in read)
 
 
 @pytest.mark.parametrize("command", ["serve", "worker", "run-batch", "db", "make-model"])
