@@ -91,7 +91,9 @@ class EngineArgs:
     dtype: str = arg(
         "auto",
         doc="weights, activations and KV cache; auto: float32 on CPU; on GPU the checkpoint's "
-        "half precision, bfloat16 for a float32 checkpoint",
+        "half precision, bfloat16 for a float32 checkpoint; bfloat16 on CPU only where it is "
+        "native (AVX512-BF16 or AMX; refused at start elsewhere), not token-identical to "
+        "float32 (see benchmarks/README.md, dtype bfloat16 on CPU)",
         choices=("auto", *DTYPES),
     )
     matmul_precision: str = arg(
