@@ -81,7 +81,7 @@ def rounded_reference(monkeypatch):
 
 
 @pytest.mark.parametrize("kv", ["int8", "fp8"])
-@pytest.mark.parametrize("model", ["tiny_llama", "gemma2"])
+@pytest.mark.parametrize("model", ["tiny_llama", "gemma2", "gemma3"])
 def test_prefill_chunks_and_decode_read_what_was_stored(request, rounded_reference, model, kv):
     model_dir = request.getfixturevalue(model)
     # Prompts prefilled 16 tokens a step: each chunk reads the earlier ones' keys from the cache.
@@ -110,6 +110,11 @@ def test_prefill_chunks_and_decode_read_what_was_stored(request, rounded_referen
 @pytest.fixture(scope="module")
 def gemma2(make_checkpoint):
     return make_checkpoint("gemma2")
+
+
+@pytest.fixture(scope="module")
+def gemma3(make_checkpoint):
+    return make_checkpoint("gemma3")
 
 
 @pytest.mark.real_model
