@@ -87,20 +87,32 @@ def enabled() -> bool:
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """The compiled kernels, built on first call; None where they cannot be (logged once)."""
+    return load(SOURCES, "cpu_kernels", SIGNATURES, "the C kernels", "using the torch paths")
+
+
+def load(
+    sources: tuple[Path, ...],
+    stem: str,
+    signatures: dict[str, list[type]],
+    what: str,
+    instead: str,
+) -> ctypes.CDLL | None:
+    """`sources` built into a library (`_build`) and loaded, each of `signatures`' functions
+    typed (returning an int); None where the C kernels are off or cannot be built, with a
+    warning naming `what` and what runs `instead`."""
     if not enabled():
         return None
     compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
     if compiler is None:
-        logger.warning("no C compiler found: the CPU keeps to the torch attention path")
+        logger.warning("no C compiler found for %s: %s", what, instead)
         return None
     try:
-        path = _build(compiler)
-        lib = ctypes.CDLL(str(path))
+        lib = ctypes.CDLL(str(_build(compiler, sources, stem)))
     except (OSError, subprocess.CalledProcessError) as e:
         detail = getattr(e, "stderr", "") or e
-        logger.warning("could not build the C kernels (%s): using the torch paths", detail)
+        logger.warning("could not build %s (%s): %s", what, detail, instead)
         return None
-    for name, argtypes in SIGNATURES.items():
+    for name, argtypes in signatures.items():
         function = getattr(lib, name)
         function.argtypes = argtypes
         function.restype = ctypes.c_int

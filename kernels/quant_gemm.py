@@ -25,18 +25,12 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import logging
-import os
-import shutil
-import subprocess
 from pathlib import Path
 
 import torch
 
 from pagedbatch.kernels import native
 from pagedbatch.kernels.quant_blocks import Format
-
-logger = logging.getLogger(__name__)
 
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 # The paths by the number quant_gemm.c knows them by, fastest last.
@@ -63,22 +57,9 @@ SIGNATURES: dict[str, list[type]] = {
 @functools.cache
 def library() -> ctypes.CDLL | None:
     """quant_gemm.c built and loaded on first call; None where it cannot be (logged once)."""
-    if not native.enabled():
-        return None
-    compiler = os.environ.get("CC") or shutil.which("cc") or shutil.which("gcc")
-    if compiler is None:
-        return None  # native.library() warns of it
-    try:
-        lib = ctypes.CDLL(str(native._build(compiler, (SOURCE,), "quant_gemm")))
-    except (OSError, subprocess.CalledProcessError) as e:
-        detail = getattr(e, "stderr", "") or e
-        logger.warning("could not build quant_gemm.c (%s): quantized prefill takes tiles", detail)
-        return None
-    for name, argtypes in SIGNATURES.items():
-        function = getattr(lib, name)
-        function.argtypes = argtypes
-        function.restype = ctypes.c_int
-    return lib
+    return native.load(
+        (SOURCE,), "quant_gemm", SIGNATURES, "quant_gemm.c", "quantized prefill takes tiles"
+    )
 
 
 @functools.cache
