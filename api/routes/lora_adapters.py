@@ -33,6 +33,10 @@ from pagedbatch.protocol.serving.common import parse_request
 router = APIRouter(tags=["lora"], dependencies=[Depends(require_admin)])
 
 MAX_PATH = 4096
+# What succeeded, in vLLM's words, as text; errors are JSON (`error_responses`).
+DONE: dict[int | str, dict[str, Any]] = {
+    200: {"description": "Done", "content": {"text/plain": {"schema": {"type": "string"}}}}
+}
 
 
 class LoadLoraAdapter(BaseModel):
@@ -58,8 +62,8 @@ def _engine(services: ServicesDep) -> AsyncLLM:
 
 @router.post(
     "/load_lora_adapter",
-    response_class=PlainTextResponse,
-    responses=error_responses(400, 401),
+    response_model=None,
+    responses=DONE | error_responses(400, 401, "4XX"),
     openapi_extra=json_body(LoadLoraAdapter),
 )
 async def load_lora_adapter(
@@ -81,8 +85,8 @@ async def load_lora_adapter(
 
 @router.post(
     "/unload_lora_adapter",
-    response_class=PlainTextResponse,
-    responses=error_responses(400, 401, 404),
+    response_model=None,
+    responses=DONE | error_responses(400, 401, 404, 409, "4XX"),
     openapi_extra=json_body(UnloadLoraAdapter),
 )
 async def unload_lora_adapter(

@@ -17,6 +17,7 @@ _ERROR_DESCRIPTIONS: dict[int | str, str] = {
     400: "The request is invalid: a parameter is missing, malformed or out of range.",
     401: "No API key was sent, or an incorrect one.",
     404: "No such object, or it belongs to another API key.",
+    409: "The object is in use: the change would cut short work that depends on it.",
     # FastAPI documents a 422 for every route with parameters unless a 4XX entry exists; the app
     # never sends a 422, and anything else in the range (405, ...) has the same body.
     "4XX": "Another client error, such as a method the URL does not allow.",

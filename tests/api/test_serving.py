@@ -321,7 +321,6 @@ class TestCompletions:
         [
             ({"suffix": "x"}, "suffix"),
             ({"best_of": 3, "stream": True}, "best_of"),
-            ({"echo": True, "logprobs": 1, "stream": True}, "echo"),
             ({"max_tokens": 10_000}, "prompt"),
         ],
     )
