@@ -14,10 +14,8 @@ Per step, the engine calls `prepare_attention` once and hands the result to ever
     reshape_and_cache(k, v, key_cache, value_cache, meta.slot_mapping)
     out = paged_attention(q, key_cache, value_cache, meta, scale, sliding_window)
 
-CPU strategy: decode sequences (one query token) in float32 or bfloat16 go to the C kernel
-(`cpu_attention.c`, see `native`), which reads their keys and values in place from the blocks
-(a bfloat16 cache's widened exactly as they load; its queries and outputs are float32, converted
-here: a step's few rows, where gathering each layer's context for SDPA costs a copy of it).
+CPU strategy: decode sequences (one query token) in float32 go to the C kernel
+(`cpu_attention.c`, see `native`), which reads their keys and values in place from the blocks.
 Everything else goes through torch, which cannot compute on scattered blocks in place: each call
 gathers the keys and values it needs into a dense buffer (one `index_select` each) and hands them
 to `scaled_dot_product_attention`, whose CPU kernel accumulates in float32 for fp16/bf16. There,
@@ -196,10 +194,7 @@ def paged_attention(
     quantized = isinstance(key_cache, QuantizedCache)
     buffer = _workspace(key_cache, query.dtype if quantized else None)
     max_rows = buffer.shape[1]
-    in_place = query.device.type == "cpu" and (
-        query.dtype == torch.float32
-        or (query.dtype == torch.bfloat16 and key_cache.dtype in _C_FORMATS)
-    )
+    in_place = query.dtype == torch.float32 and query.device.type == "cpu"
     lib = native.library() if in_place else None
     plan = _plan(meta, sliding_window, query.dtype, max_rows, lib is not None)
 
@@ -219,14 +214,9 @@ def paged_attention(
         return k, v
 
     out = torch.empty(num_tokens, num_heads, head_dim, dtype=query.dtype, device=query.device)
-    if plan.decode_rows is not None and query.dtype == torch.float32:
+    if plan.decode_rows is not None:
         _decode_in_place(lib, query.contiguous(), key_cache, value_cache, meta, plan.decode_rows,
                          scale, out)  # fmt: skip
-    elif plan.decode_rows is not None:  # bfloat16: the kernel's float32 query and output
-        out32 = torch.empty(out.shape, dtype=torch.float32)
-        _decode_in_place(lib, query.float(), key_cache, value_cache, meta, plan.decode_rows,
-                         scale, out32)  # fmt: skip
-        out.copy_(out32)  # the rows it did not write are written below
     for chunk in plan.decode:
         n = chunk.token_idx.numel()
         # The query heads sharing a KV head play the part of SDPA's query sequence.
@@ -304,7 +294,7 @@ def _flash(
 
 
 # The C kernel's codes for the cache formats it reads (cpu_attention.c's `enum kv_format`).
-_C_FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.bfloat16: 3}
+_C_FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
 
 
 def _decode_in_place(

@@ -144,17 +144,15 @@ def test_matches_dense_reference(scenario, heads, window, dtype):
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
 @pytest.mark.parametrize("head_dim", [20, 64, 128])
-def test_head_sizes_the_c_kernel_specializes_or_not(head_dim, dtype):
-    # 64 and 128 run as constants; 20 is no multiple of the vector width. A bfloat16 cache is
-    # read exactly: its output's one rounding to bfloat16 is the only error beyond float32's.
-    batch = make_batch(SCENARIOS["decode"] * 2, 6, 2, head_dim=head_dim, dtype=dtype)
+def test_head_sizes_the_c_kernel_specializes_or_not(head_dim):
+    # 64 and 128 run as constants; 20 is no multiple of the vector width.
+    batch = make_batch(SCENARIOS["decode"] * 2, 6, 2, head_dim=head_dim)
     scale = head_dim**-0.5
     out = run(batch, scale, None)
-    expected = reference_attention(batch, scale, None)
-    bound = 1e-5 if dtype == torch.float32 else 2.0**-9 * expected.abs().max().item() + 1e-5
-    torch.testing.assert_close(out.double(), expected, atol=bound, rtol=0)
+    torch.testing.assert_close(
+        out.double(), reference_attention(batch, scale, None), atol=1e-5, rtol=0
+    )
 
 
 @pytest.mark.parametrize("window", [None, 5, 20], ids=["full", "window5", "window20"])
@@ -253,13 +251,13 @@ def test_reshape_and_cache_writes_where_the_block_table_says():
     )
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=str)
-def test_float32_and_bfloat16_decode_go_to_the_c_kernel(native_path, dtype):
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=str)
+def test_only_float32_decode_goes_to_the_c_kernel(native_path, dtype):
     batch = make_batch(SCENARIOS["mixed"], 6, 2, dtype=dtype)
     meta = prepare_attention(batch.query_start_loc, batch.seq_lens, batch.block_tables, BLOCK_SIZE)
     paged_attention(batch.query, batch.key_cache, batch.value_cache, meta, 0.3)
     (plan,) = meta._plans.values()
-    in_place = native_path == "c_kernel" and dtype in (torch.float32, torch.bfloat16)
+    in_place = native_path == "c_kernel" and dtype == torch.float32
     assert (plan.decode_rows is not None) == in_place
     assert len(plan.decode) == (0 if in_place else 1)  # three decode sequences, one chunk
     assert len(plan.prefill) == 2
