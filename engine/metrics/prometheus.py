@@ -316,7 +316,8 @@ class _LiveEngineGauges(Collector):
             (
                 f"{PREFIX}kv_cache_usage_perc",
                 "Fraction of KV-cache blocks in use, 0 to 1.",
-                {model: used / total for model, (used, total) in blocks.items()},
+                # An encoder-only model keeps no KV cache: nothing of it is in use.
+                {model: used / total if total else 0.0 for model, (used, total) in blocks.items()},
             ),
         )
         for name, documentation, values in families:

@@ -112,6 +112,15 @@ def test_gauges_show_the_work_in_the_engine(tiny_llama: Path, model_name: str):
     assert m["pagedbatch:kv_cache_usage_perc", ()] == pytest.approx(4 / 10)
 
 
+def test_an_embedding_model_without_a_kv_cache_shows_none_in_use(make_checkpoint, model_name: str):
+    llm = LLM(make_checkpoint("bert"), served_model_name=model_name)
+    llm.embed(["the sea"])
+
+    m = scrape(model_name)  # every model's gauges are collected at once: this one must not fail
+    assert m["pagedbatch:kv_cache_usage_perc", ()] == 0.0
+    assert m["pagedbatch:num_requests_running", ()] == 0
+
+
 def test_a_step_histogram_buckets_as_prometheus_client_does():
     buckets = (0.01, 0.1, 1.0)
     values = [0.0, 0.01, 0.010001, 0.05, 0.1, 1.0, 3.0, 250.0]
