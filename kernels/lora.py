@@ -10,6 +10,8 @@ they add to (so `rows` lists the rows group by group). Group g runs with the ada
 
 from __future__ import annotations
 
+from collections.abc import Iterable
+
 import torch
 
 
@@ -37,3 +39,21 @@ def add_lora(
     delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).mul_(scalings)
     delta = delta.view(-1, delta.shape[-1]).index_select(0, valid)
     return out.index_add_(0, rows, delta.to(out.dtype))
+
+
+def add_lora_runs(
+    x: torch.Tensor,
+    out: torch.Tensor,
+    a: torch.Tensor,
+    b: torch.Tensor,
+    scalings: torch.Tensor,
+    runs: Iterable[tuple[int, int, int]],
+) -> torch.Tensor:
+    """`out` with `scaling_s * (x @ A_s^T) @ B_s^T` added to rows `start:end` for each run
+    (start, end, slot s), by two matmuls a run, the second accumulating into those rows of `out`
+    in place, scaled as it adds (as peft scales the product, after B). Operands as in
+    `add_lora`; returns `out`. Reads each scaling to the host: for CPU tensors."""
+    for start, end, slot in runs:
+        shrunk = torch.mm(x[start:end].to(a.dtype), a[slot].t()).to(out.dtype)
+        out[start:end].addmm_(shrunk, b[slot].t().to(out.dtype), alpha=float(scalings[slot]))
+    return out

@@ -7,7 +7,7 @@ from collections.abc import Sequence
 import torch
 
 from pagedbatch.engine.lora.mapping import StepMapping
-from pagedbatch.kernels import ops
+from pagedbatch.kernels import lora, ops
 
 
 class LoraLinear:
@@ -17,13 +17,10 @@ class LoraLinear:
     output parts, so that one pair of matmuls serves all parts. Slots are written as adapters
     are swapped in (`write`), between steps.
 
-    Rows of slot s get `scaling_s * (x @ A_s^T) @ B_s^T` added to the base product. The step's
-    rows are gathered by slot (see `LoraMapping`) so that one pair of batched matmuls serves
-    every adapter present: a handful of torch calls a linear whatever the adapters' count, on
-    CPU as on GPU. On bench-small-llama (2 CPU cores), 128 requests of 16 prompt and 64 output
-    tokens over 8 rank-16 adapters of all seven targets took 1.20x the base model's time alone,
-    where a pair of matmuls per adapter present took 1.38x; with 64-token prompts and 32 output
-    tokens, 1.22x either way (prefill's matmuls are large enough)."""
+    Rows of slot s get `scaling_s * (x @ A_s^T) @ B_s^T` added to the base product. A run of
+    one adapter's rows (a prefill, see `LoraMapping`) takes two matmuls of its own; the other
+    rows are gathered by slot so that one pair of batched matmuls serves every adapter present,
+    a handful of torch calls a linear whatever the adapters' count, on CPU as on GPU."""
 
     def __init__(
         self,
@@ -67,6 +64,9 @@ class LoraLinear:
         m = self.step.current
         if self.targeted.isdisjoint(m.slots):
             return out
-        # The torch pair of bmm calls on the CPU, Triton's kernels on CUDA (kernels.ops).
         a, b, scalings = self.a, self.b, self.scalings
+        lora.add_lora_runs(x, out, a, b, scalings, (r for r in m.runs if r.slot in self.targeted))
+        if m.gather is None:
+            return out
+        # The torch pair of bmm calls on the CPU, Triton's kernels on CUDA (kernels.ops).
         return ops.add_lora(x, out, a, b, scalings, m.gather, m.valid, m.rows, m.width, m.subset)

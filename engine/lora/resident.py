@@ -16,7 +16,7 @@ from pathlib import Path
 import torch
 
 from pagedbatch.engine.lora.linear import LoraLinear
-from pagedbatch.engine.lora.mapping import BASE, LoraMapping, StepMapping
+from pagedbatch.engine.lora.mapping import BASE, CPU_MIN_RUN, LoraMapping, StepMapping
 from pagedbatch.engine.lora.registry import LoraRegistry, Registered
 
 
@@ -112,4 +112,5 @@ class ResidentLoras:
     def start_step(
         self, slots: Sequence[int], query_start_loc: Sequence[int], device: torch.device
     ) -> None:
-        self.step.current = LoraMapping.of(slots, query_start_loc, device, self.max_loras)
+        min_run = CPU_MIN_RUN if device.type == "cpu" else None
+        self.step.current = LoraMapping.of(slots, query_start_loc, device, self.max_loras, min_run)
