@@ -19,6 +19,7 @@ import hashlib
 import logging
 import os
 import platform
+import re
 import shutil
 import subprocess
 import tempfile
@@ -31,6 +32,7 @@ SOURCES = tuple(
     Path(__file__).with_name(name)
     for name in ("cpu_attention.c", "cpu_rotary.c", "quant_matmul.c", "decode_layer.c")
 )
+_QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 # -std=c11 alone would turn off fused multiply-adds (ISO C's default contraction rule).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
 
@@ -129,7 +131,7 @@ def _build(compiler: str, sources: tuple[Path, ...] = SOURCES, stem: str = "cpu_
     flags = " ".join(sorted(cpu_flags())) or platform.processor()
     for part in (version, " ".join(FLAGS), platform.machine(), flags):
         digest.update(part.encode())
-    for source in sources:
+    for source in (*sources, *headers(sources)):
         digest.update(source.read_bytes())
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
     target = Path(base) / "pagedbatch" / "kernels" / f"{stem}-{digest.hexdigest()[:16]}.so"
@@ -157,6 +159,22 @@ def _build(compiler: str, sources: tuple[Path, ...] = SOURCES, stem: str = "cpu_
         Path(staging).unlink(missing_ok=True)
     logger.info("built the C kernels into %s", target)
     return target
+
+
+def headers(sources: tuple[Path, ...]) -> tuple[Path, ...]:
+    """The headers `sources` include by a quoted name (`#include "quant_formats.h"`), beside
+    them, each once in the order first met: part of what a build digest hashes, so that an edited
+    header rebuilds every library that includes it. Headers including others are followed."""
+    found: dict[Path, None] = {}
+    pending = list(sources)
+    while pending:
+        source = pending.pop(0)
+        for name in _QUOTED_INCLUDE.findall(source.read_text()):
+            header = source.with_name(name)
+            if header not in found:
+                found[header] = None
+                pending.append(header)
+    return tuple(found)
 
 
 def cpu_flags() -> frozenset[str]:

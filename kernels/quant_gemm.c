@@ -30,6 +30,8 @@
 #include <stdlib.h>
 #include <string.h>
 
+#include "quant_formats.h"
+
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512BF16__) && defined(__F16C__)
 #include <immintrin.h>
@@ -41,45 +43,8 @@
 #endif
 #endif
 
-enum { BLOCK = 32, SUPER_BLOCK = 256, PANEL = 32, CHUNK = 256, ROWS_AVX512 = 12, AMX_ROWS = 32 };
-enum { Q4_0 = 2, Q4_1 = 3, Q5_0 = 6, Q8_0 = 8, Q4_K = 12, Q5_K = 13, Q6_K = 14 };
+enum { PANEL = 32, CHUNK = 256, ROWS_AVX512 = 12, AMX_ROWS = 32 };
 enum { PATH_PORTABLE = 0, PATH_AVX512 = 1, PATH_AMX = 2 };
-
-static int64_t block_bytes(int type) {
-    switch (type) {
-    case Q4_0: return 18;
-    case Q4_1: return 20;
-    case Q5_0: return 22;
-    case Q8_0: return 34;
-    case Q4_K: return 144;
-    case Q5_K: return 176;
-    case Q6_K: return 210;
-    default: return 0;
-    }
-}
-
-static int64_t block_size(int type) { return type >= Q4_K ? SUPER_BLOCK : BLOCK; }
-
-/* The little-endian IEEE half at p as a float (every half is one exactly). */
-static float half_to_float(const uint8_t *p) {
-    const uint32_t h = (uint32_t)p[0] | (uint32_t)p[1] << 8;
-    const uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1fu;
-    uint32_t man = h & 0x3ffu, bits;
-    if (exp == 0x1f)
-        bits = sign | 0x7f800000u | (man << 13);
-    else if (exp != 0)
-        bits = sign | ((exp + 112) << 23) | (man << 13);
-    else if (man == 0)
-        bits = sign;
-    else { /* subnormal half: normalise the mantissa into a float's */
-        int shifts = 0;
-        while (!(man & 0x400u)) man <<= 1, ++shifts;
-        bits = sign | ((uint32_t)(113 - shifts) << 23) | ((man & 0x3ffu) << 13);
-    }
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
 
 /* f rounded to the nearest bfloat16, ties to even (the hardware's rounding for finite values). */
 static inline uint16_t to_bf16(float f) {
@@ -124,83 +89,6 @@ static inline void transpose16(__m512 r[16]) {
     for (int k = 0; k < 16; ++k) r[k] = t[k];
 }
 #endif
-
-/* Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (of 8), packed in 12 bytes. */
-static void k_scale_min(const uint8_t *s, int j, int *sc, int *mn) {
-    if (j < 4) {
-        *sc = s[j] & 63;
-        *mn = s[j + 4] & 63;
-    } else {
-        *sc = (s[j + 4] & 0x0F) | ((s[j - 4] >> 6) << 4);
-        *mn = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-}
-
-/* The float32 weights of one stored block (block_size(type) of them): each its exact value
- * rounded once (a scale's product with a small integer is exact in float32 but for K formats'
- * sub-scales; one multiply-add rounds once). */
-static void dequantize_block(int type, const uint8_t *b, float *o) {
-    switch (type) {
-    case Q4_0:
-    case Q4_1: {
-        const float d = half_to_float(b);
-        const float m = type == Q4_1 ? half_to_float(b + 2) : -8.0f * d;
-        const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
-        for (int i = 0; i < 16; ++i) {
-            o[i] = d * (float)(qs[i] & 0x0F) + m;
-            o[i + 16] = d * (float)(qs[i] >> 4) + m;
-        }
-        return;
-    }
-    case Q5_0: {
-        const float d = half_to_float(b);
-        const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 |
-                            (uint32_t)b[5] << 24;
-        for (int i = 0; i < 16; ++i) {
-            const int lo = (b[6 + i] & 0x0F) | (int)((qh >> i) & 1u) << 4;
-            const int hi = (b[6 + i] >> 4) | (int)((qh >> (i + 16)) & 1u) << 4;
-            o[i] = d * (float)(lo - 16);
-            o[i + 16] = d * (float)(hi - 16);
-        }
-        return;
-    }
-    case Q8_0: {
-        const float d = half_to_float(b);
-        for (int i = 0; i < BLOCK; ++i) o[i] = d * (float)(int8_t)b[2 + i];
-        return;
-    }
-    case Q4_K:
-    case Q5_K: {
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
-        const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
-        for (int j = 0; j < 8; ++j) {
-            int sc, mn;
-            k_scale_min(b + 4, j, &sc, &mn);
-            const float scale = d * (float)sc, low = dmin * (float)mn;
-            const uint8_t *run = qs + 32 * (j / 2);
-            for (int l = 0; l < 32; ++l) {
-                int q = j % 2 ? run[l] >> 4 : run[l] & 0x0F;
-                if (type == Q5_K) q |= ((qh[l] >> j) & 1) << 4;
-                o[32 * j + l] = scale * (float)q - low;
-            }
-        }
-        return;
-    }
-    default: { /* Q6_K */
-        const float d = half_to_float(b + 208);
-        const uint8_t *ql = b, *qh = b + 128;
-        const int8_t *scales = (const int8_t *)(b + 192);
-        for (int half = 0; half < 2; ++half, ql += 64, qh += 32, scales += 8, o += 128)
-            for (int k = 0; k < 4; ++k)
-                for (int l = 0; l < 32; ++l) {
-                    const uint8_t bits = ql[l + 32 * (k % 2)];
-                    const int low = k < 2 ? bits & 0x0F : bits >> 4;
-                    const int q = (low | ((qh[l] >> (2 * k)) & 3) << 4) - 32;
-                    o[32 * k + l] = d * (float)scales[(32 * k + l) / 16] * (float)q;
-                }
-    }
-    }
-}
 
 /* ---------------------------------------------------------------------------------------------
  * Expanding. With `passes` 3 each weight w is split into two bf16, h = bf16(w) and

@@ -27,6 +27,7 @@ PACKAGE_DATA = [
     "api/static/index.html",  # the status page
     "kernels/cpu_attention.c",  # the CPU kernels, compiled on first use
     "kernels/cpu_rotary.c",
+    "kernels/quant_formats.h",  # included by quant_matmul.c and quant_gemm.c
     "migrations/env.py",  # Alembic's, found as a file rather than imported
     "migrations/script.py.mako",
     "migrations/versions/0001_initial.py",

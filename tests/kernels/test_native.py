@@ -45,3 +45,29 @@ def test_a_failed_build_warns_and_leaves_the_torch_paths(monkeypatch, caplog, tm
 def test_the_setting_turns_them_off(monkeypatch):
     monkeypatch.setenv(native.SETTING, "0")
     assert native.library() is None
+
+
+def test_the_headers_a_source_includes_by_name_are_found_beside_it(tmp_path):
+    (tmp_path / "inner.h").write_text("#define SEVEN 7\n")
+    (tmp_path / "outer.h").write_text('#include "inner.h"\n#include <stdint.h>\n')
+    source = tmp_path / "kernel.c"
+    source.write_text('#include <math.h>\n#include "outer.h"\n  # include "inner.h"\n')
+    assert native.headers((source,)) == (tmp_path / "outer.h", tmp_path / "inner.h")
+
+
+def test_the_kernels_headers_ship_beside_them():
+    """quant_matmul.c and quant_gemm.c share their formats' tables in one header."""
+    assert {h.name for h in native.headers(native.SOURCES)} >= {"quant_formats.h"}
+
+
+@needs_compiler
+def test_an_edited_header_rebuilds_the_library(tmp_path):
+    header = tmp_path / "answer.h"
+    header.write_text("#define ANSWER 41\n")
+    source = tmp_path / "answer.c"
+    source.write_text('#include "answer.h"\nint answer(void) { return ANSWER; }\n')
+    signatures: dict[str, list[type]] = {"answer": []}
+    assert native.load((source,), "answer", signatures, "a test", "nothing").answer() == 41
+    header.write_text("#define ANSWER 42\n")
+    assert native.load((source,), "answer", signatures, "a test", "nothing").answer() == 42
+    assert len(list((tmp_path / "cache").rglob("answer-*.so"))) == 2
