@@ -23,6 +23,10 @@
 #include <stdlib.h>
 #include <string.h>
 
+#ifdef __AVX512F__
+#include <immintrin.h>
+#endif
+
 int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                        int64_t n, int num_threads, float *out);
 int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
@@ -108,10 +112,52 @@ static int qkv_matmul(const struct decode_layer *l, const float *h, int64_t n, i
     return 0;
 }
 
-/* GELU's tanh approximation, as torch's gelu(approximate="tanh"). */
+/* GELU's tanh approximation, as torch's gelu(approximate="tanh"), times up: a[i] =
+ * gelu(gate[i]) * up[i] for n values. 0.5 x (1 + tanh(u)) is x sigmoid(2u) = x / (1 + e^(-2u)):
+ * one exponential and no cancellation where tanh(u) nears -1. With AVX-512 sixteen lanes a step,
+ * e^t as 2^k 2^f (k = round(t log2 e), 2^f by a degree-6 polynomial on |f| <= 1/2, within two
+ * ulps of expf): the tanhf of libm, a call a value, took 20 us a layer of Gemma 3 (2,048 values),
+ * about 2% of a decode step. */
 static inline float gelu_tanh(float x) {
     const float inner = 0.7978845608028654f * (x + 0.044715f * x * x * x);
-    return 0.5f * x * (1.0f + tanhf(inner));
+    return x / (1.0f + expf(-2.0f * inner));
+}
+
+#ifdef __AVX512F__
+/* e^t lane by lane, t clamped to [-87, 88] (beyond, the GELU's sigmoid is 0 or 1 in float32). */
+static inline __m512 exp_avx512(__m512 t) {
+    t = _mm512_min_ps(_mm512_max_ps(t, _mm512_set1_ps(-87.0f)), _mm512_set1_ps(88.0f));
+    const __m512 k = _mm512_roundscale_ps(_mm512_mul_ps(t, _mm512_set1_ps(1.44269504088896341f)),
+                                          _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+    /* f ln 2 = t - k ln 2, ln 2 in two parts so that k ln 2's high part is exact */
+    __m512 r = _mm512_fnmadd_ps(k, _mm512_set1_ps(0.693359375f), t);
+    r = _mm512_fnmadd_ps(k, _mm512_set1_ps(-2.12194440e-4f), r);
+    /* e^r on |r| <= ln 2 / 2: Cephes expf's polynomial */
+    __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+    p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+    p = _mm512_fmadd_ps(_mm512_mul_ps(p, r), r, _mm512_add_ps(r, _mm512_set1_ps(1.0f)));
+    return _mm512_scalef_ps(p, k);
+}
+#endif
+
+static void gelu_tanh_and_mul(const float *gate, const float *up, int64_t n, float *a) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    const __m512 c = _mm512_set1_ps(0.7978845608028654f), cubic = _mm512_set1_ps(0.044715f);
+    for (; i + 16 <= n; i += 16) {
+        const __m512 x = _mm512_loadu_ps(gate + i);
+        const __m512 inner = _mm512_mul_ps(
+            c, _mm512_fmadd_ps(_mm512_mul_ps(cubic, x), _mm512_mul_ps(x, x), x));
+        const __m512 e = exp_avx512(_mm512_mul_ps(_mm512_set1_ps(-2.0f), inner));
+        const __m512 g = _mm512_div_ps(x, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(g, _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; ++i) a[i] = gelu_tanh(gate[i]) * up[i];
 }
 
 /* Returns 0; -1 where a position has no row in the rotary table, -2 where scratch or the
@@ -172,7 +218,7 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
         const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
         float *a = act + t * inter;
         if (l->gemma)
-            for (int64_t i = 0; i < inter; ++i) a[i] = gelu_tanh(gate[i]) * up[i];
+            gelu_tanh_and_mul(gate, up, inter, a);
         else
             for (int64_t i = 0; i < inter; ++i) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
     }
