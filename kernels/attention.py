@@ -318,6 +318,7 @@ def _decode_in_place(
         raise ValueError(f"the C decode kernel reads no {key_cache.dtype} cache")
     status = lib.paged_decode_attention_kv(
         query.data_ptr(), *(0 if t is None else t.data_ptr() for t in caches), fmt,
+        kv_quant.group_size(head_dim),
         tables.data_ptr(), tables.shape[1],
         rows.token_rows.data_ptr(), rows.table_rows.data_ptr(), rows.first_keys.data_ptr(),
         rows.seq_lens.data_ptr(), rows.token_rows.numel(),

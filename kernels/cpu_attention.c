@@ -20,14 +20,16 @@
  * - values: each head's output stays in registers across a chunk.
  * Scores are kept whole (not an online softmax): a context's scores are small next to its keys.
  * Vectors are GCC vector extensions of W floats, one AVX-512 register where the CPU has it (the
- * library is built with -march=native), else eight; head sizes that are no multiple of W take a
- * scalar loop.
+ * library is built with -march=native), else eight; heads (or a quantized cache's scale groups)
+ * that are no multiple of W take a scalar loop.
  *
- * The cache may be float32 or quantized (kv_quant.py): int8 or float8 e4m3 elements, each
- * (slot, KV head) row with a float32 scale in `key_scales`/`value_scales`
- * [num_blocks, block_size, num_kv_heads]. Elements are widened to floats as they are loaded (a
- * byte's W lanes at a time); a key's scale multiplies its score and a value's scale its weight,
- * so dequantizing costs no multiply an element. A bfloat16 cache (dtype bfloat16) has no scales:
+ * The cache may be float32 or quantized (kv_quant.py): int8 or float8 e4m3 elements, each group
+ * of `scale_group` elements of a (slot, KV head) row with a float32 scale in
+ * `key_scales`/`value_scales` [num_blocks, block_size, num_kv_heads, head_dim / scale_group].
+ * Elements are widened to floats as they are loaded (a byte's W lanes at a time); a key group's
+ * scale multiplies that group's partial dot product with the query, and a value group's scale
+ * the softmax weight its elements are added with, so dequantizing costs one multiply a group,
+ * not one an element. A bfloat16 cache (dtype bfloat16) has no scales:
  * its elements are widened exactly, their 16 bits the top half of a float's. Queries and outputs
  * stay float32 in every format (attention.py converts a bfloat16 query's at the call).
  */
@@ -180,7 +182,9 @@ struct item {
     float *out, *scores;
     const int32_t *table;
     int64_t first, len, ctx, kv_lo, kv_hi, h_lo, heads, group, row, head_dim, block_size;
-    int64_t kv_heads; /* a slot's scales are kv_heads floats (a quantized cache's) */
+    /* A quantized cache's: elements a scale covers (the whole head for a float cache, which has
+     * none), and the scales a slot holds over its KV heads. */
+    int64_t scale_group, slot_scales;
     float scale;
     vec *top; /* each head's running maximum of its scores, lane-wise */
 };
@@ -194,8 +198,17 @@ static inline __attribute__((always_inline)) float dot(const float *restrict a,
     return acc;
 }
 
-/* Whether head_dim suits the vector paths: a multiple of W that the registers hold. */
-static inline int vectorized(int64_t head_dim) { return head_dim % W == 0 && head_dim <= MAX_DIM; }
+/* Whether the item's rows suit the vector paths: whole vectors of W in each scale's group, and a
+ * head the registers hold. */
+static inline int vectorized(const struct item *it) {
+    return it->scale_group % W == 0 && it->head_dim <= MAX_DIM;
+}
+
+/* The scales of KV head g's row in the o-th slot from ks (a quantized cache's). */
+static inline const float *row_scales(const struct item *it, const float *ks, int64_t o,
+                                      int64_t g) {
+    return ks + o * it->slot_scales + g * (it->head_dim / it->scale_group);
+}
 
 /* The scores of `rows` (1 to W) consecutive slots whose keys start at k (their scales at ks,
  * a quantized cache's), the n-th of the context onwards, for each of the item's heads; each
@@ -206,37 +219,46 @@ static inline __attribute__((always_inline)) void chunk_scores(const struct item
                                                               int64_t rows, int64_t n,
                                                               enum kv_format fmt) {
     const int64_t head_dim = it->head_dim, row = it->row, es = element_size(fmt);
+    const int64_t sg = it->scale_group;
     /* Lanes past `rows` are no slots: -inf, so that they count for nothing in the maximum. */
     const ivec past = lane_index() >= (int32_t)rows;
     const vec nothing = splat(-INFINITY);
     for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
         const uint8_t *kg = k + g * head_dim * es;
-        /* Each slot's key scale, times the softmax scale (lanes past `rows` are masked below). */
-        vec scales = splat(it->scale);
-        if (scaled(fmt))
-            for (int o = 0; o < W; ++o) scales[o] *= o < rows ? ks[o * it->kv_heads + g] : 0.0f;
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             float *sh = it->scores + i * it->ctx + n;
-            if (!vectorized(head_dim)) {
+            const float *qh0 = it->q + h * head_dim;
+            if (!vectorized(it)) {
                 for (int64_t r = 0; r < rows; ++r) {
-                    sh[r] = scales[r] * dot(it->q + h * head_dim, kg + r * row * es, head_dim, fmt);
+                    const uint8_t *kr = kg + r * row * es;
+                    float s = 0.0f;
+                    for (int64_t d = 0; d < head_dim; d += sg) {
+                        const float part = dot(qh0 + d, kr + d * es, sg, fmt);
+                        s += scaled(fmt) ? part * row_scales(it, ks, r, g)[d / sg] : part;
+                    }
+                    sh[r] = it->scale * s;
                     /* one lane of the running maximum serves: the others stay -inf */
                     it->top[i][0] = sh[r] > it->top[i][0] ? sh[r] : it->top[i][0];
                 }
                 continue;
             }
             vec qh[MAX_DIM / W];
-            for (int64_t d = 0; d < head_dim; d += W) qh[d / W] = load(it->q + h * head_dim + d);
+            for (int64_t d = 0; d < head_dim; d += W) qh[d / W] = load(qh0 + d);
             vec acc[W];
 #pragma GCC unroll 16
             for (int o = 0; o < W; ++o) {
                 vec a = {0};
                 if (o < rows)
-                    for (int64_t d = 0; d < head_dim; d += W)
-                        a += qh[d / W] * load_kv(kg + (o * row + d) * es, fmt);
+                    /* Group by group: each group's partial dot product times its scale. */
+                    for (int64_t d = 0; d < head_dim; d += sg) {
+                        vec part = {0};
+                        for (int64_t e = d; e < d + sg; e += W)
+                            part += qh[e / W] * load_kv(kg + (o * row + e) * es, fmt);
+                        a += scaled(fmt) ? part * splat(row_scales(it, ks, o, g)[d / sg]) : part;
+                    }
                 acc[o] = a;
             }
-            vec sc = sum_lanes(acc) * scales;
+            vec sc = sum_lanes(acc) * splat(it->scale);
             if (rows == W) {
                 store(sh, sc);
             } else {
@@ -258,28 +280,35 @@ static inline __attribute__((always_inline)) void chunk_values(const struct item
                                                               int64_t rows, int64_t n,
                                                               enum kv_format fmt) {
     const int64_t head_dim = it->head_dim, row = it->row, es = element_size(fmt);
+    const int64_t sg = it->scale_group;
     for (int64_t g = it->kv_lo, i = 0; g < it->kv_hi; ++g) {
         const uint8_t *vg = v + g * head_dim * es;
         for (int64_t h = g * it->group; h < (g + 1) * it->group; ++h, ++i) {
             const float *w = it->scores + i * it->ctx + n;
             float *o = it->out + h * head_dim;
-            if (!vectorized(head_dim)) {
+            if (!vectorized(it)) {
                 for (int64_t r = 0; r < rows; ++r) {
-                    const float weight =
-                        scaled(fmt) ? w[r] * vs[r * it->kv_heads + g] : w[r];
                     const uint8_t *vr = vg + r * row * es;
+                    for (int64_t d0 = 0; d0 < head_dim; d0 += sg) {
+                        const float weight =
+                            scaled(fmt) ? w[r] * row_scales(it, vs, r, g)[d0 / sg] : w[r];
 #pragma omp simd
-                    for (int64_t d = 0; d < head_dim; ++d) o[d] += weight * kv_element(vr, d, fmt);
+                        for (int64_t d = d0; d < d0 + sg; ++d)
+                            o[d] += weight * kv_element(vr, d, fmt);
+                    }
                 }
                 continue;
             }
             vec acc[MAX_DIM / W];
             for (int64_t d = 0; d < head_dim; d += W) acc[d / W] = load(o + d);
             for (int64_t r = 0; r < rows; ++r) {
-                const vec weight =
-                    splat(scaled(fmt) ? w[r] * vs[r * it->kv_heads + g] : w[r]);
-                for (int64_t d = 0; d < head_dim; d += W)
-                    acc[d / W] += weight * load_kv(vg + (r * row + d) * es, fmt);
+                /* Group by group: the weight times the group's scale. */
+                for (int64_t d = 0; d < head_dim; d += sg) {
+                    const vec weight =
+                        splat(scaled(fmt) ? w[r] * row_scales(it, vs, r, g)[d / sg] : w[r]);
+                    for (int64_t e = d; e < d + sg; e += W)
+                        acc[e / W] += weight * load_kv(vg + (r * row + e) * es, fmt);
+                }
             }
             for (int64_t d = 0; d < head_dim; d += W) store(o + d, acc[d / W]);
         }
@@ -299,9 +328,9 @@ static inline __attribute__((always_inline)) void walk(const struct item *it, en
     const int64_t es = element_size(fmt), row_bytes = it->row * es;
     const int64_t span_lo = it->kv_lo * it->head_dim * es;
     const int64_t span = (it->kv_hi - it->kv_lo) * it->head_dim * es;
-    const int64_t block_size = it->block_size, kv_heads = it->kv_heads;
-    /* A quantized cache's scales, a slot's kv_heads floats, are asked for ahead as its rows. */
-    const int64_t scale_row = kv_heads * (int64_t)sizeof(float);
+    const int64_t block_size = it->block_size, slot_scales = it->slot_scales;
+    /* A quantized cache's scales, a slot's slot_scales floats, are asked for ahead as its rows. */
+    const int64_t scale_row = slot_scales * (int64_t)sizeof(float);
     const uint8_t *scale_bytes = (const uint8_t *)scales;
     for (int64_t j = first_block; j < first_block + AHEAD; ++j) {
         prefetch_rows(cache, it->table, j, last_block, block_size, row_bytes, 0, block_size,
@@ -315,7 +344,7 @@ static inline __attribute__((always_inline)) void walk(const struct item *it, en
         const int64_t hi = j == last_block ? (it->len - 1) % block_size + 1 : block_size;
         const uint8_t *block = cache + (int64_t)it->table[j] * block_size * row_bytes;
         const float *block_scales =
-            scaled(fmt) ? scales + (int64_t)it->table[j] * block_size * kv_heads : NULL;
+            scaled(fmt) ? scales + (int64_t)it->table[j] * block_size * slot_scales : NULL;
         for (int64_t o = lo, rows; o < hi; o += rows, n += rows) {
             rows = hi - o < W ? hi - o : W;
             prefetch_rows(cache, it->table, j + AHEAD, last_block, block_size, row_bytes, o, o + W,
@@ -323,7 +352,7 @@ static inline __attribute__((always_inline)) void walk(const struct item *it, en
             if (scaled(fmt) && o % (64 / sizeof(float)) == 0)
                 prefetch_rows(scale_bytes, it->table, j + AHEAD, last_block, block_size,
                               scale_row, o, o + W, 0, scale_row);
-            const float *chunk_scales = block_scales ? block_scales + o * kv_heads : NULL;
+            const float *chunk_scales = block_scales ? block_scales + o * slot_scales : NULL;
             if (pass == KEYS)
                 chunk_scores(it, block + o * row_bytes, chunk_scales, rows, n, fmt);
             else
@@ -399,7 +428,30 @@ static inline __attribute__((always_inline)) void attend(struct item *it,
     }
 }
 
-/* `attend` with the format as a constant, so that each format's loops are compiled for it. */
+/* `attend` with the common shapes as constants, so that their loops unroll and keep to
+ * registers: heads of 64 and 128, whole (a float cache's) or in groups of 32 (a quantized
+ * cache's, kv_quant.GROUP). */
+static inline __attribute__((always_inline)) void attend_shaped(struct item *it,
+                                                               const uint8_t *key_cache,
+                                                               const uint8_t *value_cache,
+                                                               const float *key_scales,
+                                                               const float *value_scales,
+                                                               enum kv_format fmt) {
+    if (it->head_dim == 64 && it->scale_group == (scaled(fmt) ? 32 : 64)) {
+        it->head_dim = 64;
+        it->scale_group = scaled(fmt) ? 32 : 64;
+        attend(it, key_cache, value_cache, key_scales, value_scales, fmt);
+    } else if (it->head_dim == 128 && it->scale_group == (scaled(fmt) ? 32 : 128)) {
+        it->head_dim = 128;
+        it->scale_group = scaled(fmt) ? 32 : 128;
+        attend(it, key_cache, value_cache, key_scales, value_scales, fmt);
+    } else {
+        attend(it, key_cache, value_cache, key_scales, value_scales, fmt);
+    }
+}
+
+/* `attend_shaped` with the format as a constant, so that each format's loops are compiled for
+ * it. */
 static inline __attribute__((always_inline)) void attend_format(struct item *it,
                                                                const uint8_t *key_cache,
                                                                const uint8_t *value_cache,
@@ -407,21 +459,22 @@ static inline __attribute__((always_inline)) void attend_format(struct item *it,
                                                                const float *value_scales,
                                                                enum kv_format fmt) {
     if (fmt == KV_INT8)
-        attend(it, key_cache, value_cache, key_scales, value_scales, KV_INT8);
+        attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_INT8);
     else if (fmt == KV_FP8)
-        attend(it, key_cache, value_cache, key_scales, value_scales, KV_FP8);
+        attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_FP8);
     else if (fmt == KV_BF16)
-        attend(it, key_cache, value_cache, key_scales, value_scales, KV_BF16);
+        attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_BF16);
     else
-        attend(it, key_cache, value_cache, key_scales, value_scales, KV_FLOAT32);
+        attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_FLOAT32);
 }
 
 /* Returns 0, or -1 when a thread could not allocate its score buffer (nothing is written then by
- * that thread; the caller treats the whole call as failed), -2 for a format it does not know.
- * key_scales and value_scales are a quantized cache's (NULL for float32 and bfloat16). */
+ * that thread; the caller treats the whole call as failed), -2 for a format it does not know or
+ * a quantized cache's scale_group that is no divisor of head_dim. key_scales, value_scales and
+ * scale_group are a quantized cache's (NULL, NULL and any for float32 and bfloat16). */
 int paged_decode_attention_kv(const float *query, const void *key_cache, const void *value_cache,
                               const float *key_scales, const float *value_scales, int format,
-                              const int32_t *block_tables, int64_t table_width,
+                              int64_t scale_group, const int32_t *block_tables, int64_t table_width,
                               const int64_t *token_rows, const int64_t *table_rows,
                               const int64_t *first_keys, const int64_t *seq_lens,
                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
@@ -429,6 +482,8 @@ int paged_decode_attention_kv(const float *query, const void *key_cache, const v
                               float *out) {
     if (format < KV_FLOAT32 || format > KV_BF16) return -2;
     const enum kv_format fmt = (enum kv_format)format;
+    if (!scaled(fmt)) scale_group = head_dim; /* no scales: the whole row is one group */
+    if (scale_group <= 0 || head_dim % scale_group != 0) return -2;
     const uint8_t *keys = key_cache, *values = value_cache;
     const int64_t group = num_heads / num_kv_heads;
     /* A whole sequence per work item reads its blocks front to back; with too few sequences to
@@ -465,19 +520,11 @@ int paged_decode_attention_kv(const float *query, const void *key_cache, const v
                 .row = num_kv_heads * head_dim,
                 .head_dim = head_dim,
                 .block_size = block_size,
-                .kv_heads = num_kv_heads,
+                .scale_group = scale_group,
+                .slot_scales = num_kv_heads * (head_dim / scale_group),
                 .scale = scale,
             };
-            /* The common head sizes as constants: their loops unroll and keep to registers. */
-            if (head_dim == 64) {
-                it.head_dim = 64;
-                attend_format(&it, keys, values, key_scales, value_scales, fmt);
-            } else if (head_dim == 128) {
-                it.head_dim = 128;
-                attend_format(&it, keys, values, key_scales, value_scales, fmt);
-            } else {
-                attend_format(&it, keys, values, key_scales, value_scales, fmt);
-            }
+            attend_format(&it, keys, values, key_scales, value_scales, fmt);
         }
         free(scores);
     }
@@ -492,7 +539,7 @@ int paged_decode_attention(const float *query, const float *key_cache, const flo
                            int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
                            int64_t block_size, float scale, int num_threads, float *out) {
     return paged_decode_attention_kv(query, key_cache, value_cache, NULL, NULL, KV_FLOAT32,
-                                     block_tables, table_width, token_rows, table_rows,
+                                     head_dim, block_tables, table_width, token_rows, table_rows,
                                      first_keys, seq_lens, num_seqs, num_heads, num_kv_heads,
                                      head_dim, block_size, scale, num_threads, out);
 }

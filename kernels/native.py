@@ -50,6 +50,7 @@ SIGNATURES: dict[str, list[type]] = {
     "paged_decode_attention_kv": [
         _ptr, _ptr, _ptr,  # query, key cache, value cache
         _ptr, _ptr, _i32,  # key scales, value scales (a quantized cache's), format
+        _i64,  # elements a scale covers (a quantized cache's)
         _ptr, _i64,  # block tables, their width
         _ptr, _ptr, _ptr, _ptr, _i64,  # token rows, table rows, first keys, seq lens, how many
         _i64, _i64, _i64, _i64,  # heads, KV heads, head dim, block size

@@ -14,12 +14,13 @@ search over `query_start_loc` finds a program's sequence. The grid `num_tokens /
 num_seqs` covers every sequence's query blocks; programs past a sequence's last token exit at once.
 The launch thus needs nothing from the device, and costs no synchronisation.
 
-A quantized cache (kv_quant.py: int8 or float8 e4m3 elements, a float32 scale per slot and KV
-head) is read as bytes and widened to floats in the kernel (e4m3 by its bits, so that neither
-the GPU's float8 support nor the interpreter's matters); a key's scale multiplies its column of
-scores and a value's scale its column of probabilities, so the tiles' dots take the stored values
-as they are (every int8 and e4m3 value is exact in bfloat16 and float16). The cache write
-quantizes through torch (kv_quant.write): a few elementwise kernels per layer, not fused yet.
+A quantized cache (kv_quant.py: int8 or float8 e4m3 elements, a float32 scale per group of
+kv_quant.group_size(head_dim) elements of a slot's KV head) is read as bytes and widened to floats
+in the kernel (e4m3 by its bits, so that neither the GPU's float8 support nor the interpreter's
+matters), and each element multiplied by its group's scale before the tile enters its dot (in
+the dot's dtype: half-precision queries' products then see the dequantized elements rounded to
+bfloat16 or float16, as a cache of that dtype would hold them). The cache write quantizes through
+torch (kv_quant.write): a few elementwise kernels per layer, not fused yet.
 """
 
 from __future__ import annotations
@@ -95,6 +96,7 @@ def _paged_attention_kernel(
     stride_vh,
     stride_sb,
     stride_ss,
+    stride_sh,
     stride_bt,
     HEAD_DIM: tl.constexpr,
     HEAD_DIM_PAD: tl.constexpr,
@@ -105,6 +107,7 @@ def _paged_attention_kernel(
     SLIDING: tl.constexpr,
     DOT_DTYPE: tl.constexpr,
     KV_FORMAT: tl.constexpr,
+    SCALE_GROUP: tl.constexpr,
 ):
     program = tl.program_id(0)
     kv_head = tl.program_id(1)
@@ -159,11 +162,17 @@ def _paged_attention_kernel(
             mask=k_ok[None, :] & dim_ok[:, None],
             other=0,
         )
-        k = _widen(k, KV_FORMAT).to(DOT_DTYPE)
-        scores = tl.dot(q, k, input_precision="ieee") * scale_log2
-        if KV_FORMAT != 0:  # each key's scale, on its column of scores
-            s_rows = block * stride_sb + offset * stride_ss + kv_head
-            scores = scores * tl.load(key_scales + s_rows, mask=k_ok, other=0.0)[None, :]
+        k = _widen(k, KV_FORMAT)
+        if KV_FORMAT != 0:  # each element times its group's scale
+            s_rows = block * stride_sb + offset * stride_ss + kv_head * stride_sh
+            s_cols = dims // SCALE_GROUP
+            k_scales = tl.load(
+                key_scales + s_rows[None, :] + s_cols[:, None],
+                mask=k_ok[None, :] & dim_ok[:, None],
+                other=0.0,
+            )
+            k = k * k_scales
+        scores = tl.dot(q, k.to(DOT_DTYPE), input_precision="ieee") * scale_log2
 
         attended = k_ok[None, :] & (k_pos[None, :] <= q_pos[:, None])
         if SLIDING:
@@ -184,12 +193,15 @@ def _paged_attention_kernel(
             mask=k_ok[:, None] & dim_ok[None, :],
             other=0,
         )
-        v = _widen(v, KV_FORMAT).to(DOT_DTYPE)
-        weights = p
-        if KV_FORMAT != 0:  # each value's scale, on its column of probabilities
-            s_rows = block * stride_sb + offset * stride_ss + kv_head
-            weights = p * tl.load(value_scales + s_rows, mask=k_ok, other=0.0)[None, :]
-        acc = tl.dot(weights.to(DOT_DTYPE), v, acc * alpha[:, None], input_precision="ieee")
+        v = _widen(v, KV_FORMAT)
+        if KV_FORMAT != 0:  # each element times its group's scale
+            v_scales = tl.load(
+                value_scales + s_rows[:, None] + s_cols[None, :],
+                mask=k_ok[:, None] & dim_ok[None, :],
+                other=0.0,
+            )
+            v = v * v_scales
+        acc = tl.dot(p.to(DOT_DTYPE), v.to(DOT_DTYPE), acc * alpha[:, None], input_precision="ieee")
         m = m_new
 
     # Every real row attends at least its own key, so its denominator is positive.
@@ -325,7 +337,7 @@ def paged_attention(
         out.stride(1),
         *keys.stride()[:3],
         *values.stride()[:3],
-        *key_scales.stride()[:2],
+        *key_scales.stride()[:3],
         meta.block_tables.stride(0),
         HEAD_DIM=head_dim,
         HEAD_DIM_PAD=head_dim_pad,
@@ -336,6 +348,7 @@ def paged_attention(
         SLIDING=sliding,
         DOT_DTYPE=_dot_dtype(query),
         KV_FORMAT=kv_format,
+        SCALE_GROUP=kv_quant.group_size(head_dim),
         # Named, not left to Triton's default, which changes in 3.10.
         enable_fp_fusion=True,
     )
@@ -345,12 +358,15 @@ def paged_attention(
 def _cache_operands(
     key_cache: KVCacheTensor, value_cache: KVCacheTensor
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, int]:
-    """What the kernel reads: keys, values, their scales (`[blocks, block_size, kv_heads]`, the
-    same strides for both; a float cache passes its keys, never read) and the format."""
+    """What the kernel reads: keys, values, their scales (`[blocks, block_size, kv_heads,
+    scales_per_row]`, contiguous in the last dimension, the same strides for both; a float cache
+    passes its keys, never read) and the format."""
     if not isinstance(key_cache, QuantizedCache):
         return key_cache, value_cache, key_cache, value_cache, _AS_IS
     if key_cache.scales.stride() != value_cache.scales.stride():
         raise ValueError("the key and value scales must have the same layout")
+    if key_cache.scales.stride(-1) != 1:
+        raise ValueError("a row's scales must be contiguous")
     if key_cache.dtype == torch.int8:
         keys, values, kv_format = key_cache.data, value_cache.data, _INT8
     elif key_cache.dtype == torch.float8_e4m3fn:

@@ -217,7 +217,7 @@ class ModelRunner:
         self.device = rank_device(args.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
         # What the KV cache stores its elements in: the activations' dtype, or int8 / float8
-        # with a scale per row (kv_quant), which every attention path reads.
+        # with a scale per 32 elements of a row (kv_quant), which every attention path reads.
         self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
         self.block_size = args.block_size
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads

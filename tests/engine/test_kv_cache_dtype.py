@@ -1,7 +1,8 @@
 """`kv_cache_dtype` int8 and fp8: the engine stores K and V one byte an element with a scale per
-token and KV head (kernels/kv_quant.py), fits more blocks in the same memory, reports the dtype,
-and scores text close to the unquantized cache's (not identically: see the kernel tests for the
-bounds), through prefill chunks that read earlier chunks' keys and through decode."""
+32 elements of a token's KV head (kernels/kv_quant.py), fits more blocks in the same memory,
+reports the dtype, and scores text close to the unquantized cache's (not identically: see the
+kernel tests for the bounds), through prefill chunks that read earlier chunks' keys and through
+decode."""
 
 from __future__ import annotations
 
@@ -19,8 +20,8 @@ from pagedbatch.kernels.kv_quant import QUANTIZED, QuantizedCache
 # scale scores where the reference scales elements).
 TOLERANCE = 1e-3
 # Decode computes a token's K and V in another order than prefill (float32's last bits), and an
-# element near a rounding boundary of the format then lands on the other side: a step of the
-# row's scale. The tiny random model's logits are steep (a token's logprob about -22), so one
+# element near a rounding boundary of the format then lands on the other side: a step of its
+# group's scale. The tiny random model's logits are steep (a token's logprob about -22), so one
 # such step moves a logprob by up to ~0.01 (measured: 0.0074 with int8, 1e-5 with fp8); a
 # cache read wrongly moves it by nats.
 DECODE_TOLERANCE = 0.05
@@ -40,9 +41,10 @@ def test_the_same_memory_holds_more_blocks_and_the_stats_say_the_dtype(tiny_llam
         EngineArgs(model=str(tiny_llama), kv_cache_memory_gib=budget, kv_cache_dtype=kv)
     )
     head_dim = plain.model_config.head_dim
-    # float32 rows of head_dim * 4 bytes against head_dim bytes plus a 4-byte scale
+    # float32 rows of head_dim * 4 bytes against head_dim bytes plus a 4-byte scale a group
+    scales = kv_quant.scales_per_row(head_dim)
     ratio = quant.runner.num_blocks / plain.runner.num_blocks
-    assert ratio == pytest.approx(4 * head_dim / (head_dim + 4), rel=0.01)
+    assert ratio == pytest.approx(4 * head_dim / (head_dim + 4 * scales), rel=0.01)
     key_cache, value_cache = quant.runner.kv_caches[0]
     assert isinstance(key_cache, QuantizedCache) and isinstance(value_cache, QuantizedCache)
     assert key_cache.dtype == {"int8": torch.int8, "fp8": torch.float8_e4m3fn}[kv]

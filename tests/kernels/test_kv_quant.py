@@ -1,6 +1,7 @@
-"""The quantized KV cache (kv_quant: int8 or float8 e4m3 rows, a float32 scale per slot and KV
-head): the rows it stores, and attention over it through the C kernel (as built here, and for
-AVX2 and a portable x86-64), torch and Gemma 2's soft-capped path, against float64 references.
+"""The quantized KV cache (kv_quant: int8 or float8 e4m3 rows, a float32 scale per group of 32
+elements of a slot's KV head): the rows it stores, and attention over it through the C kernel (as
+built here, and for AVX2 and a portable x86-64), torch and Gemma 2's soft-capped path, against
+float64 references.
 
 Two checks per attention case: against the float64 attention of the dequantized cache (the
 kernel's own arithmetic: float32 rounding only), and against that of the original values, within
@@ -47,9 +48,11 @@ def quantize_batch(batch: Batch, dtype: torch.dtype) -> tuple[QuantizedCache, Qu
 
 def element_bound(x: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     """The most an element of rows x `[..., head_dim]` may move when stored in `dtype`: half a
-    step of the row's scale for int8; for e4m3, 2^-4 of its magnitude (3 mantissa bits), or
+    step of its group's scale for int8; for e4m3, 2^-4 of its magnitude (3 mantissa bits), or
     2^-10 of the scale below e4m3's normal range. A float32 rounding's worth on top."""
-    scales = x.abs().amax(dim=-1, keepdim=True) / kv_quant.LARGEST[dtype]
+    group = kv_quant.group_size(x.shape[-1])
+    amax = x.unflatten(-1, (-1, group)).abs().amax(dim=-1).repeat_interleave(group, dim=-1)
+    scales = amax / kv_quant.LARGEST[dtype]
     if dtype == torch.int8:
         bound = (scales / 2).expand_as(x)
     else:
@@ -139,18 +142,45 @@ def test_half_precision_queries_read_it_too(fmt):
     check(SCENARIOS["mixed"], HEADS["gqa3"], fmt, dtype=torch.bfloat16)
 
 
+@pytest.mark.parametrize(
+    ("head_dim", "group"), [(64, 32), (96, 32), (128, 32), (256, 32), (16, 16), (40, 8)]
+)
+def test_a_scale_covers_32_elements_or_the_most_that_divide_the_head(head_dim, group):
+    assert kv_quant.group_size(head_dim) == group
+    assert kv_quant.scales_per_row(head_dim) == head_dim // group
+    # a byte an element and 4 bytes a scale; float32 and bfloat16 rows have no scales
+    assert kv_quant.bytes_per_row(torch.int8, head_dim) == head_dim + 4 * (head_dim // group)
+    assert kv_quant.bytes_per_row(torch.bfloat16, head_dim) == 2 * head_dim
+
+
 @pytest.mark.parametrize("fmt", FORMATS)
-def test_a_row_stores_its_extreme_exactly_and_the_rest_within_the_bound(fmt):
+def test_each_group_stores_its_extreme_exactly_and_the_rest_within_the_bound(fmt):
     dtype = FORMATS[fmt]
     rows = torch.randn(50, 3, 64, generator=torch.Generator().manual_seed(1)) * 5
     rows[0, 0] = 0.0  # an all-zero row: scale 1, zeros
+    rows[1, 0, 32:] = 0.0  # an all-zero group beside one that is not
     data, scales = kv_quant.quantize(rows, dtype)
-    assert data.dtype == dtype and scales.shape == (50, 3) and scales[0, 0] == 1
-    widened = data.float()
-    assert (widened.abs().amax(dim=-1)[1:] == kv_quant.LARGEST[dtype]).all()
+    assert data.dtype == dtype and scales.shape == (50, 3, 2)
+    assert (scales[0, 0] == 1).all() and scales[1, 0, 1] == 1
+    extremes = data.float().unflatten(-1, (2, 32)).abs().amax(dim=-1)
+    assert (extremes[2:] == kv_quant.LARGEST[dtype]).all()
     restored = kv_quant.dequantize(data, scales, torch.float32)
     assert ((restored - rows).abs() <= element_bound(rows, dtype)).all()
-    assert (restored[0, 0] == 0).all()
+    assert (restored[0, 0] == 0).all() and (restored[1, 0, 32:] == 0).all()
+
+
+@pytest.mark.parametrize("fmt", FORMATS)
+def test_a_large_element_coarsens_only_its_own_group(fmt):
+    # A key's outlier channel (Gemma 3's are 20-60x the others): the other group keeps the
+    # steps of its own extreme.
+    dtype = FORMATS[fmt]
+    row = torch.randn(64, generator=torch.Generator().manual_seed(3))
+    row[5] = 200.0
+    restored = kv_quant.dequantize(*kv_quant.quantize(row, dtype), torch.float32)
+    other = row[32:]
+    step = other.abs().max() / kv_quant.LARGEST[dtype]
+    assert ((restored[32:] - other).abs() <= torch.maximum(other.abs() * 2**-4, step / 2)).all()
+    assert (restored[:32] - row[:32]).abs().max() > step  # the outlier's group: coarser
 
 
 @pytest.mark.parametrize("fmt", FORMATS)
@@ -171,7 +201,7 @@ def test_the_write_quantizes_into_the_slots_the_mapping_names(fmt):
         assert ((stored - rows).abs() <= element_bound(rows, dtype)).all()
         others = torch.ones(24, dtype=torch.bool)
         others[slots] = False
-        assert (cache.scales.view(24, 2)[others] == -1).all()
+        assert (cache.scales.view(24, 2, -1)[others] == -1).all()
         assert (cache.data.view(torch.uint8).view(24, 64)[others] == 0x55).all()
 
 
@@ -188,7 +218,7 @@ def one_key_batch(values: torch.Tensor, dtype: torch.dtype):
     head_dim = values.numel()
     data = torch.zeros(2, 1, 1, head_dim, dtype=torch.uint8)
     data[1, 0, 0] = values
-    scales = torch.ones(2, 1, 1)
+    scales = torch.ones(2, 1, 1, kv_quant.scales_per_row(head_dim))
     keys = QuantizedCache(data[0].view(dtype)[None], scales[0][None])
     vals = QuantizedCache(data[1].view(dtype)[None], scales[1][None])
     meta = prepare_attention(
@@ -247,16 +277,17 @@ def other_build(request, tmp_path_factory) -> ctypes.CDLL:
     return lib
 
 
-def decode_with(lib: ctypes.CDLL, query, keys, values, meta, scale, fmt_code=None):
+def decode_with(lib: ctypes.CDLL, query, keys, values, meta, scale, fmt_code=None, group=None):
     from pagedbatch.kernels import attention
 
     rows = attention.decode_rows(meta, None)
     query = query.contiguous()  # kept: the kernel reads it through a pointer
     out = torch.zeros_like(query)
     code = attention._C_FORMATS[keys.dtype] if fmt_code is None else fmt_code
+    group = kv_quant.group_size(query.shape[2]) if group is None else group
     status = lib.paged_decode_attention_kv(
         query.data_ptr(), keys.data.data_ptr(), values.data.data_ptr(),
-        keys.scales.data_ptr(), values.scales.data_ptr(), code,
+        keys.scales.data_ptr(), values.scales.data_ptr(), code, group,
         rows.tables.data_ptr(), rows.tables.shape[1],
         rows.token_rows.data_ptr(), rows.table_rows.data_ptr(), rows.first_keys.data_ptr(),
         rows.seq_lens.data_ptr(), rows.token_rows.numel(),
@@ -290,7 +321,8 @@ def test_other_builds_widen_every_fp8_value_exactly(other_build):
     torch.testing.assert_close(out[0, 0], expected, atol=0, rtol=0)
 
 
-def test_an_unknown_format_is_refused(other_build):
+def test_an_unknown_format_or_a_group_that_splits_the_head_is_refused(other_build):
     query, keys, vals, meta = one_key_batch(fp8_bytes(64), torch.float8_e4m3fn)
-    status, out = decode_with(other_build, query, keys, vals, meta, 1.0, fmt_code=7)
-    assert status == -2 and (out == 0).all()
+    for wrong in ({"fmt_code": 7}, {"group": 24}, {"group": 0}):
+        status, out = decode_with(other_build, query, keys, vals, meta, 1.0, **wrong)
+        assert status == -2 and (out == 0).all(), wrong

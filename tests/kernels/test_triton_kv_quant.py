@@ -1,7 +1,7 @@
 """The Triton paged attention over a quantized KV cache (kv_quant: int8 or float8 e4m3 rows, a
-float32 scale per slot and KV head) against the torch path over the same cache, which
-test_kv_quant.py holds to the float64 reference; and the cache write, which the Triton module
-hands to torch."""
+float32 scale per group of 32 elements of a slot's KV head) against the torch path over the same
+cache, which test_kv_quant.py holds to the float64 reference; and the cache write, which the
+Triton module hands to torch."""
 
 from __future__ import annotations
 
