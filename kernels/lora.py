@@ -36,9 +36,13 @@ def add_lora(
     if subset is not None:
         a, b, scalings = a[subset], b[subset], scalings[subset]
     xs = x.index_select(0, gather).view(a.shape[0], width, -1).to(a.dtype)
-    delta = torch.bmm(torch.bmm(xs, a.transpose(1, 2)), b.transpose(1, 2)).mul_(scalings)
-    delta = delta.view(-1, delta.shape[-1]).index_select(0, valid)
-    return out.index_add_(0, rows, delta.to(out.dtype))
+    shrunk = torch.bmm(xs, a.transpose(1, 2))
+    if valid.numel() < gather.numel():
+        # Padding positions read row 0: their deltas zeroed (exactly), they add nothing to it.
+        keep = torch.zeros(gather.numel(), 1, dtype=shrunk.dtype, device=shrunk.device)
+        shrunk.mul_(keep.index_fill_(0, valid, 1).view(a.shape[0], width, 1))
+    delta = torch.bmm(shrunk, b.transpose(1, 2)).mul_(scalings)
+    return out.index_add_(0, gather, delta.view(-1, delta.shape[-1]).to(out.dtype))
 
 
 def add_lora_runs(

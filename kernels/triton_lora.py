@@ -101,6 +101,7 @@ def _expand_kernel(
     stride_t,
     stride_b_slot,
     stride_b_out,
+    stride_b_rank,
     stride_out,
     DOT_DTYPE: tl.constexpr,
     BLOCK_M: tl.constexpr,
@@ -124,7 +125,7 @@ def _expand_kernel(
         other=0.0,
     ).to(DOT_DTYPE)
     b_tile = tl.load(
-        b + slot * stride_b_slot + cols[None, :] * stride_b_out + ranks[:, None],
+        b + slot * stride_b_slot + cols[None, :] * stride_b_out + ranks[:, None] * stride_b_rank,
         mask=col_ok[None, :] & rank_ok[:, None],
         other=0.0,
     ).to(DOT_DTYPE)
@@ -180,7 +181,7 @@ def add_lora(
     num_groups = gather.numel() // width if width else 0
     if num_groups == 0 or rows.numel() == 0:
         return out
-    x, a, b = x.contiguous(), a.contiguous(), b.contiguous()
+    x, a = x.contiguous(), a.contiguous()  # b in any layout: LoraLinear keeps it rank-major
     target = out if out.is_contiguous() else out.contiguous()
     starts, counts = _groups(valid, width, num_groups)
     slots = torch.arange(num_groups, device=x.device) if subset is None else subset
@@ -222,6 +223,7 @@ def add_lora(
         t.stride(0),
         b.stride(0),
         b.stride(1),
+        b.stride(2),
         target.stride(0),
         DOT_DTYPE=_dot_dtype(b),
         BLOCK_M=_BLOCK_M,

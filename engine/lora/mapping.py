@@ -13,10 +13,10 @@ BASE = -1  # the slot of a row that runs on the base model alone
 
 # On the CPU, rows of one adapter this many or more in a row (a prefill) take two matmuls of
 # their own, the second adding into the product's rows in place, scaled as it adds: one pass
-# over them, where the grouped layout's padded delta, its scaling, selection and scatter make
-# five. bench-small-llama's linears, a prefill step of 2,048 rows in runs of 16-128 over 8
-# rank-16 adapters: the adapters cost 19% of the base products' CPU time, grouped 70%. On CUDA
-# the Triton kernels add in place already.
+# over them, where the grouped layout's delta, its scaling and scatter make three. On
+# bench-small-llama, 128 requests over 8 rank-16 adapters, the adapters' cost fell from 1.46x
+# the base model's time to 1.35x with runs (benchmarks/lora.py). On CUDA the Triton kernels add
+# in place already.
 CPU_MIN_RUN = 16
 
 
