@@ -128,8 +128,8 @@ class Gemma3Attention(QKNormAttention):
 
 
 class Gemma3MLP(MLP):
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(gelu_tanh_and_mul(self.gate_up_proj(x)))
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        return gelu_tanh_and_mul(gate_up)
 
 
 class Gemma3DecoderLayer(nn.Module):

@@ -10,7 +10,8 @@ attention heads, its slice of the MLP and of the vocabulary (see parallel_layers
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+import itertools
+from collections.abc import Callable, Iterable
 
 import torch
 from torch import nn
@@ -19,6 +20,7 @@ from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.worker.models.rope import RotaryEmbedding
 from pagedbatch.engine.worker.models.weights import ParameterLoads
 from pagedbatch.engine.worker.parallel_layers import (
+    Bfloat16Weight,
     ColumnParallelLinear,
     Loaded,
     ParallelLMHead,
@@ -132,6 +134,14 @@ class QKNormAttention(Attention):
         return super().rotate(positions, q, k, meta)
 
 
+# Tokens whose MLP runs at once on the CPU. A prefill step's gate and up projections for all its
+# tokens are [tokens, 2 x intermediate] float32, beside the activation and the down projection's
+# input: for SmolLM2's 2,048 tokens 24, 12 and 12 MiB, held while they last and kept by malloc
+# after. In chunks of 512 tokens a quarter of that; each chunk expands a quantized weight's blocks
+# once more (quant_gemm: about 1% of a 2,048-token step a chunk).
+MLP_CHUNK_ROWS = 512
+
+
 class MLP(nn.Module):
     def __init__(self, cfg: ModelConfig):
         super().__init__()
@@ -142,7 +152,58 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.down_proj(ops.silu_and_mul(self.gate_up_proj(x)))
+        if not self.chunkable(x):
+            return self.rows(x)
+        return in_row_chunks(self.rows, x, MLP_CHUNK_ROWS)
+
+    def chunkable(self, x: torch.Tensor) -> bool:
+        """Whether chunks of x's rows compute what all of them at once would: in float32 on the
+        CPU, whose kernels (MKL's, oneDNN's packed, quant_linear's) sum a row alike at any row
+        count (tests/engine/worker/test_mlp_chunks.py). Not in bfloat16, whose oneDNN products
+        part by the last bit at some row counts; not on CUDA, whose GEMMs may split a sum by the
+        row count; not with LoRA adapters, whose deltas are laid out by the step's rows."""
+        linears = (self.gate_up_proj, self.down_proj)
+        return (
+            x.device.type == "cpu"
+            and x.dtype == torch.float32
+            and all(
+                m.weight.dtype == torch.float32
+                and not isinstance(m.packed, Bfloat16Weight)
+                and m.lora is None
+                for m in linears
+            )
+        )
+
+    def rows(self, x: torch.Tensor) -> torch.Tensor:
+        """The MLP of rows `x`: each output row depends on its own input row alone."""
+        return self.down_proj(self.activation(self.gate_up_proj(x)))
+
+    def activation(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """The gate and up projections (side by side) to the down projection's input."""
+        return ops.silu_and_mul(gate_up)
+
+
+def in_row_chunks(
+    fn: Callable[[torch.Tensor], torch.Tensor], x: torch.Tensor, rows: int
+) -> torch.Tensor:
+    """`fn(x)` for a function that maps each row of x alone, computed over near-equal chunks of
+    at most `rows` rows into one output: the same values where fn's kernels compute a row the
+    same way at any row count, with fn's intermediates a chunk's size. Near-equal, so that no
+    chunk is a remainder of a few rows, which a linear would take its few-row kernel for
+    (quant_linear's SMALL_BATCH), whose sums are ordered otherwise."""
+    total = x.shape[0]
+    if total <= rows:
+        return fn(x)
+    count = -(-total // rows)
+    bounds = [total * i // count for i in range(count + 1)]
+    out: torch.Tensor | None = None
+    for start, end in itertools.pairwise(bounds):
+        part = fn(x[start:end])
+        if out is None:
+            out = part.new_empty((total, *part.shape[1:]))
+        out[start:end] = part
+    assert out is not None
+    return out
 
 
 class DecoderLayer(nn.Module):
