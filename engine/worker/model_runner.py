@@ -31,7 +31,12 @@ from pagedbatch.engine.sample.prompt_logprobs import (
 from pagedbatch.engine.worker import decode_graphs, distributed
 from pagedbatch.engine.worker.decode_graphs import DecodeGraphs
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
-from pagedbatch.engine.worker.host_memory import cpu_kv_budget_bytes, keep_freed_memory
+from pagedbatch.engine.worker.host_memory import (
+    RELEASE_AFTER_PROMPT_TOKENS,
+    cpu_kv_budget_bytes,
+    keep_freed_memory,
+    release_freed_memory,
+)
 from pagedbatch.engine.worker.loader import iterate_weights
 from pagedbatch.engine.worker.lora_linears import attach_loras
 from pagedbatch.engine.worker.models.encoder_attention import length_groups
@@ -283,6 +288,8 @@ class ModelRunner:
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
         # The last step's scored prompt rows (its `prompt_rows`), beside the logits it returned.
         self.scored_prompt: ScoredRows | None = None
+        if self.device.type == "cpu":
+            release_freed_memory()  # the loader's transient copies (see host_memory)
 
     def _load_model(self, rows: int, pack: bool) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
@@ -404,9 +411,16 @@ class ModelRunner:
             return self.run(step)
         return self.ranks.run(step, self.run)
 
-    @torch.inference_mode()
     def run(self, step: StepInput) -> torch.Tensor:
         """This rank's part of a step; every rank returns the same logits (or pooled rows)."""
+        out = self._run(step)
+        prompt_tokens = len(step.input_ids) - len(step.seq_lens)
+        if self.device.type == "cpu" and prompt_tokens >= RELEASE_AFTER_PROMPT_TOKENS:
+            release_freed_memory()  # its activations' pages (see host_memory)
+        return out
+
+    @torch.inference_mode()
+    def _run(self, step: StepInput) -> torch.Tensor:
         if self.cfg.encoder_only:
             return self._run_encoder(step)
         device = self.device

@@ -3,6 +3,7 @@ container's cgroup limit counts as less memory; and freed activations kept for r
 
 from __future__ import annotations
 
+import json
 import subprocess
 import sys
 from pathlib import Path
@@ -82,3 +83,37 @@ def test_freed_activations_are_reused_without_page_faults():
         [sys.executable, "-c", REUSE_PROBE], capture_output=True, text=True, check=True
     )
     assert int(probe.stdout) < 3 * 4 * 7_324 // 20
+
+
+RELEASE_PROBE = """
+import json
+import torch
+from pagedbatch.engine.worker.host_memory import keep_freed_memory, release_freed_memory
+
+def rss_mib():
+    with open("/proc/self/status") as f:
+        return next(int(line.split()[1]) for line in f if line.startswith("VmRSS:")) / 1024
+
+assert keep_freed_memory()
+# A prefill's activations, each followed by a small tensor that stays: freed, they are holes
+# inside the heap, which no trim threshold returns.
+tensors, kept = [], []
+for _ in range(4):
+    tensors.append(torch.ones(7_500_000))
+    kept.append(torch.ones(1000))
+del tensors
+freed = rss_mib()
+assert release_freed_memory()
+print(json.dumps([freed, rss_mib()]))
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's malloc settings")
+def test_freed_activations_pages_are_released_on_demand():
+    """Kept for reuse, the 4 x 30 MB freed stay resident until `release_freed_memory`, which the
+    runner calls after a prefill step: then at most a tenth of them is left."""
+    probe = subprocess.run(
+        [sys.executable, "-c", RELEASE_PROBE], capture_output=True, text=True, check=True
+    )
+    kept, released = json.loads(probe.stdout)
+    assert kept - released >= 0.9 * 4 * 30e6 / 2**20
