@@ -151,9 +151,10 @@ class EngineArgs:
     kv_cache_dtype: str = arg(
         "auto",
         doc="how the KV cache stores keys and values: auto in the activations' dtype (see dtype); "
-        "int8 or fp8 (float8 e4m3) as one byte an element with a float32 scale per token and "
-        "KV head, so the same memory holds about twice the tokens of a bfloat16 cache (four "
-        "times a float32 one) and decode attention reads that much less; outputs are close to, "
+        "int8 or fp8 (float8 e4m3) as one byte an element with a float32 scale per 32 "
+        "elements of a row, so the same memory holds about twice the tokens of a bfloat16 "
+        "cache (3.6 times a float32 one) and decode attention reads that much less; outputs "
+        "are close to, "
         "not identical with, auto's. Not with the fused decode layer of quantization gguf, "
         "whose decode steps then take the unfused path",
         choices=KV_CACHE_DTYPES,
