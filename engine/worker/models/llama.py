@@ -152,7 +152,8 @@ class MLP(nn.Module):
         self.down_proj = RowParallelLinear(inter, cfg.hidden_size, False, "intermediate_size")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if not self.chunkable(x):
+        # A decode step's few rows are one chunk: the weights' checks are for prefills alone.
+        if x.shape[0] <= MLP_CHUNK_ROWS or not self.chunkable(x):
             return self.rows(x)
         return in_row_chunks(self.rows, x, MLP_CHUNK_ROWS)
 
