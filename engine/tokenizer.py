@@ -20,6 +20,11 @@ def load_tokenizer(
     )
     if chat_template is not None:
         tokenizer.chat_template = read_chat_template(chat_template)
+    # transformers keeps the Python vocabulary and merges its BPE tokenizer classes build their
+    # Rust tokenizer from, which holds its own; nothing reads them after (Gemma 3's 262,144
+    # tokens and 514,906 merges: 145 MiB).
+    for built_from in ("_vocab", "_merges"):
+        vars(tokenizer).pop(built_from, None)
     return tokenizer
 
 

@@ -12,6 +12,7 @@ import pytest
 from commands import python_output
 
 from pagedbatch.engine import LLM
+from pagedbatch.engine.tokenizer import load_tokenizer
 from pagedbatch.engine.worker import gguf
 
 SMOLLM2 = "smollm2-135m-instruct"
@@ -35,6 +36,24 @@ def test_smollm2_holds_its_weights_as_the_files_bytes(real_model):
     # rotary tables (8,192 positions x 64 of cos and sin, 2 MiB), nothing else.
     assert resident.quantized_bytes <= stored
     assert abs(held - stored) <= 0.03 * stored, (held, stored)
+
+
+@pytest.mark.real_model
+def test_gemmas_tokenizer_keeps_no_python_copy_of_its_vocabulary(real_model):
+    """transformers' Gemma tokenizer keeps the 262,144 tokens and 514,906 merges its Rust
+    tokenizer was built from as Python objects, 145 MiB; the engine's drops them, and encodes
+    and decodes as the one that keeps them."""
+    from transformers import AutoTokenizer
+
+    meta = gguf.metadata_dir(real_model("gemma-3-270m"))
+    kept = AutoTokenizer.from_pretrained(meta)
+    ours = load_tokenizer(meta)
+    assert len(vars(kept)["_merges"]) == 514906
+    assert "_vocab" not in vars(ours) and "_merges" not in vars(ours)
+    text = "Héllo,  wörld!\n\n<start_of_turn>user\n日本語 🎉 tabs\tand    spaces<end_of_turn>"
+    ids = kept(text).input_ids
+    assert ours(text).input_ids == ids and ours.decode(ids) == kept.decode(ids)
+    assert ours.get_vocab() == kept.get_vocab()
 
 
 def test_the_tokenizer_loads_without_transformers_model_machinery(tiny_llama: Path):
