@@ -214,18 +214,24 @@ class EngineCore:
                 ids = [s.request.request_id for s in out.scheduled]
                 block_tables = self.kv.block_table.gather(ids)
             encoder = self.encoder_cache.take_work() if self.encoder_cache is not None else None
-            logits = self.runner.execute(out.scheduled, block_tables, encoder)
+            sampling = [s.request for s in out.scheduled if s.samples]
+            # Rows that want their argmax alone: the runner makes the tokens (sample/greedy).
+            greedy = self.pooling is None and not (
+                edits_logits(sampling) or any(map(_wants_scores, sampling))
+            )
+            logits = self.runner.execute(out.scheduled, block_tables, encoder, greedy)
             scored, self.runner.scored_prompt = self.runner.scored_prompt, None
             if scored is not None:
                 prompt_logprobs.record(out.scheduled, scored)
             if self.pooling is not None:
                 pooled = self._pool(out.scheduled, logits)
             else:
-                sampling = [s.request for s in out.scheduled if s.samples]
-                _keep_scores(logits, sampling)
-                for request, (token, logprob) in zip(
-                    sampling, self._sample(logits, sampling), strict=True
-                ):
+                if greedy:
+                    chosen = [(token, None) for token in logits.tolist()]
+                else:
+                    _keep_scores(logits, sampling)
+                    chosen = self._sample(logits, sampling)
+                for request, (token, logprob) in zip(sampling, chosen, strict=True):
                     if token is not None:
                         sampled.append(self._append(request, token, logprob))
             if self.step_cost is not None:
@@ -333,9 +339,14 @@ def _normalizes(request: Request, default: bool) -> bool:
     return default if asked is None else asked
 
 
+def _wants_scores(request: Request) -> bool:
+    """Whether the request keeps the logits it samples its first token from (as `scores`)."""
+    return request.sampling_params.scores and not request.output_token_ids
+
+
 def _keep_scores(logits: torch.Tensor, requests: list[Request]) -> None:
     """The rows that requests asking for scores sample their first token from, as they are
     before sampling edits them."""
     for i, request in enumerate(requests):
-        if request.sampling_params.scores and not request.output_token_ids:
+        if _wants_scores(request):
             request.scores = logits[i].clone()

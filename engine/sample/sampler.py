@@ -8,6 +8,7 @@ import numpy as np
 import torch
 
 from pagedbatch.engine.core.request import Request, TokenLogprob
+from pagedbatch.engine.sample.greedy import argmax
 from pagedbatch.engine.sample.token_counts import TokenCounts
 from pagedbatch.engine.sampling_params import SamplingParams
 
@@ -50,7 +51,7 @@ class Sampler:
     @torch.inference_mode()
     def __call__(self, logits: torch.Tensor, requests: Sequence[Request]) -> list[SampleResult]:
         if all(_plain_greedy(request) for request in requests):
-            return [(token, None) for token in _argmax(logits).tolist()]
+            return [(token, None) for token in argmax(logits).tolist()]
         logprob_rows = [
             i for i, request in enumerate(requests) if request.sampling_params.logprobs is not None
         ]
@@ -173,7 +174,7 @@ def _choose(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
     rows = [i for i, request in enumerate(requests) if not request.sampling_params.greedy]
     if len(rows) == len(requests):
         return _sample(logits, requests)
-    tokens = _argmax(logits)
+    tokens = argmax(logits)
     if rows:
         tokens[rows] = _sample(logits[rows], [requests[i] for i in rows])
     return tokens
@@ -203,7 +204,7 @@ def _sample(logits: torch.Tensor, requests: Sequence[Request]) -> torch.Tensor:
             generator.manual_seed(_draw_seed(seed, request.num_output_tokens))
             uniform[i].uniform_(generator=generator)
     # -log(U) is Exponential(1); on CPU it costs a quarter of exponential_().
-    return _argmax(probs.div_(uniform.log_().neg_()))
+    return argmax(probs.div_(uniform.log_().neg_()))
 
 
 def _top_k(logits: torch.Tensor, ks: list[int]) -> None:
@@ -263,14 +264,6 @@ def _top_k_top_p_rows(logits: torch.Tensor, params: list[SamplingParams], ks: li
         ties = rows == last
         room = length[cut] - (rows > last).sum(dim=-1, keepdim=True)
         logits[cut] = rows.masked_fill_(ties & (ties.cumsum(dim=-1) > room), float("-inf"))
-
-
-def _argmax(values: torch.Tensor) -> torch.Tensor:
-    """Each row's index of its largest value, the first of ties (int64). numpy's is several
-    times faster than torch's on CPU."""
-    if values.device.type == "cpu" and values.dtype == torch.float32:
-        return torch.from_numpy(values.numpy().argmax(axis=-1))
-    return values.argmax(dim=-1)
 
 
 def _sorted_descending(logits: torch.Tensor) -> torch.Tensor:

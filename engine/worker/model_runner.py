@@ -22,6 +22,7 @@ from pagedbatch.engine.config import DTYPES, EngineArgs, ModelConfig
 from pagedbatch.engine.core.encoder_cache import EncoderWork
 from pagedbatch.engine.core.scheduler import ScheduledRequest
 from pagedbatch.engine.lora.resident import ResidentLoras
+from pagedbatch.engine.sample.greedy import greedy_tokens
 from pagedbatch.engine.sample.prompt_logprobs import (
     PromptRows,
     ScoredRows,
@@ -146,6 +147,8 @@ class StepInput:
     prompt_rows: PromptRows | None = None
     # Where LoRA adapters are served: each sequence's slot (lora.mapping.BASE: the base model).
     lora_slots: list[int] | None = None
+    # Whether the sampled rows want their argmax alone: the step returns their token ids.
+    greedy: bool = False
 
     @classmethod
     def build(
@@ -400,11 +403,14 @@ class ModelRunner:
         scheduled: list[ScheduledRequest],
         block_tables: np.ndarray,
         encoder: EncoderWork | None = None,
+        greedy: bool = False,
     ) -> torch.Tensor:
         """Run one step on every rank; returns float32 logits for the requests that sample, in
-        order (an embedding model's: each scheduled chunk's pooled row, see `pooler`).
+        order (an embedding model's: each scheduled chunk's pooled row, see `pooler`); with
+        `greedy`, each such row's argmax over its logits instead (int64, see sample/greedy).
         `block_tables` holds the scheduled requests' rows, as `StepInput` says."""
         step = StepInput.build(scheduled, block_tables, encoder)
+        step.greedy = greedy
         if self.loras is not None:
             step.lora_slots = [self.loras.slot(s.request.lora_name) for s in scheduled]
         if self.ranks is None:
@@ -452,12 +458,16 @@ class ModelRunner:
         return self._logits(hidden, step)
 
     def _logits(self, hidden: torch.Tensor, step: StepInput) -> torch.Tensor:
-        """The sampled rows' logits; the prompt rows' scores kept in `scored_prompt`."""
+        """The sampled rows' logits, or their argmax (`step.greedy`); the prompt rows' scores
+        kept in `scored_prompt`."""
         scoring = step.prompt_rows
         compute = self.model.compute_logits
         self.scored_prompt = None if scoring is None else score_rows(hidden, scoring, compute)
         rows = torch.tensor(step.sample_rows, dtype=torch.long, device=hidden.device)
-        return compute(hidden[rows]).float()
+        if not step.greedy:
+            return compute(hidden[rows]).float()
+        vocab = self.cfg.vocab_size if self.model.slices_vocabulary else None
+        return greedy_tokens(hidden[rows], compute, vocab)
 
     def _run_encoder(self, step: StepInput) -> torch.Tensor:
         """An encoder's step: whole sequences, packed, pooled; the pooled rows in the step's

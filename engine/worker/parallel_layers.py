@@ -23,6 +23,7 @@ head computes on them. Everything else reads a `QuantizedTensor` as a float32 te
 
 from __future__ import annotations
 
+import copy
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -89,8 +90,15 @@ class Bfloat16Weight:
         out = F.linear(x.to(torch.bfloat16), self.weight).float()
         return out if bias is None else out.add_(bias)
 
+    def output_rows(self, part: slice) -> Bfloat16Weight:
+        """The weight of the outputs `part` selects, a view."""
+        sliced = copy.copy(self)
+        sliced.weight = self.weight[part]
+        return sliced
+
 
 PackedWeight = Packed | Bfloat16Weight | QuantizedWeight
+EVERY_TOKEN = slice(None)  # the whole vocabulary, for `ParallelLMHead.compute_logits`
 
 
 def pack_weights(model: nn.Module, rows: int) -> None:
@@ -311,7 +319,18 @@ class ParallelLMHead(VocabParallelEmbedding):
 
     packed: PackedWeight | None = None
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    @property
+    def slices_vocabulary(self) -> bool:
+        """Whether `compute_logits` takes a part of the vocabulary: with one rank, on a weight
+        whose rows can be cut (not one in oneDNN's blocked layout)."""
+        return self.tp.size == 1 and not isinstance(self.packed, Packed)
+
+    def compute_logits(self, hidden: torch.Tensor, vocab: slice = EVERY_TOKEN) -> torch.Tensor:
+        """Logits of the token ids in `vocab`, all by default; a part only where
+        `slices_vocabulary`."""
+        if vocab != EVERY_TOKEN:
+            packed = None if self.packed is None else self.packed.output_rows(vocab)
+            return _linear(hidden, self.weight[vocab], packed)
         logits = _linear(hidden, self.weight, self.packed)
         if self.tp.size == 1:
             return logits

@@ -29,6 +29,7 @@ from pagedbatch.engine.worker.models.gemma3 import (
 from pagedbatch.engine.worker.models.llama import Attention, LlamaForCausalLM
 from pagedbatch.engine.worker.models.rope import RotaryEmbedding
 from pagedbatch.engine.worker.models.softcap_attention import softcapped_paged_attention
+from pagedbatch.engine.worker.parallel_layers import EVERY_TOKEN
 from pagedbatch.kernels.attention import AttentionMetadata
 
 # Gemma2Config's defaults, for configs that leave a setting out.
@@ -100,8 +101,8 @@ class Gemma2ForCausalLM(LlamaForCausalLM):
         scalar = _setting(cfg.raw, "query_pre_attn_scalar")
         return [Gemma2DecoderLayer(cfg, rotary, window, scalar) for window in cfg.sliding_windows]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        logits = super().compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, vocab: slice = EVERY_TOKEN) -> torch.Tensor:
+        logits = super().compute_logits(hidden, vocab)
         if self.final_softcap is None:
             return logits
         return torch.tanh(logits / self.final_softcap) * self.final_softcap

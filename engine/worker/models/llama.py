@@ -20,6 +20,7 @@ from pagedbatch.engine.config import ModelConfig
 from pagedbatch.engine.worker.models.rope import RotaryEmbedding
 from pagedbatch.engine.worker.models.weights import ParameterLoads
 from pagedbatch.engine.worker.parallel_layers import (
+    EVERY_TOKEN,
     Bfloat16Weight,
     ColumnParallelLinear,
     Loaded,
@@ -388,9 +389,14 @@ class LlamaForCausalLM(nn.Module):
             run_layer(layer, step, x, residual, has_residual=i > 0)
         return x, residual
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """Logits over the whole vocabulary, on every rank."""
-        return self.lm_head.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, vocab: slice = EVERY_TOKEN) -> torch.Tensor:
+        """Logits over the whole vocabulary, on every rank; over the ids in `vocab` alone where
+        `slices_vocabulary`."""
+        return self.lm_head.compute_logits(hidden, vocab)
+
+    @property
+    def slices_vocabulary(self) -> bool:
+        return self.lm_head.slices_vocabulary
 
     def parameter_for(self, name: str) -> tuple[str, int | None]:
         """The parameter that checkpoint tensor `name` (less its `model.` prefix) fills, and

@@ -17,7 +17,7 @@ from torch import nn
 from pagedbatch.engine.multimodal.inputs import MediaItem
 from pagedbatch.engine.worker.models.llama import KVCache, LlamaForCausalLM
 from pagedbatch.engine.worker.models.weights import ParameterLoads
-from pagedbatch.engine.worker.parallel_layers import Loaded
+from pagedbatch.engine.worker.parallel_layers import EVERY_TOKEN, Loaded
 from pagedbatch.kernels.attention import AttentionMetadata
 
 
@@ -48,8 +48,12 @@ class MultimodalModel(nn.Module):
             x[media_rows] = media_embeds.to(x.dtype)
         return self.language_model(input_ids, positions, kv_caches, meta, inputs_embeds=x)
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        return self.language_model.compute_logits(hidden)
+    def compute_logits(self, hidden: torch.Tensor, vocab: slice = EVERY_TOKEN) -> torch.Tensor:
+        return self.language_model.compute_logits(hidden, vocab)
+
+    @property
+    def slices_vocabulary(self) -> bool:
+        return self.language_model.slices_vocabulary
 
     def unused(self, name: str) -> bool:
         """Whether a checkpoint tensor of the encoder parts, named as this model names its own, is
