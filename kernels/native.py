@@ -80,6 +80,7 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _ptr, _i32, _ptr,  # x, residual, whether there is one, out
     ],
     "quant_kernel_isa": [],
+    "quant_float_streamed": [_i32],  # ggml type
 }  # fmt: skip
 
 

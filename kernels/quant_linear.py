@@ -18,11 +18,13 @@ Two paths, chosen by how many rows x has:
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by torch's float32 GEMM; one tile in memory at a time.
 
-Models take the float path for the blocks of 32, whose greedy tokens agree with exact mode's
-(SmolLM2, 8 chats, 137 tokens of 137; int8: 5 of 8 answers whole), and the int8 path for the K
-formats (`INT8_BY_DEFAULT`), whose float path dequantizes each row before multiplying it (Q6_K's
-15x slower than its int8 path). `PAGEDBATCH_QUANT_ACTIVATIONS` (read when a model's weights are
-loaded) says otherwise: `int8` for every format of `INT8_FORMATS`, `float32` for none.
+Models take the float path, whose greedy tokens agree with exact mode's (SmolLM2, 8 chats, 137
+tokens of 137; int8: 5 of 8 answers whole; Gemma 3 270M's K formats, 24 prompts of 32 tokens in
+steps of 6: 768 of 768, int8 536), where it streams the format's blocks; the int8 path for a
+format of `INT8_BY_DEFAULT` where the float path would dequantize each row before multiplying
+it (Q4_K and Q6_K without AVX-512: Q6_K's 15x slower than its int8 path).
+`PAGEDBATCH_QUANT_ACTIVATIONS` (read when a model's weights are loaded) says otherwise: `int8`
+for every format of `INT8_FORMATS`, `float32` for none.
 
 Without the C kernels (no compiler, `PAGEDBATCH_NATIVE_KERNELS=0`) both paths take the tiles,
 dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic as the GEMM path.
@@ -34,6 +36,7 @@ up instead, in the activations' dtype; on the CPU too where `PAGEDBATCH_KERNELS=
 
 from __future__ import annotations
 
+import copy
 import ctypes
 import os
 from dataclasses import dataclass
@@ -47,7 +50,8 @@ ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
 GEMM_SETTING = "PAGEDBATCH_QUANT_GEMM"
 # The formats quant_matmul_int8 reads; the others take float activations whatever is asked.
 INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Format.Q6_K})
-# Those whose float path has no streaming code (see the top): int8 unless the setting says float32.
+# Those on the int8 path by default where the float path has no streaming code for them (see the
+# top and `quant_float_streamed`).
 INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
 # Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
 # amortises the dequantization over them.
@@ -58,12 +62,17 @@ TILE_ELEMENTS = 1 << 20
 
 def int8_formats() -> frozenset[Format]:
     """The formats whose few-row products take int8 activations, as `PAGEDBATCH_QUANT_ACTIVATIONS`
-    says: `auto` (the default) `INT8_BY_DEFAULT`, `int8` all of `INT8_FORMATS`, `float32` none."""
+    says: `auto` (the default) those of `INT8_BY_DEFAULT` that the C kernels' float path does
+    not stream, `int8` all of `INT8_FORMATS`, `float32` none."""
     value = os.environ.get(ACTIVATIONS_SETTING, "auto").strip().lower()
-    choices = {"auto": INT8_BY_DEFAULT, "int8": INT8_FORMATS, "float32": frozenset()}
-    if value not in choices:
+    if value not in ("auto", "int8", "float32"):
         raise ValueError(f"{ACTIVATIONS_SETTING} is auto, float32 or int8, not {value!r}")
-    return choices[value]
+    if value != "auto":
+        return INT8_FORMATS if value == "int8" else frozenset()
+    lib = native.library()
+    if lib is None:  # the tiles, whatever is asked
+        return frozenset()
+    return frozenset(f for f in INT8_BY_DEFAULT if not lib.quant_float_streamed(f.ggml_type))
 
 
 def gemm_path() -> tuple[str, str] | None:
@@ -238,6 +247,20 @@ class QuantizedWeight:
     @property
     def formats(self) -> tuple[Format, ...]:
         return tuple(fmt for _, fmt in self.runs)
+
+    def output_rows(self, part: slice) -> QuantizedWeight:
+        """The weight of the outputs `part` selects (a step of 1): views of the blocks, whose
+        rows are the outputs', so nothing is copied."""
+        start, stop, _ = part.indices(self.rows)
+        runs, first = [], 0
+        for blocks, fmt in self.runs:
+            lo, hi = max(start - first, 0), min(stop - first, blocks.shape[0])
+            if lo < hi:
+                runs.append((blocks[lo:hi], fmt))
+            first += blocks.shape[0]
+        sliced = copy.copy(self)
+        sliced.runs = runs
+        return sliced
 
     @property
     def rows(self) -> int:

@@ -27,6 +27,7 @@ from pagedbatch.kernels.quant_linear import (
     SMALL_BATCH,
     QuantizedTensor,
     QuantizedWeight,
+    int8_formats,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -163,17 +164,18 @@ def test_gemma3s_layers_with_q_k_and_v_in_two_formats(make_checkpoint, seq_lens,
 
 
 @pytest.mark.parametrize("seq_lens", [[20], [5, 70, 17]])
-@pytest.mark.parametrize("activations", ["auto", "float32"])
+@pytest.mark.parametrize("activations", ["auto", "int8", "float32"])
 @torch.inference_mode()
-def test_gemma3s_q4_k_m_formats_with_k_format_products_on_int8_activations(
+def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
     make_checkpoint, seq_lens, activations, fused_calls, monkeypatch
 ):
-    """Every format of Gemma 3's Q4_K_M file, each product as the few-row path takes it: by
-    default o in Q4_K and down in Q6_K on int8 activations, q, k, gate and up in Q5_0 and v in
-    Q8_0 on float ones (K formats need widths of 256: hidden 256, 4 heads of 64). On float
-    activations the two paths agree to float32's rounding; on int8 ones an activation that the
-    paths' last bits put on either side of an int8 rounding step moves by a step (amax / 127):
-    the hidden states then differ by about a thousandth of their norm."""
+    """Every format of Gemma 3's Q4_K_M file, each product as the few-row path takes it: o in
+    Q4_K and down in Q6_K, q, k, gate and up in Q5_0 and v in Q8_0 (K formats need widths of
+    256: hidden 256, 4 heads of 64), on the activations `int8_formats` chooses (`auto`: int8 for
+    the K formats where the float path does not stream them). On float activations the two paths
+    agree to float32's rounding; on int8 ones an activation that the paths' last bits put on
+    either side of an int8 rounding step moves by a step (amax / 127): the hidden states then
+    differ by about a thousandth of their norm."""
     monkeypatch.setenv(ACTIVATIONS_SETTING, activations)
     shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     k_formats = {"o_proj": Format.Q4_K, "down_proj": Format.Q6_K}
@@ -186,11 +188,14 @@ def test_gemma3s_q4_k_m_formats_with_k_format_products_on_int8_activations(
     got = model(ids, meta.positions, kv_caches, meta)
     assert len(fused_calls) == len(model.layers)
     fused = model._decode_layers[1][0].struct  # what decode_layer.c was given
-    int8 = int(activations == "auto")
+    chosen = int8_formats()
+    k_int8, v_int8 = int(Format.Q4_K in chosen), int(Format.Q8_0 in chosen)
+    assert int(Format.Q6_K in chosen) == k_int8
     flags = (fused.o.int8, fused.down.int8, fused.qkv[0].int8, fused.qkv[1].int8)
-    assert flags == (int8, int8, 0, 0)
+    assert flags == (k_int8, k_int8, 0, v_int8)
+    assert (k_int8, v_int8) == {"int8": (1, 1), "float32": (0, 0)}.get(activations, (k_int8, 0))
     assert expected.abs().max() > 1  # the random weights kept the hidden states of a model's size
-    if activations == "float32":
+    if not chosen:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     else:
         assert (got - expected).norm() <= 1e-2 * expected.norm()

@@ -210,15 +210,24 @@ def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
     assert error.le(bound(x.reshape(n, cols), weights)).all()
 
 
-def test_models_take_int8_activations_for_the_k_formats_unless_the_setting_says_otherwise(
-    monkeypatch,
+@needs_compiler
+def test_models_take_int8_activations_for_the_k_formats_the_float_path_cannot_stream(
+    monkeypatch, tmp_path
 ):
+    """`auto`: the K formats go int8 only where the float path would dequantize their rows
+    first (no AVX-512); the setting's other values hold everywhere."""
     blocks = torch.from_numpy(random_blocks(Format.Q8_0, 4, 32))
 
     def formats() -> frozenset[Format]:
         return quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8_formats
 
-    assert formats() == {Format.Q4_K, Format.Q6_K}
+    lib = native.library()
+    assert lib is not None
+    streamed = {f for f in quant_linear.INT8_BY_DEFAULT if lib.quant_float_streamed(f.ggml_type)}
+    assert formats() == quant_linear.INT8_BY_DEFAULT - streamed
+    assert streamed == (quant_linear.INT8_BY_DEFAULT if lib.quant_kernel_isa() == 3 else set())
+    portable = build_portable(tmp_path)
+    assert not any(portable.quant_float_streamed(f.ggml_type) for f in quant_linear.INT8_BY_DEFAULT)
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int8")
     assert formats() == quant_linear.INT8_FORMATS
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "float32")
@@ -238,3 +247,19 @@ def test_an_embedding_lookup_dequantizes_just_its_rows(fmt):
     assert rows.shape == (2, 3, 256) and rows.dtype == torch.float32
     expected = dequantize(blocks, fmt)[ids]
     torch.testing.assert_close(rows.double(), expected, rtol=2**-24, atol=0)
+
+
+def test_a_slice_of_a_weights_outputs_multiplies_as_those_columns_of_the_whole():
+    """`output_rows` cuts across runs (q in Q4_0, k and v in Q8_0 here), copying nothing."""
+    parts = [(Format.Q4_0, 96), (Format.Q8_0, 64)]
+    runs = [(torch.from_numpy(random_blocks(f, n, 64, seed=n)), f) for f, n in parts]
+    weight = quant_linear.QuantizedWeight(runs, 64)
+    storages = {blocks.untyped_storage().data_ptr() for blocks, _ in weight.runs}
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    whole = weight(x)
+    for part in (slice(0, 96), slice(40, 130), slice(100, 160), slice(150, None)):
+        sliced = weight.output_rows(part)
+        assert sliced.rows == len(range(160)[part])
+        assert {b.untyped_storage().data_ptr() for b, _ in sliced.runs} <= storages
+        # Each output is its own row's sum: the same whichever outputs are computed beside it.
+        torch.testing.assert_close(sliced(x), whole[:, part], rtol=0, atol=0)

@@ -21,7 +21,7 @@ from pagedbatch.engine.worker.parallel_layers import (
     quantize_linears,
 )
 from pagedbatch.kernels.quant_blocks import Format
-from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight
+from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight, int8_formats
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -181,13 +181,40 @@ def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_mo
     # q/k/v in two runs where v is Q8_0; gate/up, the output and down projections in one.
     assert (Format.Q5_0, Format.Q8_0) in formats
     assert {(Format.Q5_0,), (Format.Q4_K,), (Format.Q6_K,), (Format.Q8_0,)} <= formats
-    # The K formats' products take int8 activations (quant_linear.INT8_BY_DEFAULT), as llama.cpp
-    # computes them: greedy tokens agreeing before the first difference, 91 of 96 on the machine
-    # that wrote this (all 96 with PAGEDBATCH_QUANT_ACTIVATIONS=float32, exact mode's arithmetic
-    # in another order).
-    assert all(Format.Q4_K in p.int8_formats for p in packed if isinstance(p, QuantizedWeight))
+    # Few-row products take float activations where the C kernels stream the format (the K
+    # formats with AVX-512), int8 ones elsewhere (quant_linear.int8_formats): greedy tokens
+    # agreeing before the first difference, 96 of 96 on the float path (an AMD EPYC with
+    # AVX-512), 91 and 82 of 96 with int8 (a Xeon, that EPYC).
+    chosen = int8_formats()
+    assert all(p.int8_formats == chosen for p in packed if isinstance(p, QuantizedWeight))
     agreeing = sum(
         next((i for i, (a, b) in enumerate(zip(exact, approx, strict=False)) if a != b), len(exact))
         for exact, approx in zip(answers["none"], answers["gguf"], strict=True)
     )
     assert agreeing >= 0.9 * sum(len(exact) for exact in answers["none"]), answers
+
+
+@pytest.mark.real_model
+def test_greedy_steps_take_gemmas_vocabulary_in_slices_and_choose_as_sampling_does(real_model):
+    """Rows wanting their argmax alone never hold the whole logits (sample/greedy): Gemma 3's
+    262,144 tokens in slices of its tied Q8_0 head, the tokens those of the sampler's path,
+    which logprobs take."""
+    llm = LLM(real_model("gemma-3-270m"), num_kv_blocks=128, quantization="gguf")
+    model = llm.engine.runner.model
+    asked: list[slice] = []
+    whole_head = model.compute_logits
+
+    def compute_logits(hidden: torch.Tensor, vocab: slice = slice(None)) -> torch.Tensor:
+        asked.append(vocab)
+        return whole_head(hidden, vocab)
+
+    model.compute_logits = compute_logits
+    prompts = [f"Fact {i}: the number {i} squared is" for i in range(12)]
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    sliced = [v for v in asked if v != slice(None)]
+    # 12 rows of 262,144 float32 logits are 12 MiB: two slices of at most 8 MiB.
+    assert sliced and {(v.start, v.stop) for v in sliced} == {(0, 174592), (174592, 349184)}
+    asked.clear()
+    scored = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1))
+    assert asked and all(v == slice(None) for v in asked)
+    assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in scored]
