@@ -33,7 +33,7 @@ from pagedbatch.engine.worker import decode_graphs, distributed
 from pagedbatch.engine.worker.decode_graphs import DecodeGraphs
 from pagedbatch.engine.worker.distributed import SINGLE, TensorParallel
 from pagedbatch.engine.worker.host_memory import (
-    RELEASE_AFTER_PROMPT_TOKENS,
+    FreedMemory,
     cpu_kv_budget_bytes,
     keep_freed_memory,
     release_freed_memory,
@@ -291,8 +291,12 @@ class ModelRunner:
         self.encoder_outputs: dict[bytes, torch.Tensor] = {}
         # The last step's scored prompt rows (its `prompt_rows`), beside the logits it returned.
         self.scored_prompt: ScoredRows | None = None
+        # The C allocator's freed pages handed back (host_memory): the loader's copies now, the
+        # steps' from time to time.
+        self.freed_memory: FreedMemory | None = None
         if self.device.type == "cpu":
-            release_freed_memory()  # the loader's transient copies (see host_memory)
+            release_freed_memory()
+            self.freed_memory = FreedMemory()
 
     def _load_model(self, rows: int, pack: bool) -> torch.nn.Module:
         """The model with its weights; `rows`, the usual rows of a step's matmuls, sizes their
@@ -420,9 +424,8 @@ class ModelRunner:
     def run(self, step: StepInput) -> torch.Tensor:
         """This rank's part of a step; every rank returns the same logits (or pooled rows)."""
         out = self._run(step)
-        prompt_tokens = len(step.input_ids) - len(step.seq_lens)
-        if self.device.type == "cpu" and prompt_tokens >= RELEASE_AFTER_PROMPT_TOKENS:
-            release_freed_memory()  # its activations' pages (see host_memory)
+        if self.freed_memory is not None:
+            self.freed_memory.after_step(len(step.input_ids) - len(step.seq_lens))
         return out
 
     @torch.inference_mode()

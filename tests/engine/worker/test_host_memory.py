@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import subprocess
 import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -117,3 +118,14 @@ def test_freed_activations_pages_are_released_on_demand():
     )
     kept, released = json.loads(probe.stdout)
     assert kept - released >= 0.9 * 4 * 30e6 / 2**20
+
+
+def test_steps_release_freed_memory_after_a_long_prompt_or_once_a_while(monkeypatch):
+    freed = host_memory.FreedMemory()
+    assert freed.after_step(host_memory.RELEASE_AFTER_PROMPT_TOKENS)  # a prefill's activations
+    assert not freed.after_step(0)  # decode steps, just after a release
+    assert not freed.after_step(host_memory.RELEASE_AFTER_PROMPT_TOKENS - 1)
+    monkeypatch.setattr(host_memory, "RELEASE_INTERVAL_SECONDS", 0.05)
+    time.sleep(0.06)
+    assert freed.after_step(0)  # the decode steps' pages, once the interval has passed
+    assert not freed.after_step(0)
