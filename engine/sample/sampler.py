@@ -160,7 +160,11 @@ def _apply_penalties(
         penalty = torch.tensor([p.repetition_penalty for p in params], device=device)
         row, token = token_counts.seen[counted].nonzero(as_tuple=True)
         values, factor = logits[logit_row[row], token], penalty[row]
-        logits[logit_row[row], token] = torch.where(values > 0, values / factor, values * factor)
+        penalized = torch.where(values > 0, values / factor, values * factor)
+        # A penalty that float32 rounds to 0 (1e-86, say) makes a masked token's -inf NaN and a
+        # positive logit +inf, which would sample a token the mask forbids: keep both bounded.
+        finite = torch.finfo(logits.dtype).max
+        logits[logit_row[row], token] = penalized.nan_to_num_(float("-inf"), finite)
     if any(p.presence_penalty != 0.0 or p.frequency_penalty != 0.0 for p in params):
         # OpenAI: over the output only, once per distinct token plus once per occurrence.
         presence = torch.tensor([p.presence_penalty for p in params], device=device)

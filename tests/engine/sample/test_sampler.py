@@ -144,6 +144,21 @@ def test_repetition_penalty_divides_positive_and_multiplies_negative_logits():
     assert tokens(negative, [request(output=[0], temperature=0.0, repetition_penalty=1.3)]) == [0]
 
 
+def test_a_penalty_that_rounds_to_zero_never_samples_a_masked_token():
+    """1e-86 is 0 in float32: a seen token masked to -inf would become NaN and a positive logit
+    +inf; sampling must still keep to the tokens left."""
+    logits = torch.tensor([[float("-inf"), 2.0, 1.0, float("-inf"), -1.0]])
+    seen = [0, 1, 3, 4]
+    for temperature in (0.0, 1.0):
+        for _ in range(20):
+            chosen = tokens(
+                logits, [request(prompt=seen, temperature=temperature, repetition_penalty=1e-86)]
+            )
+            assert chosen[0] in (1, 2, 4)
+    greedy = tokens(logits, [request(prompt=seen, temperature=0.0, repetition_penalty=1e-86)])
+    assert greedy == [1]  # 2.0 / 0 is the largest finite value
+
+
 def test_penalties_apply_to_sampled_rows_too():
     # Token 0 is pushed to 5.0 - 2.0 * 1 - 2.0 * 5 = -7: it should (almost) never be drawn.
     reqs = [
