@@ -604,7 +604,7 @@ static float row_dot_float_q4_k_avx512(const uint8_t *row, int64_t supers, const
  * (a nibble each) and 32 of qh (two bits each), less 32 as signed bytes. */
 static float row_dot_float_q6_k_avx512(const uint8_t *row, int64_t supers, const float *x) {
     __m512 acc = _mm512_setzero_ps();
-    const __m256i low4 = _mm256_set1_epi8(0x0F), two = _mm256_set1_epi8(3);
+    const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     for (int64_t s = 0; s < supers; ++s, row += 210) {
         const float d = half_to_float(row + 208);
         const int8_t *scales = (const int8_t *)(row + 192);
@@ -615,7 +615,7 @@ static float row_dot_float_q6_k_avx512(const uint8_t *row, int64_t supers, const
                 const __m256i bits = _mm256_loadu_si256((const __m256i *)(ql + 32 * (k % 2)));
                 const __m256i low = k < 2 ? _mm256_and_si256(bits, low4)
                                           : _mm256_and_si256(_mm256_srli_epi16(bits, 4), low4);
-                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(high_bits, 2 * k), two);
+                const __m256i high = _mm256_and_si256(_mm256_srli_epi16(high_bits, 2 * k), low2);
                 const __m256i q = _mm256_sub_epi8(
                     _mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
                 const float *xk = x + 32 * k;

@@ -41,17 +41,18 @@ def greedy_tokens(
     width = SLICE_BYTES // (4 * max(rows, 1)) // SLICE_ALIGN * SLICE_ALIGN
     if vocab_size is None or width == 0 or width >= vocab_size:
         return argmax(logits_of(hidden, slice(None)).float())
-    best_ids = best_values = None
-    for start in range(0, vocab_size, width):
-        logits = logits_of(hidden, slice(start, start + width)).float()
-        ids = argmax(logits)
-        values = logits.gather(1, ids[:, None]).squeeze(1)
-        if best_ids is None or best_values is None:
-            best_ids, best_values = ids, values
-            continue
+    best_values, best_ids = _best(logits_of(hidden, slice(0, width)))
+    for start in range(width, vocab_size, width):
+        values, ids = _best(logits_of(hidden, slice(start, start + width)))
         # Strictly greater: an earlier slice keeps its ties. A NaN wins over any number.
         better = (values > best_values) | (values.isnan() & ~best_values.isnan())
         best_ids = torch.where(better, ids + start, best_ids)
         best_values = torch.where(better, values, best_values)
-    assert best_ids is not None  # vocab_size > width: at least two slices
     return best_ids
+
+
+def _best(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's largest value of a slice of logits and its index in the slice."""
+    logits = logits.float()
+    ids = argmax(logits)
+    return logits.gather(1, ids[:, None]).squeeze(1), ids
