@@ -96,6 +96,7 @@ def decode_step(llm: LLM, seq_lens: list[int]) -> tuple:
 
 def layers_one_by_one(model, ids, meta, kv_caches) -> torch.Tensor:
     """The model's torch path: each layer's own forward."""
+    model.cover_positions(meta.max_seq_len)
     x, residual = model.embed_tokens(ids), None
     for layer, kv_cache in zip(model.layers, kv_caches, strict=True):
         x, residual = layer(meta.positions, x, residual, kv_cache, meta)

@@ -10,6 +10,7 @@ attention heads, its slice of the MLP and of the vocabulary (see parallel_layers
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Callable, Iterable
 
@@ -339,6 +340,7 @@ class LlamaForCausalLM(nn.Module):
     ) -> torch.Tensor:
         """Hidden states of every token in the flattened batch; `inputs_embeds`, where given,
         replace the tokens' embeddings (a vision-language model's, with its images in)."""
+        self.cover_positions(meta.max_seq_len)  # M-RoPE's positions too stay below seq_len
         x = self.embed_tokens(input_ids) if inputs_embeds is None else inputs_embeds
         fused = self._fused_decode(x, positions, kv_caches, meta)
         if fused is not None:
@@ -349,6 +351,16 @@ class LlamaForCausalLM(nn.Module):
                 x, residual = layer(positions, x, residual, kv_cache, meta)
         x, _ = self.norm(x, residual)
         return x
+
+    def cover_positions(self, reach: int) -> None:
+        """Writes the rotary tables' rows of positions below `reach` (`RotaryEmbedding.cover`):
+        before the layers run a step whose longest context is `reach`."""
+        for rotary in self._rotaries:
+            rotary.cover(reach)
+
+    @functools.cached_property
+    def _rotaries(self) -> list[RotaryEmbedding]:
+        return [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
 
     # The layers as decode_layer.c runs them ([] where it cannot: see `decode_layers`), made on
     # the first decode step, once the KV caches exist; and the key cache they were made with.

@@ -27,6 +27,8 @@ from torch import nn
 from pagedbatch.kernels import ops
 
 DEFAULT_THETA = 10_000.0
+# Rows of the cos/sin table written at a time (see `RotaryEmbedding.cover`).
+FILL_ROWS = 512
 
 
 def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
@@ -73,12 +75,32 @@ class RotaryEmbedding(nn.Module):
         num_positions = max_positions or _reach(self.params, max_position_embeddings)
         if rope_type == "dynamic":  # longer contexts get their frequencies in forward
             num_positions = min(num_positions, max_position_embeddings)
+        self.inv_freq = inv_freq
+        # On the CPU, rows are written as steps reach them (`cover`), in place: a table of
+        # 32,768 positions of 256-wide heads is 32 MiB, of which chats touch a few hundred rows,
+        # and pages never written are never resident. Kernels keep the table's address
+        # (decode_layer.c; CUDA graphs).
         self.cos_sin_cache: torch.Tensor
         self.register_buffer(
-            "cos_sin_cache",
-            _cos_sin(torch.arange(num_positions), inv_freq, self.attention_scaling),
-            persistent=False,
+            "cos_sin_cache", torch.empty(num_positions, head_dim), persistent=False
         )
+        self.covered = 0
+        if self.cos_sin_cache.device.type != "cpu":  # device memory is taken whole anyway
+            self.cover(num_positions)
+
+    def cover(self, positions: int) -> None:
+        """Makes the table's rows for positions 0 .. positions - 1 valid (every row, past its
+        end). The model covers each step's longest context before its layers run.
+        Whole chunks of FILL_ROWS rows: each chunk's D/2 cosines a row fill whole vectors of any
+        width, so they equal those of the whole table computed at once."""
+        table = self.cos_sin_cache
+        end = min(-(-positions // FILL_ROWS) * FILL_ROWS, table.shape[0])
+        if end <= self.covered:
+            return
+        rows = torch.arange(self.covered, end, device=table.device)
+        inv_freq = self.inv_freq.to(table.device)
+        table[self.covered : end] = _cos_sin(rows, inv_freq, self.attention_scaling)
+        self.covered = end
 
     @classmethod
     def from_config(

@@ -8,7 +8,7 @@ import torch
 from transformers import LlamaConfig
 from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, apply_rotary_pos_emb
 
-from pagedbatch.engine.worker.models.rope import RotaryEmbedding, rope_parameters
+from pagedbatch.engine.worker.models.rope import FILL_ROWS, RotaryEmbedding, rope_parameters
 
 HEAD_DIM = 64
 NUM_HEADS, NUM_KV_HEADS = 4, 2
@@ -105,6 +105,7 @@ def test_matches_transformers_across_the_positions(name):
     raw, hf_config = configs(name)
     ours = RotaryEmbedding.from_config(raw, HEAD_DIM)
     positions = torch.arange(ours.cos_sin_cache.shape[0])
+    ours.cover(positions.numel())
     q, k = random_qk(positions.numel())
     expected_q, expected_k = hf_rotate(LlamaRotaryEmbedding(hf_config), positions, q, k)
     # In a shuffled order and in a batch with other tokens, rows still get their own positions.
@@ -126,14 +127,35 @@ def test_table_reaches_the_context_the_type_extends_to(name, expected):
     )
 
 
+@pytest.mark.parametrize("head_dim", [64, 80, 256])
+def test_table_written_as_steps_reach_it_equals_the_table_written_at_once(head_dim):
+    """Rows are written only as far as the longest context so far (a 32k-position table of a
+    chat is mostly never touched, so never resident), whole chunks at a time, each row as
+    the whole table computed at once has it."""
+    raw = {**BASE, "max_position_embeddings": 4 * FILL_ROWS + 100}
+    rotary = RotaryEmbedding.from_config(raw, head_dim)
+    assert rotary.covered == 0
+    for reach, covered in [(1, FILL_ROWS), (FILL_ROWS, FILL_ROWS), (FILL_ROWS + 1, 2 * FILL_ROWS)]:
+        rotary.cover(reach)
+        assert rotary.covered == covered
+    rotary.cover(10**6)
+    assert rotary.covered == 4 * FILL_ROWS + 100
+    whole = RotaryEmbedding.from_config(raw, head_dim)
+    whole.cover(whole.cos_sin_cache.shape[0])
+    assert torch.equal(rotary.cos_sin_cache, whole.cos_sin_cache)
+    inv_freq = 1.0 / (10_000.0 ** (torch.arange(0, head_dim, 2).float() / head_dim))
+    freqs = torch.arange(4 * FILL_ROWS + 100)[:, None].float() * inv_freq
+    torch.testing.assert_close(rotary.cos_sin_cache, torch.cat((freqs.cos(), freqs.sin()), -1))
+
+
 def test_old_and_new_config_spellings_agree():
     old = {**BASE, "rope_theta": 20000.0, "rope_scaling": {"type": "linear", "factor": 2.0}}
     new = {**BASE, "rope_parameters": {"rope_type": "linear", "rope_theta": 20000.0, "factor": 2.0}}
     assert rope_parameters(old) == {**rope_parameters(new), "type": "linear"}
-    assert torch.equal(
-        RotaryEmbedding.from_config(old, HEAD_DIM).cos_sin_cache,
-        RotaryEmbedding.from_config(new, HEAD_DIM).cos_sin_cache,
-    )
+    old_rotary, new_rotary = (RotaryEmbedding.from_config(c, HEAD_DIM) for c in (old, new))
+    for rotary in (old_rotary, new_rotary):
+        rotary.cover(rotary.cos_sin_cache.shape[0])
+    assert torch.equal(old_rotary.cos_sin_cache, new_rotary.cos_sin_cache)
 
 
 def test_unsupported_rope_type_is_refused():
@@ -154,6 +176,7 @@ def test_dynamic_ntk_matches_transformers_generating_token_by_token(prompt_len):
         q, k = random_qk(positions.numel(), seed=step)
         expected_q, expected_k = hf_rotate(hf, positions, q, k)
         seq_lens = torch.full_like(positions, int(positions[-1]) + 1)
+        ours.cover(int(positions[-1]) + 1)  # as the model runner does before each step
         out_q, out_k = ours(positions, q, k, seq_lens)
         torch.testing.assert_close(out_q, expected_q, atol=0, rtol=0)
         torch.testing.assert_close(out_k, expected_k, atol=0, rtol=0)
@@ -165,6 +188,7 @@ def test_dynamic_ntk_scales_each_sequence_of_a_batch_by_its_own_length():
     short, long = torch.arange(200, 203), torch.arange(290, 300)
     q, k = random_qk(short.numel() + long.numel())
     seq_lens = torch.tensor([203] * short.numel() + [300] * long.numel())
+    ours.cover(300)
     out_q, out_k = ours(torch.cat([short, long]), q, k, seq_lens)
     for rows, positions in [(slice(0, 3), short), (slice(3, None), long)]:
         # A fresh transformers module per sequence: its state then follows that sequence only.
