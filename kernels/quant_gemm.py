@@ -89,15 +89,26 @@ def fastest() -> str | None:
 
 
 def quant_gemm(
-    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, path: str, passes: int = 3
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    fmt: Format,
+    cols: int,
+    path: str,
+    passes: int = 3,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x `[n, cols]` (float32, contiguous) times the transposed weights in `blocks` (uint8
     `[rows, fmt.row_bytes(cols)]`, contiguous) by `path`, in `passes` bf16 products (3: bf16x3,
-    float32's accuracy; 1: bf16): `[n, rows]` float32."""
+    float32's accuracy; 1: bf16): `[n, rows]` float32, written into `out` where given (a
+    contiguous float32 tensor of that shape)."""
     lib = library()
     if lib is None or path not in paths():
         raise RuntimeError(f"quant_gemm's {path} path does not run here")
-    out = torch.empty(x.shape[0], blocks.shape[0])
+    shape = (x.shape[0], blocks.shape[0])
+    if out is None:
+        out = torch.empty(shape)
+    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {list(shape)}, not {out.shape}")
     status = lib.quant_gemm(
         fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], cols,
         x.data_ptr(), x.shape[0], PATHS[path], passes, torch.get_num_threads(), out.data_ptr(),

@@ -58,6 +58,9 @@ INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
 SMALL_BATCH = 8
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
+# Added to the norms of `QuantizedWeight.approximate`'s bound: its products with each other
+# exceed what bf16's flush of subnormal values and products can change in a sum.
+SUBNORMAL_SLACK = 2.0**-50
 
 
 def int8_formats() -> frozenset[Format]:
@@ -228,6 +231,7 @@ class QuantizedWeight:
         self.runs = [(blocks.contiguous(), fmt) for blocks, fmt in runs]
         self.cols = cols
         self.int8_formats = int8_formats()
+        self._row_norms: torch.Tensor | None = None  # see `approximate`
 
     @classmethod
     def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
@@ -260,6 +264,7 @@ class QuantizedWeight:
             first += blocks.shape[0]
         sliced = copy.copy(self)
         sliced.runs = runs
+        sliced._row_norms = None
         return sliced
 
     @property
@@ -281,3 +286,73 @@ class QuantizedWeight:
             ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out.add_(bias)
+
+    def approximates(self, x: torch.Tensor) -> bool:
+        """Whether `approximate` runs here for x and costs less than the product: one run of
+        blocks, x on the C kernels' path with more rows than `SMALL_BATCH` (fewer stream the
+        blocks once, bound by reading them, whatever the arithmetic), a bf16 path of quant_gemm."""
+        return (
+            len(self.runs) == 1
+            and x.shape[0] > SMALL_BATCH
+            and x.dtype == torch.float32
+            and not on_triton(x)
+            and quant_gemm.fastest() is not None
+        )
+
+    def approximate(
+        self, x: torch.Tensor, part: slice, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The outputs `part` selects of x @ W.T (x float32 `[n, cols]` on the CPU) by one
+        bfloat16 product (quant_gemm's `bf16`: a half or less of the float32 GEMM's time on
+        AVX512-BF16, a third of bf16x3's on AMX), and a bound on each one's error, both
+        `[n, width]` (written into `out`'s two tensors where given, contiguous float32 of that
+        shape): |approx - x @ W.T| <= bound, where x @ W.T is any float32 product's.
+
+        The bound: each product of bf16-rounded x and w is within 2^-7 + 2^-16 of x w, and the
+        float32 sums (ours, and the exact path's, in any order) add at most 2 cols 2^-24 of
+        sum |x w|, which is at most ||x|| ||w|| (Cauchy-Schwarz; each weight row's norm computed
+        once, rounded up). The small constant added covers bf16's flush of subnormals."""
+        ((blocks, fmt),) = self.runs
+        start, stop, _ = part.indices(self.rows)
+        gemm_path = quant_gemm.fastest()
+        assert gemm_path is not None, "approximate where approximates() says it runs"
+        x = x.contiguous()
+        approx, bound = (None, None) if out is None else out
+        approx = quant_gemm.quant_gemm(
+            x, blocks[start:stop], fmt, self.cols, gemm_path, passes=1, out=approx
+        )
+        relative = (2**-7 + 2**-16 + 2 * self.cols * 2**-24) * (1 + 2**-10)
+        margin = torch.linalg.vector_norm(x, dim=1).mul_(relative).add_(SUBNORMAL_SLACK)
+        norms = self._norms()[start:stop]
+        bound = torch.mul(margin[:, None], norms, out=bound)
+        return approx, bound
+
+    def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """x @ W[ids].T in float32 (`[n, len(ids)]`), the rows `ids` (int64) dequantized a tile
+        at a time."""
+        ((blocks, fmt),) = self.runs
+        lib = native.library()
+        out = torch.empty(x.shape[0], len(ids))
+        step = max(1, TILE_ELEMENTS // self.cols)
+        tile = torch.empty(min(step, len(ids)), self.cols)
+        for start in range(0, len(ids), step):
+            picked = blocks.index_select(0, ids[start : start + step])
+            weights = _dequantize_into(lib, picked, fmt, tile[: picked.shape[0]])
+            out[:, start : start + picked.shape[0]] = x @ weights.T
+        return out
+
+    def _norms(self) -> torch.Tensor:
+        """Each output row's float32 weights' Euclidean norm, rounded up (see `approximate`),
+        computed on first use a tile at a time."""
+        if self._row_norms is None:
+            ((blocks, fmt),) = self.runs
+            lib = native.library()
+            norms = torch.empty(self.rows)
+            step = max(1, TILE_ELEMENTS // self.cols)
+            tile = torch.empty(min(step, self.rows), self.cols)
+            for start in range(0, self.rows, step):
+                part = blocks[start : start + step]
+                weights = _dequantize_into(lib, part, fmt, tile[: part.shape[0]])
+                norms[start : start + part.shape[0]] = torch.linalg.vector_norm(weights, dim=1)
+            self._row_norms = norms.mul_(1 + 2**-10).add_(SUBNORMAL_SLACK)
+        return self._row_norms

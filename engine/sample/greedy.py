@@ -7,20 +7,50 @@ half the model's quantized weights, made and dropped every step. Taken in slices
 `SLICE_BYTES`, each slice's best kept, they take a slice's worth; the LM head's weights are
 still read once a step (each slice reads its own rows of them), and the tokens equal the whole
 row's argmax, the lowest id of ties, a NaN first where there is one (numpy's argmax).
+
+Where the LM head offers a cheaper product with a bound on its error (`Screen`: a quantized
+head's bf16 product, for many rows), each slice is taken that way instead, and only the tokens
+whose approximate logit is within the bounds of their row's best, its candidates (one or two a
+row, at most thousands in a step, on Gemma 3's chats), get exact logits: the same argmax for a
+fraction of the exact product's time. Gemma 3's 262,144-token head at 128 rows on a 2-core
+AMD EPYC (AVX512-BF16, no AMX): 160-200 ms against the float32 tiles' 360-700; its 128 chats
+went from 143 to 221 output tokens/s.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import Protocol
 
 import torch
 
 SLICE_BYTES = 8 * 2**20
+# An approximate slice has three tensors of its size alive at once (values, bound, their sum).
+SCREEN_SLICE_BYTES = SLICE_BYTES // 2
 # A slice's width rounds down to this many tokens: whole tiles of the products' kernels.
 SLICE_ALIGN = 256
 
 # compute_logits(hidden, vocab): the float logits of the token ids `vocab` selects.
 LogitsOf = Callable[[torch.Tensor, slice], torch.Tensor]
+
+
+class Screen(Protocol):
+    """The LM head's weight where it has a cheaper approximate product (`QuantizedWeight`)."""
+
+    def approximates(self, x: torch.Tensor) -> bool:
+        """Whether `approximate` runs, and pays, for the rows of x."""
+        ...
+
+    def approximate(
+        self, x: torch.Tensor, part: slice, out: tuple[torch.Tensor, torch.Tensor] | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """The logits of the ids `part` selects, approximate, and a bound on their error
+        (written into `out`'s two tensors where given)."""
+        ...
+
+    def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        """The exact logits of the token ids `ids` (int64)."""
+        ...
 
 
 def argmax(values: torch.Tensor) -> torch.Tensor:
@@ -32,12 +62,23 @@ def argmax(values: torch.Tensor) -> torch.Tensor:
 
 
 def greedy_tokens(
-    hidden: torch.Tensor, logits_of: LogitsOf, vocab_size: int | None
+    hidden: torch.Tensor,
+    logits_of: LogitsOf,
+    vocab_size: int | None,
+    screen: Screen | None = None,
 ) -> torch.Tensor:
     """The argmax over the vocabulary of each row of `hidden`'s logits (int64 `[rows]`), made
     in slices where the whole would exceed `SLICE_BYTES`; in one piece where `vocab_size` is
-    None (a head that cannot take part of the vocabulary)."""
+    None (a head that cannot take part of the vocabulary); screened where `screen` approximates
+    these rows (see the top)."""
     rows = hidden.shape[0]
+    if (
+        screen is not None
+        and vocab_size is not None
+        and screen.approximates(hidden)
+        and bool(hidden.isfinite().all())  # else every approximate logit is NaN
+    ):
+        return _screened(hidden, screen, vocab_size)
     width = SLICE_BYTES // (4 * max(rows, 1)) // SLICE_ALIGN * SLICE_ALIGN
     if vocab_size is None or width == 0 or width >= vocab_size:
         return argmax(logits_of(hidden, slice(None)).float())
@@ -56,3 +97,36 @@ def _best(logits: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
     logits = logits.float()
     ids = argmax(logits)
     return logits.gather(1, ids[:, None]).squeeze(1), ids
+
+
+def _screened(hidden: torch.Tensor, screen: Screen, vocab_size: int) -> torch.Tensor:
+    """Each row's argmax from its candidates' exact logits: the tokens whose approximate logit
+    plus its bound reaches the row's floor, the largest approximate logit less its bound, which
+    the row's exact best reaches too. A token whose approximate logit is NaN (a weight row that
+    is) is a candidate."""
+    rows = hidden.shape[0]
+    width = max(SLICE_ALIGN, SCREEN_SLICE_BYTES // (4 * rows) // SLICE_ALIGN * SLICE_ALIGN)
+    floor = torch.full((rows,), -torch.inf)
+    found: list[tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = []  # (row, id, upper)
+    # A slice's tensors, made once: made anew each slice, the small ones kept in `found` would
+    # split their freed chunks, and the heap grew by most of a slice's size every slice.
+    buffers = [torch.empty(rows * width) for _ in range(3)]
+    flags = torch.empty(rows * width, dtype=torch.bool)
+    for start in range(0, vocab_size, width):
+        n = min(width, vocab_size - start)
+        approx, bound, scratch = (b[: rows * n].view(rows, n) for b in buffers)
+        screen.approximate(hidden, slice(start, start + n), out=(approx, bound))
+        lower = torch.sub(approx, bound, out=scratch).nan_to_num_(nan=-torch.inf).amax(dim=1)
+        torch.maximum(floor, lower, out=floor)
+        upper = approx.add_(bound).nan_to_num_(nan=torch.inf)
+        mask = torch.ge(upper, floor[:, None], out=flags[: rows * n].view(rows, n))
+        row, col = mask.nonzero(as_tuple=True)
+        found.append((row, col + start, upper[row, col]))
+    row, ids, upper = (torch.cat(parts) for parts in zip(*found, strict=True))
+    keep = upper >= floor[row]  # against the final floors: earlier slices saw lower ones
+    row, ids = row[keep], ids[keep]
+    candidates, column = torch.unique(ids, return_inverse=True)  # sorted: ties go to the lowest
+    exact = screen.rows_product(hidden, candidates)
+    masked = torch.full_like(exact, -torch.inf)
+    masked[row, column] = exact[row, column]
+    return candidates[argmax(masked)]

@@ -470,7 +470,7 @@ class ModelRunner:
         if not step.greedy:
             return compute(hidden[rows]).float()
         vocab = self.cfg.vocab_size if self.model.slices_vocabulary else None
-        return greedy_tokens(hidden[rows], compute, vocab)
+        return greedy_tokens(hidden[rows], compute, vocab, self.model.screen)
 
     def _run_encoder(self, step: StepInput) -> torch.Tensor:
         """An encoder's step: whole sequences, packed, pooled; the pooled rows in the step's

@@ -325,6 +325,13 @@ class ParallelLMHead(VocabParallelEmbedding):
         whose rows can be cut (not one in oneDNN's blocked layout)."""
         return self.tp.size == 1 and not isinstance(self.packed, Packed)
 
+    @property
+    def screen(self) -> QuantizedWeight | None:
+        """The weight whose approximate product greedy steps may screen tokens with
+        (`engine/sample/greedy.py`): a quantized one, where the vocabulary is sliced."""
+        packed = self.packed
+        return packed if self.slices_vocabulary and isinstance(packed, QuantizedWeight) else None
+
     def compute_logits(self, hidden: torch.Tensor, vocab: slice = EVERY_TOKEN) -> torch.Tensor:
         """Logits of the token ids in `vocab`, all by default; a part only where
         `slices_vocabulary`."""

@@ -41,7 +41,7 @@ from pagedbatch.kernels.decode_layer import (
     fusable,
     run_layer,
 )
-from pagedbatch.kernels.quant_linear import SMALL_BATCH
+from pagedbatch.kernels.quant_linear import SMALL_BATCH, QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -409,6 +409,10 @@ class LlamaForCausalLM(nn.Module):
     @property
     def slices_vocabulary(self) -> bool:
         return self.lm_head.slices_vocabulary
+
+    @property
+    def screen(self) -> QuantizedWeight | None:
+        return self.lm_head.screen
 
     def parameter_for(self, name: str) -> tuple[str, int | None]:
         """The parameter that checkpoint tensor `name` (less its `model.` prefix) fills, and

@@ -19,6 +19,7 @@ from pagedbatch.engine.worker.models.llama import KVCache, LlamaForCausalLM
 from pagedbatch.engine.worker.models.weights import ParameterLoads
 from pagedbatch.engine.worker.parallel_layers import EVERY_TOKEN, Loaded
 from pagedbatch.kernels.attention import AttentionMetadata
+from pagedbatch.kernels.quant_linear import QuantizedWeight
 
 
 class MultimodalModel(nn.Module):
@@ -54,6 +55,10 @@ class MultimodalModel(nn.Module):
     @property
     def slices_vocabulary(self) -> bool:
         return self.language_model.slices_vocabulary
+
+    @property
+    def screen(self) -> QuantizedWeight | None:
+        return self.language_model.screen
 
     def unused(self, name: str) -> bool:
         """Whether a checkpoint tensor of the encoder parts, named as this model names its own, is

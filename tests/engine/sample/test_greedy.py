@@ -67,3 +67,76 @@ def test_few_rows_take_the_vocabulary_in_one_piece():
     logits_of, widths = head(weights)
     greedy_tokens(torch.randn(2, 4), logits_of, VOCAB)
     assert widths == [VOCAB]
+
+
+class Screen:
+    """An approximate head as adversarial as its bound allows: each approximate logit off by
+    up to its bound (random sign and size), the bound `spread` a logit; exact logits of the ids
+    asked counted."""
+
+    def __init__(self, logits: torch.Tensor, spread: float, seed: int = 0):
+        self.logits, self.spread = logits, spread
+        self.generator = torch.Generator().manual_seed(seed)
+        self.exact_ids: list[int] = []
+
+    def approximates(self, x: torch.Tensor) -> bool:
+        return True
+
+    def approximate(
+        self, x: torch.Tensor, part: slice, out: tuple[torch.Tensor, torch.Tensor]
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        exact = self.logits[:, part]
+        noise = torch.rand(exact.shape, generator=self.generator) * 2 - 1
+        approx, bound = out
+        bound.fill_(self.spread)
+        torch.add(exact, noise * bound, out=approx)
+        return approx, bound
+
+    def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+        self.exact_ids += ids.tolist()
+        return self.logits[:, ids]
+
+
+def unused_head(hidden: torch.Tensor, vocab: slice) -> torch.Tensor:
+    raise AssertionError("a screened step takes no exact slice")
+
+
+@pytest.mark.usefixtures("small_slices")
+@pytest.mark.parametrize("spread", [1e-3, 0.5, 3.0])
+def test_a_screened_step_takes_the_exact_argmax_from_its_candidates_alone(spread):
+    generator = torch.Generator().manual_seed(4)
+    logits = torch.randn(16, VOCAB, generator=generator) * 4
+    logits[:, 500] = logits[:, 10] = logits.amax(1) + 0.5 * spread  # ties, nearer than the bound
+    screen = Screen(logits, spread)
+    tokens = greedy_tokens(torch.ones(16, 8), unused_head, VOCAB, screen)
+    assert tokens.tolist() == [10] * 16  # the lowest id of the tie
+    if spread <= 0.5:  # logits within 4 bounds of the best are few: candidates, not the vocabulary
+        assert len(set(screen.exact_ids)) < VOCAB / 10
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_a_screened_step_matches_the_whole_rows_argmax_on_random_logits():
+    generator = torch.Generator().manual_seed(5)
+    logits = torch.randn(32, VOCAB, generator=generator)
+    tokens = greedy_tokens(torch.ones(32, 8), unused_head, VOCAB, Screen(logits, 0.2))
+    assert torch.equal(tokens, argmax(logits))
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_a_token_whose_approximation_is_nan_is_a_candidate_and_a_nan_logit_wins():
+    logits = torch.zeros(12, VOCAB)
+    logits[:, 20] = 1.0
+    logits[3, 900] = float("nan")  # a weight row that is NaN
+    tokens = greedy_tokens(torch.ones(12, 8), unused_head, VOCAB, Screen(logits, 0.1))
+    assert tokens.tolist() == [20, 20, 20, 900] + [20] * 8
+
+
+def test_hidden_states_that_are_not_finite_take_the_exact_slices():
+    weights = torch.randn(VOCAB, 4, generator=torch.Generator().manual_seed(6))
+    logits_of, widths = head(weights)
+    hidden = torch.randn(12, 4, generator=torch.Generator().manual_seed(7))
+    hidden[2, 1] = float("inf")
+    screen = Screen(hidden @ weights.T, 0.1)
+    tokens = greedy_tokens(hidden, logits_of, VOCAB, screen)
+    assert widths and not screen.exact_ids
+    assert torch.equal(tokens, argmax(hidden @ weights.T))

@@ -20,6 +20,7 @@ from pagedbatch.engine.worker.parallel_layers import (
     RowParallelLinear,
     quantize_linears,
 )
+from pagedbatch.kernels import quant_gemm
 from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight, int8_formats
 
@@ -195,10 +196,18 @@ def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_mo
 
 
 @pytest.mark.real_model
-def test_greedy_steps_take_gemmas_vocabulary_in_slices_and_choose_as_sampling_does(real_model):
+@pytest.mark.parametrize("screened", [True, False])
+def test_greedy_steps_never_hold_gemmas_whole_logits_and_choose_as_sampling_does(
+    real_model, screened, monkeypatch
+):
     """Rows wanting their argmax alone never hold the whole logits (sample/greedy): Gemma 3's
-    262,144 tokens in slices of its tied Q8_0 head, the tokens those of the sampler's path,
+    262,144 tokens of its tied Q8_0 head screened by bf16 products, a slice at a time, where a
+    bf16 path runs (and `screened`), else in exact slices; the tokens are the sampler's path's,
     which logprobs take."""
+    if not screened:
+        monkeypatch.setattr(quant_gemm, "fastest", lambda: None)
+    elif quant_gemm.fastest() is None:
+        pytest.skip("no bf16 path of quant_gemm on this CPU")
     llm = LLM(real_model("gemma-3-270m"), num_kv_blocks=128, quantization="gguf")
     model = llm.engine.runner.model
     asked: list[slice] = []
@@ -209,11 +218,29 @@ def test_greedy_steps_take_gemmas_vocabulary_in_slices_and_choose_as_sampling_do
         return whole_head(hidden, vocab)
 
     model.compute_logits = compute_logits
+    screen = model.screen
+    approximated: list[slice] = []
+    approximate = screen.approximate
+
+    def counted(x: torch.Tensor, part: slice, out=None) -> tuple[torch.Tensor, torch.Tensor]:
+        approximated.append(part)
+        return approximate(x, part, out)
+
+    monkeypatch.setattr(screen, "approximate", counted)
     prompts = [f"Fact {i}: the number {i} squared is" for i in range(12)]
     plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
     sliced = [v for v in asked if v != slice(None)]
-    # 12 rows of 262,144 float32 logits are 12 MiB: two slices of at most 8 MiB.
-    assert sliced and {(v.start, v.stop) for v in sliced} == {(0, 174592), (174592, 349184)}
+    if screened:  # 12 rows of 4 MiB slices: 87,296 tokens a slice, the last one short
+        assert not asked and approximated
+        assert {(v.start, v.stop) for v in approximated} == {
+            (0, 87296),
+            (87296, 174592),
+            (174592, 261888),
+            (261888, 262144),
+        }
+    else:  # 12 rows of 262,144 float32 logits are 12 MiB: two slices of at most 8 MiB
+        assert not approximated
+        assert sliced and {(v.start, v.stop) for v in sliced} == {(0, 174592), (174592, 349184)}
     asked.clear()
     scored = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1))
     assert asked and all(v == slice(None) for v in asked)
