@@ -115,7 +115,7 @@ def _screened(hidden: torch.Tensor, screen: Screen, vocab_size: int) -> torch.Te
     for start in range(0, vocab_size, width):
         n = min(width, vocab_size - start)
         approx, bound, scratch = (b[: rows * n].view(rows, n) for b in buffers)
-        screen.approximate(hidden, slice(start, start + n), out=(approx, bound))
+        approx, bound = screen.approximate(hidden, slice(start, start + n), out=(approx, bound))
         lower = torch.sub(approx, bound, out=scratch).nan_to_num_(nan=-torch.inf).amax(dim=1)
         torch.maximum(floor, lower, out=floor)
         upper = approx.add_(bound).nan_to_num_(nan=torch.inf)
