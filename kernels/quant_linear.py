@@ -40,6 +40,7 @@ import copy
 import ctypes
 import os
 import threading
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -135,15 +136,22 @@ def _small_batch(
 def _tiles(
     lib: ctypes.CDLL | None, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int
 ) -> torch.Tensor:
-    rows = blocks.shape[0]
-    out = torch.empty(x.shape[0], rows)
-    step = max(1, TILE_ELEMENTS // cols)
-    tile = _tile(min(step, rows), cols)
-    for start in range(0, rows, step):
-        part = blocks[start : start + step]
-        weights = _dequantize_into(lib, part, fmt, tile[: part.shape[0]])
-        torch.mm(x, weights.t(), out=out[:, start : start + part.shape[0]])
+    out = torch.empty(x.shape[0], blocks.shape[0])
+    for start, weights in _weight_tiles(lib, blocks, fmt, cols):
+        torch.mm(x, weights.t(), out=out[:, start : start + weights.shape[0]])
     return out
+
+
+def _weight_tiles(
+    lib: ctypes.CDLL | None, blocks: torch.Tensor, fmt: Format, cols: int
+) -> Iterator[tuple[int, torch.Tensor]]:
+    """The float32 weights of `blocks` a tile of rows at a time, each with its first row, in
+    this thread's tile buffer (each tile is gone once the next is made)."""
+    step = max(1, TILE_ELEMENTS // cols)
+    tile = _tile(min(step, blocks.shape[0]), cols)
+    for start in range(0, blocks.shape[0], step):
+        part = blocks[start : start + step]
+        yield start, _dequantize_into(lib, part, fmt, tile[: part.shape[0]])
 
 
 _scratch = threading.local()
@@ -346,14 +354,10 @@ class QuantizedWeight:
         """x @ W[ids].T in float32 (`[n, len(ids)]`), the rows `ids` (int64) dequantized a tile
         at a time."""
         ((blocks, fmt),) = self.runs
-        lib = native.library()
         out = torch.empty(x.shape[0], len(ids))
-        step = max(1, TILE_ELEMENTS // self.cols)
-        tile = _tile(min(step, len(ids)), self.cols)
-        for start in range(0, len(ids), step):
-            picked = blocks.index_select(0, ids[start : start + step])
-            weights = _dequantize_into(lib, picked, fmt, tile[: picked.shape[0]])
-            out[:, start : start + picked.shape[0]] = x @ weights.T
+        picked = blocks.index_select(0, ids)
+        for start, weights in _weight_tiles(native.library(), picked, fmt, self.cols):
+            out[:, start : start + weights.shape[0]] = x @ weights.T
         return out
 
     def _norms(self) -> torch.Tensor:
@@ -361,13 +365,8 @@ class QuantizedWeight:
         computed on first use a tile at a time."""
         if self._row_norms is None:
             ((blocks, fmt),) = self.runs
-            lib = native.library()
             norms = torch.empty(self.rows)
-            step = max(1, TILE_ELEMENTS // self.cols)
-            tile = _tile(min(step, self.rows), self.cols)
-            for start in range(0, self.rows, step):
-                part = blocks[start : start + step]
-                weights = _dequantize_into(lib, part, fmt, tile[: part.shape[0]])
-                norms[start : start + part.shape[0]] = torch.linalg.vector_norm(weights, dim=1)
+            for start, weights in _weight_tiles(native.library(), blocks, fmt, self.cols):
+                norms[start : start + weights.shape[0]] = torch.linalg.vector_norm(weights, dim=1)
             self._row_norms = norms.mul_(1 + 2**-10).add_(SUBNORMAL_SLACK)
         return self._row_norms
