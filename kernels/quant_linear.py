@@ -22,7 +22,8 @@ Models take the float path, whose greedy tokens agree with exact mode's (SmolLM2
 tokens of 137; int8: 5 of 8 answers whole; Gemma 3 270M's K formats, 24 prompts of 32 tokens in
 steps of 6: 768 of 768, int8 536), where it streams the format's blocks; the int8 path for a
 format of `INT8_BY_DEFAULT` where the float path would dequantize each row before multiplying
-it (Q4_K and Q6_K without AVX-512: Q6_K's 15x slower than its int8 path).
+it (Q4_K and Q6_K in the portable build, where Q6_K's float path is 15x slower than its int8
+path; with AVX2 or AVX-512 both stream).
 `PAGEDBATCH_QUANT_ACTIVATIONS` (read when a model's weights are loaded) says otherwise: `int8`
 for every format of `INT8_FORMATS`, `float32` for none.
 

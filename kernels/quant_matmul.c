@@ -15,28 +15,24 @@
  *   other activations coarsely: SmolLM2's greedy answers then part from exact mode's.
  * The blocks of 32 that SmolLM2 and llama.cpp's Q4/Q8 files use (Q4_0, Q4_1, Q8_0) have code of
  * their own on both paths; Q4_K and Q6_K (Gemma's Q4_K_M file) on the int8 path (their blocks'
- * integer sums, see row_dot_q4_k); on the float path they and the others (Q5_0, Q5_K) are
- * dequantized a row at a time into a buffer in L1 and then multiplied (Q5_0, Q4_K and Q6_K have
- * code of their own there with AVX-512, below). One thread, a 640 x 2048 matrix in cache
- * (Gemma 3's down projection), float (dequantized rows) against int8: Q6_K 1.71 -> 0.132 ms,
- * Q4_K 0.246 -> 0.109. Gemma 3 270M's decode with AVX-512 on an AMD EPYC, 2 threads: 42.6
- * tokens/s with its K formats' rows dequantized, 68.2 streamed, 78.3 on the int8 path.
+ * integer sums, see row_dot_q4_k); with AVX2, Q5_0, Q4_K and Q6_K on the float path too (below);
+ * the rest (Q5_K, and all but Q4_0, Q4_1 and Q8_0 in the portable build) are dequantized a row
+ * at a time into a buffer in L1 and then multiplied there. One thread of a Zen 3 EPYC (AVX2), in
+ * cache, each format's streamed row against its dequantized one: Q5_0 2048 x 640 0.51 -> 0.19
+ * ms, Q4_K 640 x 1024 0.16 -> 0.09, Q6_K 640 x 2048 2.11 -> 0.19 (int8: 0.065 and 0.095).
  *
  * quant_dequantize: the float32 weights of some rows, for the many-row path (prefill), which
  * multiplies tiles of them with a float32 GEMM.
  *
  * The x86 AVX2 path (with FMA and F16C) is compiled where the target has them (-march=native);
- * elsewhere the portable scalar path is, which computes the same integer sums. Where the target
- * also has AVX-512 (F, BW, VL) and VNNI: the float path takes a block a 512-bit vector (its 32
- * weights as 16 lanes times x[0:16] plus 16 times x[16:32]), the same products as the AVX2
- * path's summed in another order, and streams Q5_0 too (Gemma 3's q, k, gate and up: each
- * weight's nibble less 16 where its fifth bit is clear, as a byte under the block's 32-bit mask,
- * then widened; 2.5x its dequantized rows' speed
- * when the bit was shifted out per 32-bit lane, 1.2x that now, a 1024 x 640 matrix in L2 on one
- * core of the AMX Xeon); the int8 path sums a block's products with one VNNI dot
- * product (vpdpbusd) where AVX2 takes two instructions. On an AMD EPYC (Zen 4), one thread, a
- * Q4_1 3072 x 576 matrix: float 0.211 -> 0.165 ms; int8 with 512-bit vectors of two blocks
- * (their nibbles gathered by three inserts) was slower than AVX2's, 0.163 against 0.126.
+ * elsewhere the portable scalar path is, which computes the same integer sums. The float path's
+ * code is one source for AVX2 and AVX-512 (F, BW, VL, with VNNI): each block's weights made
+ * bytes, then widened to 8 or 16 float lanes (fvec). Q5_0's weights (Gemma 3's q, k, gate and
+ * up) are their nibbles less 16 where the fifth bit is clear, that bit spread to a byte mask.
+ * With AVX-512 the int8 path sums a block's products with one VNNI dot product (vpdpbusd) where
+ * AVX2 takes two instructions. On an AMD EPYC (Zen 4), one thread, a Q4_1 3072 x 576 matrix:
+ * float 0.211 -> 0.165 ms with 16 lanes; int8 with 512-bit vectors of two blocks (their
+ * nibbles gathered by three inserts) was slower than AVX2's, 0.163 against 0.126.
  */
 #include <math.h>
 #include <stdint.h>
@@ -57,10 +53,10 @@
 /* The formats with code of their own on the streaming paths (see the top of the file). */
 static int streamed(int type) { return type == Q4_0 || type == Q4_1 || type == Q8_0; }
 
-/* The same for the float path: with AVX-512, Q5_0 (Gemma 3's q, k, gate and up), Q4_K and Q6_K
+/* The same for the float path: with AVX2, Q5_0 (Gemma 3's q, k, gate and up), Q4_K and Q6_K
  * (its o and down) too. */
 static int float_streamed(int type) {
-#ifdef QUANT_AVX512
+#ifdef QUANT_AVX2
     return streamed(type) || type == Q5_0 || type == Q4_K || type == Q6_K;
 #else
     return streamed(type);
@@ -182,55 +178,6 @@ static float row_dot_int8(int type, const uint8_t *row, int64_t blocks, const in
     return acc + extra;
 #endif
 }
-
-#ifdef QUANT_AVX512
-/* row_dot_float a block a vector: its low nibbles' 16 weights (Q8_0: its first 16) times
- * x[0:16] plus the other 16 times x[16:32], in 16 float lanes. */
-static float row_dot_float_avx512(int type, const uint8_t *row, int64_t blocks, const float *x,
-                                  const float *xsum) {
-    const int64_t stride = block_bytes(type);
-    __m512 acc = _mm512_setzero_ps();
-    float extra = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
-        /* d and (Q4_1) the minimum m: the block's first two halves, converted together */
-        const __m128 dm = _mm_cvtph_ps(_mm_loadu_si32(row));
-        const float d = _mm_cvtss_f32(dm);
-        __m512 lo, hi;
-        if (type == Q8_0) {
-            lo = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 2))));
-            hi = _mm512_cvtepi32_ps(
-                _mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i *)(row + 18))));
-        } else if (type == Q5_0) {
-            /* q - 16 as signed bytes: the nibbles of the 16 packed bytes (weights 0-15 low,
-             * 16-31 high), less 16 where the weight's fifth bit (bit i of qh, qh itself the byte
-             * mask) is clear. */
-            uint32_t qh;
-            memcpy(&qh, row + 2, sizeof qh);
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(row + 6));
-            const __m256i nibbles = _mm256_and_si256(
-                _mm256_set_m128i(_mm_srli_epi16(packed, 4), packed), _mm256_set1_epi8(0x0F));
-            const __m256i q =
-                _mm256_mask_sub_epi8(nibbles, ~(__mmask32)qh, nibbles, _mm256_set1_epi8(16));
-            lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q)));
-            hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1)));
-        } else {
-            const __m512i v = _mm512_cvtepu8_epi32(
-                _mm_loadu_si128((const __m128i *)(row + (type == Q4_1 ? 4 : 2))));
-            lo = _mm512_cvtepi32_ps(_mm512_and_si512(v, _mm512_set1_epi32(0x0F)));
-            hi = _mm512_cvtepi32_ps(_mm512_srli_epi32(v, 4));
-            if (type == Q4_0)
-                extra -= 8.0f * d * xsum[b];
-            else
-                extra += _mm_cvtss_f32(_mm_movehdup_ps(dm)) * xsum[b];
-        }
-        const __m512 s = _mm512_fmadd_ps(lo, _mm512_loadu_ps(x),
-                                         _mm512_mul_ps(hi, _mm512_loadu_ps(x + 16)));
-        acc = _mm512_fmadd_ps(s, _mm512_broadcastss_ps(dm), acc);
-    }
-    return _mm512_reduce_add_ps(acc) + extra;
-}
-#endif
 
 /* Whether the float path streams a format's blocks, expanding them in registers (1), or
  * dequantizes each row into a buffer first (0): what PAGEDBATCH_QUANT_ACTIVATIONS=auto asks. */
@@ -555,8 +502,35 @@ static void block_sums(const float *x, int64_t blocks, float *sum) {
 }
 
 #ifdef QUANT_AVX2
-/* sum over 16 weights of q[i] * x[i], q the 16 bytes of v (as signed or unsigned integers). */
-static inline __m256 half_block_float(__m128i v, int is_signed, const float *x) {
+/* The float path's vectors: one source for AVX2 (8 lanes) and AVX-512 (16). A block's weights are
+ * first made bytes (its integers, signed or not, 32 in a __m256i, the formats' own code below),
+ * then widened to floats and multiplied with the activations lane by lane; each block's or
+ * sub-block's sum is scaled once by its scale. */
+#ifdef QUANT_AVX512
+typedef __m512 fvec;
+static inline fvec fvec_zero(void) { return _mm512_setzero_ps(); }
+static inline float fvec_sum(fvec v) { return _mm512_reduce_add_ps(v); }
+static inline fvec fvec_scaled(fvec v, float scale, fvec acc) {
+    return _mm512_fmadd_ps(v, _mm512_set1_ps(scale), acc);
+}
+static inline fvec fvec_add(fvec a, fvec b) { return _mm512_add_ps(a, b); }
+
+/* 16 weights (the bytes of v) times x[0:16], lane by lane. */
+static inline fvec sixteen_times(__m128i v, int is_signed, const float *x) {
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi32(v) : _mm512_cvtepu8_epi32(v);
+    return _mm512_mul_ps(_mm512_cvtepi32_ps(w), _mm512_loadu_ps(x));
+}
+#else
+typedef __m256 fvec;
+static inline fvec fvec_zero(void) { return _mm256_setzero_ps(); }
+static inline float fvec_sum(fvec v) { return horizontal_sum(v); }
+static inline fvec fvec_scaled(fvec v, float scale, fvec acc) {
+    return _mm256_fmadd_ps(v, _mm256_set1_ps(scale), acc);
+}
+static inline fvec fvec_add(fvec a, fvec b) { return _mm256_add_ps(a, b); }
+
+/* 16 weights (the bytes of v) times x[0:16], their products summed in 8 lanes. */
+static inline fvec sixteen_times(__m128i v, int is_signed, const float *x) {
     const __m128i upper = _mm_srli_si128(v, 8);
     const __m256i a = is_signed ? _mm256_cvtepi8_epi32(v) : _mm256_cvtepu8_epi32(v);
     const __m256i b = is_signed ? _mm256_cvtepi8_epi32(upper) : _mm256_cvtepu8_epi32(upper);
@@ -565,45 +539,94 @@ static inline __m256 half_block_float(__m128i v, int is_signed, const float *x) 
 }
 #endif
 
-#ifdef QUANT_AVX512
-/* The K formats' float path, a sub-block at a time: the sum of its integers times the
- * activations, by lane, scaled by the sub-block's scale, as row_dot_float_avx512 scales a block.
- * Q4_K's minimum multiplies the sub-block's activation sum (xsum, per 32 as its sub-blocks). */
-static float row_dot_float_q4_k_avx512(const uint8_t *row, int64_t supers, const float *x,
-                                       const float *xsum) {
-    __m512 acc = _mm512_setzero_ps();
+/* 32 weights (the bytes of lo, then of hi) times x[0:32]. */
+static inline fvec thirty_two_times(__m128i lo, __m128i hi, int is_signed, const float *x) {
+    return fvec_add(sixteen_times(lo, is_signed, x), sixteen_times(hi, is_signed, x + 16));
+}
+
+/* The same for 32 weights in one vector. */
+static inline fvec thirty_two_times_of(__m256i q, int is_signed, const float *x) {
+    return thirty_two_times(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1), is_signed,
+                            x);
+}
+
+/* Byte i all ones where bit i of `bits` is set, else zero: each byte of `bits` copied into eight
+ * bytes (a shuffle within each 128-bit half), each of those tested for its own bit. */
+static inline __m256i bit_bytes(uint32_t bits) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)bits),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i own = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
+}
+
+/* The formats of 32 weights a block: d times the block's integers' products with x; Q4_0's
+ * offset and Q4_1's minimum multiply the block's activation sum (xsum). Q5_0's q - 16 is built
+ * as bytes: its nibbles, less 16 where the weight's fifth bit (bit i of qh) is clear. */
+static float row_dot_float_blocks(int type, const uint8_t *row, int64_t blocks, const float *x,
+                                  const float *xsum) {
+    const int64_t stride = block_bytes(type);
+    fvec acc = fvec_zero();
+    float extra = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
+        float d, m; /* m: Q4_1's minimum; the next two bytes of the others' blocks */
+        half_pair_at(row, &d, &m);
+        __m128i lo, hi; /* the block's weights 0-15 and 16-31 as bytes */
+        if (type == Q8_0) {
+            lo = _mm_loadu_si128((const __m128i *)(row + 2));
+            hi = _mm_loadu_si128((const __m128i *)(row + 18));
+        } else {
+            /* the nibbles follow d (Q4_0), d and m (Q4_1), d and qh (Q5_0) */
+            const int64_t at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6;
+            const __m128i packed = _mm_loadu_si128((const __m128i *)(row + at));
+            lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
+            hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+        }
+        if (type == Q5_0) {
+            uint32_t qh;
+            memcpy(&qh, row + 2, sizeof qh);
+            const __m256i less = _mm256_andnot_si256(bit_bytes(qh), _mm256_set1_epi8(16));
+            lo = _mm_sub_epi8(lo, _mm256_castsi256_si128(less));
+            hi = _mm_sub_epi8(hi, _mm256_extracti128_si256(less, 1));
+        } else if (type != Q8_0) {
+            extra += (type == Q4_1 ? m : -8.0f * d) * xsum[b];
+        }
+        acc = fvec_scaled(thirty_two_times(lo, hi, type == Q8_0 || type == Q5_0, x), d, acc);
+    }
+    return fvec_sum(acc) + extra;
+}
+
+/* The K formats a sub-block at a time, its sum scaled by its own scale. Q4_K: each run of 32
+ * bytes holds sub-block 2g in its low nibbles, 2g + 1 in its high; each sub-block's minimum
+ * multiplies its activation sum (xsum, per 32 as its sub-blocks). */
+static float row_dot_float_q4_k(const uint8_t *row, int64_t supers, const float *x,
+                                const float *xsum) {
+    fvec acc = fvec_zero();
     float extra = 0.0f;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t s = 0; s < supers; ++s, row += 144, x += SUPER_BLOCK, xsum += 8) {
-        const __m128 dm = _mm_cvtph_ps(_mm_loadu_si32(row));
-        const float d = _mm_cvtss_f32(dm), dmin = _mm_cvtss_f32(_mm_movehdup_ps(dm));
+        float d, dmin;
+        half_pair_at(row, &d, &dmin);
         uint8_t scales[16];
         k_scales_bytes(row + 4, scales);
-        for (int g = 0; g < 4; ++g) { /* 32 bytes: sub-block 2g's nibbles low, 2g + 1's high */
+        for (int g = 0; g < 4; ++g) {
             const __m256i run = _mm256_loadu_si256((const __m256i *)(row + 16 + 32 * g));
             const __m256i halves[2] = {_mm256_and_si256(run, low4),
                                        _mm256_and_si256(_mm256_srli_epi16(run, 4), low4)};
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * g + h;
-                const float *xj = x + 32 * j;
-                const __m512 lo = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm256_castsi256_si128(halves[h])));
-                const __m512 hi = _mm512_cvtepi32_ps(
-                    _mm512_cvtepu8_epi32(_mm256_extracti128_si256(halves[h], 1)));
-                const __m512 sum = _mm512_fmadd_ps(lo, _mm512_loadu_ps(xj),
-                                                   _mm512_mul_ps(hi, _mm512_loadu_ps(xj + 16)));
-                acc = _mm512_fmadd_ps(sum, _mm512_set1_ps(d * (float)scales[j]), acc);
+                acc = fvec_scaled(thirty_two_times_of(halves[h], 0, x + 32 * j), d * scales[j], acc);
                 extra -= dmin * (float)scales[8 + j] * xsum[j];
             }
         }
     }
-    return _mm512_reduce_add_ps(acc) + extra;
+    return fvec_sum(acc) + extra;
 }
 
-/* Q6_K: 32 weights of one k of a half (two sub-blocks of 16, a vector each) from 32 bytes of ql
- * (a nibble each) and 32 of qh (two bits each), less 32 as signed bytes. */
-static float row_dot_float_q6_k_avx512(const uint8_t *row, int64_t supers, const float *x) {
-    __m512 acc = _mm512_setzero_ps();
+/* Q6_K: 32 weights of one k of a half (two sub-blocks of 16, each its own scale) from 32 bytes
+ * of ql (a nibble each) and 32 of qh (two bits each), less 32 as signed bytes. */
+static float row_dot_float_q6_k(const uint8_t *row, int64_t supers, const float *x) {
+    fvec acc = fvec_zero();
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     for (int64_t s = 0; s < supers; ++s, row += 210) {
         const float d = half_to_float(row + 208);
@@ -619,19 +642,15 @@ static float row_dot_float_q6_k_avx512(const uint8_t *row, int64_t supers, const
                 const __m256i q = _mm256_sub_epi8(
                     _mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
                 const float *xk = x + 32 * k;
-                const __m512 lo = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_castsi256_si128(q))),
-                    _mm512_loadu_ps(xk));
-                const __m512 hi = _mm512_mul_ps(
-                    _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm256_extracti128_si256(q, 1))),
-                    _mm512_loadu_ps(xk + 16));
                 const int8_t *sc = scales + 8 * half + 2 * k;
-                acc = _mm512_fmadd_ps(lo, _mm512_set1_ps(d * (float)sc[0]), acc);
-                acc = _mm512_fmadd_ps(hi, _mm512_set1_ps(d * (float)sc[1]), acc);
+                acc = fvec_scaled(sixteen_times(_mm256_castsi256_si128(q), 1, xk),
+                                  d * (float)sc[0], acc);
+                acc = fvec_scaled(sixteen_times(_mm256_extracti128_si256(q, 1), 1, xk + 16),
+                                  d * (float)sc[1], acc);
             }
         }
     }
-    return _mm512_reduce_add_ps(acc);
+    return fvec_sum(acc);
 }
 #endif
 
@@ -639,38 +658,17 @@ static float row_dot_float_q6_k_avx512(const uint8_t *row, int64_t supers, const
  * in registers, the activations used as they are (no int8 rounding). */
 static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const float *x,
                            const float *xsum) {
-#ifdef QUANT_AVX512
-    if (type == Q4_K) return row_dot_float_q4_k_avx512(row, blocks / 8, x, xsum);
-    if (type == Q6_K) return row_dot_float_q6_k_avx512(row, blocks / 8, x);
-    return row_dot_float_avx512(type, row, blocks, x, xsum);
+#ifdef QUANT_AVX2
+    if (type == Q4_K) return row_dot_float_q4_k(row, blocks / 8, x, xsum);
+    if (type == Q6_K) return row_dot_float_q6_k(row, blocks / 8, x);
+    return row_dot_float_blocks(type, row, blocks, x, xsum);
 #else
     const int64_t stride = block_bytes(type);
-    float extra = 0.0f;
-#ifdef QUANT_AVX2
-    __m256 acc = _mm256_setzero_ps();
-#else
-    float acc = 0.0f;
-#endif
+    float extra = 0.0f, acc = 0.0f;
     for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
         const float d = half_to_float(row);
         if (type == Q4_0) extra -= 8.0f * d * xsum[b];
         if (type == Q4_1) extra += half_to_float(row + 2) * xsum[b];
-#ifdef QUANT_AVX2
-        __m128i lo, hi; /* the block's weights 0-15 and 16-31 as bytes */
-        if (type == Q8_0) {
-            lo = _mm_loadu_si128((const __m128i *)(row + 2));
-            hi = _mm_loadu_si128((const __m128i *)(row + 18));
-        } else {
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(row + (type == Q4_1 ? 4 : 2)));
-            const __m128i low4 = _mm_set1_epi8(0x0F);
-            lo = _mm_and_si128(packed, low4);
-            hi = _mm_and_si128(_mm_srli_epi16(packed, 4), low4);
-        }
-        const int is_signed = type == Q8_0;
-        const __m256 s = _mm256_add_ps(half_block_float(lo, is_signed, x),
-                                       half_block_float(hi, is_signed, x + 16));
-        acc = _mm256_fmadd_ps(s, _mm256_set1_ps(d), acc);
-#else
         float s = 0.0f;
         if (type == Q8_0) {
             const int8_t *q = (const int8_t *)(row + 2);
@@ -681,14 +679,9 @@ static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const f
                 s += (float)(qs[i] & 0x0F) * x[i] + (float)(qs[i] >> 4) * x[i + 16];
         }
         acc += d * s;
-#endif
     }
-#ifdef QUANT_AVX2
-    return horizontal_sum(acc) + extra;
-#else
     return acc + extra;
 #endif
-#endif /* QUANT_AVX512 */
 }
 
 /* out[n, rows] = x @ dequantized(w).T with the activations as they are (see row_dot_float).
