@@ -6,12 +6,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from native_bf16 import needs_native_bf16
 
 from pagedbatch.engine import LLM, SamplingParams
-from pagedbatch.engine.worker.model_runner import NATIVE_BF16_FLAGS
 from pagedbatch.kernels import native
 
-NATIVE_BF16 = bool(NATIVE_BF16_FLAGS & native.cpu_flags())
 # Half a bfloat16 ulp, relative: one rounding's worst error.
 BF16_ROUNDING = 2.0**-9
 PROMPTS = [[1, *range(5 + i, 60 + 7 * i, 1 + i % 3)] for i in range(6)]
@@ -37,9 +36,7 @@ def run(path, dtype: str) -> tuple[list[list[float]], list[list[int]], list[list
     )
 
 
-@pytest.mark.skipif(
-    not NATIVE_BF16, reason="this CPU has no native bfloat16 (avx512_bf16 or amx_bf16): refused"
-)
+@needs_native_bf16
 def test_bfloat16_logprobs_stay_within_its_rounding_of_float32s(tiny_llama):
     exact_prompt, exact_tokens, exact_decoded = run(tiny_llama, "float32")
     half_prompt, half_tokens, half_decoded = run(tiny_llama, "bfloat16")

@@ -12,6 +12,7 @@ import shutil
 import pytest
 import torch
 from greedy_checks import GREEDY, assert_matches_oracle, random_prompts
+from native_bf16 import needs_native_bf16
 from safetensors.torch import load_file, save_file
 from transformers import AutoModelForCausalLM, Gemma3ForCausalLM
 from transformers.activations import ACT2FN
@@ -70,6 +71,7 @@ def test_the_mlp_activation_is_transformers_gelu_pytorch_tanh_bitwise():
     torch.testing.assert_close(gelu_tanh_and_mul(gate_up), expected, atol=0, rtol=0)
 
 
+@needs_native_bf16
 @torch.inference_mode()
 def test_bfloat16_rounds_as_transformers_does(gemma3):
     # Gemma's norms compute in float32 and round once; rounding the normalised rows to bfloat16

@@ -7,6 +7,7 @@ import textwrap
 
 import pytest
 import torch
+from native_bf16 import needs_native_bf16
 from safetensors.torch import load_file, save_file
 
 from pagedbatch.engine import LLM, SamplingParams
@@ -37,6 +38,7 @@ def test_sharded_checkpoint_gives_the_same_tokens(tiny_llama, tmp_path):
     assert LLM(tmp_path, num_kv_blocks=32).generate([PROMPT], GREEDY)[0].token_ids == expected
 
 
+@needs_native_bf16
 def test_bfloat16_checkpoint_runs_in_bfloat16(tiny_llama, tmp_path):
     copy_without_weights(tiny_llama, tmp_path)
     tensors = load_file(tiny_llama / "model.safetensors")

@@ -8,6 +8,7 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
+from native_bf16 import needs_native_bf16
 
 from pagedbatch.engine import LLM
 from pagedbatch.engine.config import ModelConfig
@@ -44,6 +45,7 @@ def test_a_float32_cpu_model_packs_every_linear_and_keeps_each_weight_once(tiny_
     assert head.packed is not None and head.weight.numel() > 0
 
 
+@needs_native_bf16
 def test_other_dtypes_keep_f_linear(tiny_llama):
     model = LLM(tiny_llama, num_kv_blocks=16, dtype="bfloat16").engine.runner.model
     linears = [

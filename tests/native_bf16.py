@@ -1,0 +1,14 @@
+"""Whether this CPU multiplies bfloat16 natively (AVX512-BF16 or AMX): `dtype bfloat16` on the
+CPU is refused at start where it does not, so the tests that run a model in it skip there."""
+
+from __future__ import annotations
+
+import pytest
+
+from pagedbatch.engine.worker.model_runner import NATIVE_BF16_FLAGS
+from pagedbatch.kernels import native
+
+NATIVE_BF16 = bool(NATIVE_BF16_FLAGS & native.cpu_flags())
+needs_native_bf16 = pytest.mark.skipif(
+    not NATIVE_BF16, reason="this CPU has no native bfloat16 (avx512_bf16 or amx_bf16): refused"
+)
