@@ -31,6 +31,8 @@ int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, c
                        int64_t n, int num_threads, float *out);
 int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                       int64_t n, int num_threads, float *out);
+int quant_matmul_int16(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                       int64_t n, int num_threads, float *out);
 int rotary_embedding(const int64_t *positions, int64_t num_tokens, const float *query,
                      int64_t q_stride, int64_t q_heads, const float *key, int64_t k_stride,
                      int64_t k_heads, int64_t head_dim, const float *cos_sin, int64_t rows,
@@ -45,7 +47,7 @@ int paged_decode_attention(const float *query, const float *key_cache, const flo
 /* A linear's weight in one run of blocks (quant_linear.QuantizedWeight). */
 struct quant_linear {
     int32_t type;  /* ggml type */
-    int32_t int8;  /* nonzero: int8 activations (quant_matmul_int8) */
+    int32_t activations; /* 0 float32, 1 int8, 2 int16 (quant_linear.ACTIVATIONS) */
     const uint8_t *blocks;
     int64_t rows, cols;
 };
@@ -82,8 +84,9 @@ struct decode_step {
 
 static int matmul(const struct quant_linear *w, const float *x, int64_t n, int threads,
                   float *out) {
-    return (w->int8 ? quant_matmul_int8 : quant_matmul_float)(w->type, w->blocks, w->rows,
-                                                              w->cols, x, n, threads, out);
+    int (*const kernels[])(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int,
+                           float *) = {quant_matmul_float, quant_matmul_int8, quant_matmul_int16};
+    return kernels[w->activations](w->type, w->blocks, w->rows, w->cols, x, n, threads, out);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, one row of `size`. */

@@ -17,13 +17,15 @@ import torch
 
 from pagedbatch.kernels import native
 from pagedbatch.kernels.attention import AttentionMetadata, decode_rows
-from pagedbatch.kernels.quant_linear import QuantizedWeight
+from pagedbatch.kernels.quant_linear import ACTIVATIONS, QuantizedWeight
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
 
 
 class _Linear(ctypes.Structure):
-    _fields_ = [("type", _i32), ("int8", _i32), ("blocks", _ptr), ("rows", _i64), ("cols", _i64)]
+    _fields_ = [
+        ("type", _i32), ("activations", _i32), ("blocks", _ptr), ("rows", _i64), ("cols", _i64),
+    ]  # fmt: skip
 
 
 QKV_RUNS = 3  # decode_layer.c's: q, k and v in up to three formats
@@ -61,7 +63,7 @@ def _linears(weight: QuantizedWeight) -> list[_Linear]:
     return [
         _Linear(
             fmt.ggml_type,
-            int(fmt in weight.int8_formats),
+            ACTIVATIONS[weight.activations[fmt]],
             blocks.data_ptr(),
             blocks.shape[0],
             weight.cols,

@@ -71,6 +71,10 @@ SIGNATURES: dict[str, list[type]] = {
         _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
         _ptr, _i64, _i32, _ptr,  # x, its rows, threads, out
     ],
+    "quant_matmul_int16": [
+        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
+        _ptr, _i64, _i32, _ptr,  # x, its rows, threads, out
+    ],
     "quant_dequantize": [
         _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
         _i32, _ptr,  # threads, out
@@ -81,6 +85,7 @@ SIGNATURES: dict[str, list[type]] = {
     ],
     "quant_kernel_isa": [],
     "quant_float_streamed": [_i32],  # ggml type
+    "quant_int16_streamed": [_i32],  # ggml type
 }  # fmt: skip
 
 

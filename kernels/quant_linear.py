@@ -2,11 +2,12 @@
 objects a model holds such weights in (`QuantizedTensor` as loaded, `QuantizedWeight` as used).
 
 Two paths, chosen by how many rows x has:
-- a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernel `quant_matmul_float`,
-  which streams the blocks once, expanding them in registers; or, with `int8=True` and a format
-  of `INT8_FORMATS`, `quant_matmul_int8`, which quantizes x per block to int8 and multiplies
-  integers, as llama.cpp does (faster where the weights sit in cache, less exact: see
-  quant_matmul.c);
+- a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernels of quant_matmul.c, which
+  stream the blocks once, expanding them in registers, on the activations asked for
+  (`ACTIVATIONS`): `quant_matmul_float` multiplies x as it is; `quant_matmul_int16` quantizes x
+  per block of 32 to int16 and multiplies integers (1.25 to 1.5x as fast on AVX2, each
+  activation within 2^-16 of its block's largest); `quant_matmul_int8`, for a format of
+  `INT8_FORMATS`, to int8 as llama.cpp does (as fast as int16, 258 times as coarse);
 - more (prefill, a decode step of many sequences): `quant_gemm.c`, which expands each panel of
   32 rows of W once a call to bfloat16 and multiplies it with every row of x on AMX tiles or
   AVX512-BF16: each weight and activation split in two bf16 and three products summed (bf16x3,
@@ -18,14 +19,13 @@ Two paths, chosen by how many rows x has:
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by torch's float32 GEMM; one tile in memory at a time.
 
-Models take the float path, whose greedy tokens agree with exact mode's (SmolLM2, 8 chats, 137
-tokens of 137; int8: 5 of 8 answers whole; Gemma 3 270M's K formats, 24 prompts of 32 tokens in
-steps of 6: 768 of 768, int8 536), where it streams the format's blocks; the int8 path for a
-format of `INT8_BY_DEFAULT` where the float path would dequantize each row before multiplying
-it (Q4_K and Q6_K in the portable build, where Q6_K's float path is 15x slower than its int8
-path; with AVX2 or AVX-512 both stream).
-`PAGEDBATCH_QUANT_ACTIVATIONS` (read when a model's weights are loaded) says otherwise: `int8`
-for every format of `INT8_FORMATS`, `float32` for none.
+Models take int16 activations where quant_matmul.c streams the format's blocks (AVX2 and
+AVX-512), whose greedy tokens agree with exact mode's as the float path's do (the float path:
+SmolLM2, 8 chats, 137 tokens of 137; int8: 5 of 8 answers whole; Gemma 3 270M's K formats, 24
+prompts of 32 tokens in steps of 6: 768 of 768, int8 536); in the portable build, float32, and
+int8 for a format of `INT8_BY_DEFAULT` (there Q6_K's float path dequantizes each row, 15x slower
+than its int8 path). `PAGEDBATCH_QUANT_ACTIVATIONS` (read when a model's weights are loaded)
+says otherwise: `int16`, `int8` or `float32` for every format that kernel reads.
 
 Without the C kernels (no compiler, `PAGEDBATCH_NATIVE_KERNELS=0`) both paths take the tiles,
 dequantized by `quant_blocks.dequantize` in float32: slower, the same arithmetic as the GEMM path.
@@ -50,11 +50,14 @@ from pagedbatch.kernels import native, ops, quant_gemm
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
+# The activations a few-row product takes, by the number decode_layer.c knows them by.
+ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}
+_KERNELS = {name: f"quant_matmul_{name.removesuffix('32')}" for name in ACTIVATIONS}
 GEMM_SETTING = "PAGEDBATCH_QUANT_GEMM"
-# The formats quant_matmul_int8 reads; the others take float activations whatever is asked.
+# The formats quant_matmul_int8 reads; the others take float activations where int8 is asked.
 INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Format.Q6_K})
-# Those on the int8 path by default where the float path has no streaming code for them (see the
-# top and `quant_float_streamed`).
+# Those on the int8 path by default where no streaming code reads them with float or int16
+# activations (see the top and `quant_float_streamed`).
 INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
 # Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
 # amortises the dequantization over them.
@@ -66,19 +69,24 @@ TILE_ELEMENTS = 1 << 20
 SUBNORMAL_SLACK = 2.0**-50
 
 
-def int8_formats() -> frozenset[Format]:
-    """The formats whose few-row products take int8 activations, as `PAGEDBATCH_QUANT_ACTIVATIONS`
-    says: `auto` (the default) those of `INT8_BY_DEFAULT` that the C kernels' float path does
-    not stream, `int8` all of `INT8_FORMATS`, `float32` none."""
+def activations_for(fmt: Format) -> str:
+    """The activations (an `ACTIVATIONS` name) that few-row products of `fmt` take, as
+    `PAGEDBATCH_QUANT_ACTIVATIONS` says:
+    - `auto` (the default): int16 where the C kernels stream `fmt` with them, else int8 for a
+      format of `INT8_BY_DEFAULT`, else float32;
+    - `int16`, `int8` or `float32`: that, where its kernel reads `fmt` (else float32).
+    Without the C kernels: float32 (the tiles), whatever is asked."""
     value = os.environ.get(ACTIVATIONS_SETTING, "auto").strip().lower()
-    if value not in ("auto", "int8", "float32"):
-        raise ValueError(f"{ACTIVATIONS_SETTING} is auto, float32 or int8, not {value!r}")
-    if value != "auto":
-        return INT8_FORMATS if value == "int8" else frozenset()
+    if value not in ("auto", *ACTIVATIONS):
+        raise ValueError(f"{ACTIVATIONS_SETTING} is auto, float32, int16 or int8, not {value!r}")
     lib = native.library()
-    if lib is None:  # the tiles, whatever is asked
-        return frozenset()
-    return frozenset(f for f in INT8_BY_DEFAULT if not lib.quant_float_streamed(f.ggml_type))
+    if lib is None or value == "float32":
+        return "float32"
+    if value in ("auto", "int16") and lib.quant_int16_streamed(fmt.ggml_type):
+        return "int16"
+    if value == "int8":
+        return "int8" if fmt in INT8_FORMATS else "float32"
+    return "int8" if value == "auto" and fmt in INT8_BY_DEFAULT else "float32"
 
 
 def gemm_path() -> tuple[str, str] | None:
@@ -103,16 +111,16 @@ def gemm_path() -> tuple[str, str] | None:
 
 
 def quant_matmul(
-    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, int8: bool = False
+    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, activations: str = "float32"
 ) -> torch.Tensor:
     """x `[..., cols]` (float32, CPU) times the transposed weights stored in `blocks` (uint8
-    `[rows, fmt.row_bytes(cols)]`, contiguous): `[..., rows]` float32. `int8` picks the int8
-    activations for a few rows."""
+    `[rows, fmt.row_bytes(cols)]`, contiguous): `[..., rows]` float32. `activations` (an
+    `activations_for` answer) picks the few-row kernel."""
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols).contiguous()
     lib = native.library()
     if lib is not None and x2.shape[0] <= SMALL_BATCH:
-        out = _small_batch(lib, x2, blocks, fmt, cols, int8 and fmt in INT8_FORMATS)
+        out = _small_batch(lib, x2, blocks, fmt, cols, activations)
     elif lib is not None and (gemm := gemm_path()) is not None:
         out = quant_gemm.multiply(x2, blocks, fmt, cols, *gemm)
     else:
@@ -121,11 +129,16 @@ def quant_matmul(
 
 
 def _small_batch(
-    lib: ctypes.CDLL, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, int8: bool
+    lib: ctypes.CDLL,
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    fmt: Format,
+    cols: int,
+    activations: str,
 ) -> torch.Tensor:
     rows = blocks.shape[0]
     out = torch.empty(x.shape[0], rows)
-    kernel = lib.quant_matmul_int8 if int8 else lib.quant_matmul_float
+    kernel = getattr(lib, _KERNELS[activations])
     status = kernel(
         fmt.ggml_type, blocks.data_ptr(), rows, cols,
         x.data_ptr(), x.shape[0], torch.get_num_threads(), out.data_ptr(),
@@ -245,16 +258,16 @@ class QuantizedTensor:
 
 class QuantizedWeight:
     """A linear's weight kept in its blocks: `weight(x, bias)` is x @ W.T + bias by
-    `quant_matmul`, for float32 x on the CPU, on the activations `int8_formats()` said when
-    it was made; by `triton_quant.quant_matmul` where `on_triton(x)`, in x's dtype. Built from
-    the linear's parts in order (q, k and v of a fused projection, all of one width):
-    consecutive parts of one format share one array of blocks, a run; a weight of several runs
-    (Gemma 3's q and k in Q5_0, v in Q8_0) multiplies each and concatenates the outputs."""
+    `quant_matmul`, for float32 x on the CPU, on the activations `activations_for` said for
+    each format when it was made; by `triton_quant.quant_matmul` where `on_triton(x)`, in x's
+    dtype. Built from the linear's parts in order (q, k and v of a fused projection, all of one
+    width): consecutive parts of one format share one array of blocks, a run; a weight of several
+    runs (Gemma 3's q and k in Q5_0, v in Q8_0) multiplies each and concatenates the outputs."""
 
     def __init__(self, runs: list[tuple[torch.Tensor, Format]], cols: int):
         self.runs = [(blocks.contiguous(), fmt) for blocks, fmt in runs]
         self.cols = cols
-        self.int8_formats = int8_formats()
+        self.activations = {fmt: activations_for(fmt) for _, fmt in self.runs}
         self._row_norms: torch.Tensor | None = None  # see `approximate`
 
     @classmethod
@@ -306,7 +319,7 @@ class QuantizedWeight:
             outs = [triton_quant.quant_matmul(x, b, fmt, self.cols) for b, fmt in self.runs]
         else:
             outs = [
-                quant_matmul(x, b, fmt, self.cols, fmt in self.int8_formats) for b, fmt in self.runs
+                quant_matmul(x, b, fmt, self.cols, self.activations[fmt]) for b, fmt in self.runs
             ]
         out = outs[0] if len(outs) == 1 else torch.cat(outs, dim=-1)
         return out if bias is None else out.add_(bias)

@@ -1,12 +1,18 @@
 /* Matrix products with GGUF block-quantized weights (Q4_0, Q4_1, Q5_0, Q8_0, Q4_K, Q5_K, Q6_K;
  * layouts in quant_blocks.py), float32 activations and outputs.
  *
- * quant_matmul_float and quant_matmul_int8: out[n, rows] = x[n, cols] @ dequantized(w).T for a
- * few rows of x (a decode step's sequences). The weights are read once a call, row by row, each
- * row against every row of x while it sits in L1: a call is bound by the weights' bytes, a
- * quarter (Q4) or half (Q8) of float16's. The two differ in the activations:
+ * quant_matmul_float, quant_matmul_int16 and quant_matmul_int8: out[n, rows] = x[n, cols] @
+ * dequantized(w).T for a few rows of x (a decode step's sequences). The weights are read once a
+ * call, row by row, each row against every row of x while it sits in L1: a call is bound by the
+ * weights' bytes, a quarter (Q4) or half (Q8) of float16's, where its arithmetic keeps up. The
+ * three differ in the activations:
  * - float: each block's weights are expanded to floats in registers and multiplied with x as it
- *   is: exact mode's arithmetic, in another order. The default.
+ *   is: exact mode's arithmetic, in another order.
+ * - int16: each row of x quantized per block of 32 to int16 (within 2^-16 of the block's
+ *   largest), the weights widened to int16, their products summed exactly in int32 (vpmaddwd)
+ *   and scaled once a block. Greedy answers follow exact mode's as the float path's do (SmolLM2
+ *   and Gemma 3, 32 chats each: every answer identical over 32 tokens), at int8's speed: the
+ *   default with AVX2.
  * - int8 (llama.cpp's vec_dot_q4_1_q8_1 and kin): each row of x is first quantized per block of
  *   32 to int8 with one float scale (a = xd * xq, |xq| <= 127, error at most xd / 2 a value), so
  *   that a block's dot product is one integer sum scaled once: d * xd * sum(q * xq), plus
@@ -15,7 +21,8 @@
  *   other activations coarsely: SmolLM2's greedy answers then part from exact mode's.
  * The blocks of 32 that SmolLM2 and llama.cpp's Q4/Q8 files use (Q4_0, Q4_1, Q8_0) have code of
  * their own on both paths; Q4_K and Q6_K (Gemma's Q4_K_M file) on the int8 path (their blocks'
- * integer sums, see row_dot_q4_k); with AVX2, Q5_0, Q4_K and Q6_K on the float path too (below);
+ * integer sums, see row_dot_q4_k); with AVX2, Q5_0, Q4_K and Q6_K on the float and int16 paths
+ * too (below, one loop for both);
  * the rest (Q5_K, and all but Q4_0, Q4_1 and Q8_0 in the portable build) are dequantized a row
  * at a time into a buffer in L1 and then multiplied there. One thread of a Zen 3 EPYC (AVX2), in
  * cache, each format's streamed row against its dequantized one: Q5_0 2048 x 640 0.51 -> 0.19
@@ -501,6 +508,16 @@ static void block_sums(const float *x, int64_t blocks, float *sum) {
     }
 }
 
+/* The activations a streaming product reads, one row: float32 as they are (x), or int16 per
+ * block of 32 (xq, each block's scale xd: x ~ xd * xq). xsum: each block's float sum, which
+ * Q4_0's offset, Q4_1's and Q4_K's minimums multiply, on either path. */
+struct activations {
+    const float *x;
+    const int16_t *xq;
+    const float *xd;
+    const float *xsum;
+};
+
 #ifdef QUANT_AVX2
 /* The float path's vectors: one source for AVX2 (8 lanes) and AVX-512 (16). A block's weights are
  * first made bytes (its integers, signed or not, 32 in a __m256i, the formats' own code below),
@@ -544,10 +561,55 @@ static inline fvec thirty_two_times(__m128i lo, __m128i hi, int is_signed, const
     return fvec_add(sixteen_times(lo, is_signed, x), sixteen_times(hi, is_signed, x + 16));
 }
 
-/* The same for 32 weights in one vector. */
-static inline fvec thirty_two_times_of(__m256i q, int is_signed, const float *x) {
-    return thirty_two_times(_mm256_castsi256_si128(q), _mm256_extracti128_si256(q, 1), is_signed,
-                            x);
+/* The int16 activations' products: the weights widened to int16, multiplied with xq and summed
+ * in pairs (vpmaddwd, exact in int32: at most 2 * 128 * 32767 a pair), the pairs of a block
+ * added, then made floats. Each returns the sums in an fvec's lanes. */
+#ifdef QUANT_AVX512
+static inline fvec sixteen_sums(__m128i v, int is_signed, const int16_t *xq) {
+    const __m256i w = is_signed ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+    const __m256i pairs = _mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)xq));
+    return _mm512_zextps256_ps512(_mm256_cvtepi32_ps(pairs));
+}
+
+static inline fvec thirty_two_sums(__m128i lo, __m128i hi, int is_signed, const int16_t *xq) {
+    const __m256i v = _mm256_set_m128i(hi, lo);
+    const __m512i w = is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
+    return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512((const void *)xq)));
+}
+#else
+static inline fvec sixteen_sums(__m128i v, int is_signed, const int16_t *xq) {
+    const __m256i w = is_signed ? _mm256_cvtepi8_epi16(v) : _mm256_cvtepu8_epi16(v);
+    return _mm256_cvtepi32_ps(_mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)xq)));
+}
+
+static inline fvec thirty_two_sums(__m128i lo, __m128i hi, int is_signed, const int16_t *xq) {
+    const __m256i wl = is_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
+    const __m256i wh = is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
+    const __m256i sums =
+        _mm256_add_epi32(_mm256_madd_epi16(wl, _mm256_loadu_si256((const __m256i *)xq)),
+                         _mm256_madd_epi16(wh, _mm256_loadu_si256((const __m256i *)(xq + 16))));
+    return _mm256_cvtepi32_ps(sums);
+}
+#endif
+
+#define ALWAYS_INLINE static inline __attribute__((always_inline))
+
+/* acc + scale times the products of 32 weights (lo, hi) with the activations from column k: x's
+ * floats, or (ints) xq's integers, whose block's scale then joins `scale`. */
+ALWAYS_INLINE fvec add_32(__m128i lo, __m128i hi, int is_signed, const struct activations *a,
+                          int64_t k, float scale, fvec acc, int ints) {
+    if (ints)
+        return fvec_scaled(thirty_two_sums(lo, hi, is_signed, a->xq + k), scale * a->xd[k / BLOCK],
+                           acc);
+    return fvec_scaled(thirty_two_times(lo, hi, is_signed, a->x + k), scale, acc);
+}
+
+/* The same for 16 weights (v) from column k. */
+ALWAYS_INLINE fvec add_16(__m128i v, int is_signed, const struct activations *a, int64_t k,
+                          float scale, fvec acc, int ints) {
+    if (ints)
+        return fvec_scaled(sixteen_sums(v, is_signed, a->xq + k), scale * a->xd[k / BLOCK], acc);
+    return fvec_scaled(sixteen_times(v, is_signed, a->x + k), scale, acc);
 }
 
 /* Byte i all ones where bit i of `bits` is set, else zero: each byte of `bits` copied into eight
@@ -560,15 +622,16 @@ static inline __m256i bit_bytes(uint32_t bits) {
     return _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
 }
 
-/* The formats of 32 weights a block: d times the block's integers' products with x; Q4_0's
- * offset and Q4_1's minimum multiply the block's activation sum (xsum). Q5_0's q - 16 is built
- * as bytes: its nibbles, less 16 where the weight's fifth bit (bit i of qh) is clear. */
-static float row_dot_float_blocks(int type, const uint8_t *row, int64_t blocks, const float *x,
-                                  const float *xsum) {
+/* The formats of 32 weights a block: d times the block's integers' products with the
+ * activations; Q4_0's offset and Q4_1's minimum multiply the block's activation sum (xsum).
+ * Q5_0's q - 16 is built as bytes: its nibbles, less 16 where the weight's fifth bit (bit i of
+ * qh) is clear. */
+ALWAYS_INLINE float stream_blocks(int type, const uint8_t *row, int64_t blocks,
+                                  const struct activations *a, int ints) {
     const int64_t stride = block_bytes(type);
     fvec acc = fvec_zero();
     float extra = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
+    for (int64_t b = 0; b < blocks; ++b, row += stride) {
         float d, m; /* m: Q4_1's minimum; the next two bytes of the others' blocks */
         half_pair_at(row, &d, &m);
         __m128i lo, hi; /* the block's weights 0-15 and 16-31 as bytes */
@@ -589,9 +652,9 @@ static float row_dot_float_blocks(int type, const uint8_t *row, int64_t blocks, 
             lo = _mm_sub_epi8(lo, _mm256_castsi256_si128(less));
             hi = _mm_sub_epi8(hi, _mm256_extracti128_si256(less, 1));
         } else if (type != Q8_0) {
-            extra += (type == Q4_1 ? m : -8.0f * d) * xsum[b];
+            extra += (type == Q4_1 ? m : -8.0f * d) * a->xsum[b];
         }
-        acc = fvec_scaled(thirty_two_times(lo, hi, type == Q8_0 || type == Q5_0, x), d, acc);
+        acc = add_32(lo, hi, type == Q8_0 || type == Q5_0, a, b * BLOCK, d, acc, ints);
     }
     return fvec_sum(acc) + extra;
 }
@@ -599,12 +662,12 @@ static float row_dot_float_blocks(int type, const uint8_t *row, int64_t blocks, 
 /* The K formats a sub-block at a time, its sum scaled by its own scale. Q4_K: each run of 32
  * bytes holds sub-block 2g in its low nibbles, 2g + 1 in its high; each sub-block's minimum
  * multiplies its activation sum (xsum, per 32 as its sub-blocks). */
-static float row_dot_float_q4_k(const uint8_t *row, int64_t supers, const float *x,
-                                const float *xsum) {
+ALWAYS_INLINE float stream_q4_k(const uint8_t *row, int64_t supers, const struct activations *a,
+                                int ints) {
     fvec acc = fvec_zero();
     float extra = 0.0f;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
-    for (int64_t s = 0; s < supers; ++s, row += 144, x += SUPER_BLOCK, xsum += 8) {
+    for (int64_t s = 0; s < supers; ++s, row += 144) {
         float d, dmin;
         half_pair_at(row, &d, &dmin);
         uint8_t scales[16];
@@ -615,8 +678,11 @@ static float row_dot_float_q4_k(const uint8_t *row, int64_t supers, const float 
                                        _mm256_and_si256(_mm256_srli_epi16(run, 4), low4)};
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * g + h;
-                acc = fvec_scaled(thirty_two_times_of(halves[h], 0, x + 32 * j), d * scales[j], acc);
-                extra -= dmin * (float)scales[8 + j] * xsum[j];
+                const int64_t k = s * SUPER_BLOCK + 32 * j;
+                acc = add_32(_mm256_castsi256_si128(halves[h]),
+                             _mm256_extracti128_si256(halves[h], 1), 0, a, k,
+                             d * (float)scales[j], acc, ints);
+                extra -= dmin * (float)scales[8 + j] * a->xsum[k / BLOCK];
             }
         }
     }
@@ -625,13 +691,14 @@ static float row_dot_float_q4_k(const uint8_t *row, int64_t supers, const float 
 
 /* Q6_K: 32 weights of one k of a half (two sub-blocks of 16, each its own scale) from 32 bytes
  * of ql (a nibble each) and 32 of qh (two bits each), less 32 as signed bytes. */
-static float row_dot_float_q6_k(const uint8_t *row, int64_t supers, const float *x) {
+ALWAYS_INLINE float stream_q6_k(const uint8_t *row, int64_t supers, const struct activations *a,
+                                int ints) {
     fvec acc = fvec_zero();
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     for (int64_t s = 0; s < supers; ++s, row += 210) {
         const float d = half_to_float(row + 208);
         const int8_t *scales = (const int8_t *)(row + 192);
-        for (int half = 0; half < 2; ++half, x += 128) {
+        for (int half = 0; half < 2; ++half) {
             const uint8_t *ql = row + 64 * half, *qh = row + 128 + 32 * half;
             const __m256i high_bits = _mm256_loadu_si256((const __m256i *)qh);
             for (int k = 0; k < 4; ++k) {
@@ -641,16 +708,29 @@ static float row_dot_float_q6_k(const uint8_t *row, int64_t supers, const float 
                 const __m256i high = _mm256_and_si256(_mm256_srli_epi16(high_bits, 2 * k), low2);
                 const __m256i q = _mm256_sub_epi8(
                     _mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
-                const float *xk = x + 32 * k;
+                const int64_t column = s * SUPER_BLOCK + 128 * half + 32 * k;
                 const int8_t *sc = scales + 8 * half + 2 * k;
-                acc = fvec_scaled(sixteen_times(_mm256_castsi256_si128(q), 1, xk),
-                                  d * (float)sc[0], acc);
-                acc = fvec_scaled(sixteen_times(_mm256_extracti128_si256(q, 1), 1, xk + 16),
-                                  d * (float)sc[1], acc);
+                acc = add_16(_mm256_castsi256_si128(q), 1, a, column, d * (float)sc[0], acc, ints);
+                acc = add_16(_mm256_extracti128_si256(q, 1), 1, a, column + 16, d * (float)sc[1],
+                             acc, ints);
             }
         }
     }
     return fvec_sum(acc);
+}
+
+/* One stored row of a format with code of its own here, with one row of activations. */
+ALWAYS_INLINE float stream_row(int type, const uint8_t *row, int64_t blocks,
+                               const struct activations *a, int ints) {
+    if (type == Q4_K) return stream_q4_k(row, blocks / 8, a, ints);
+    if (type == Q6_K) return stream_q6_k(row, blocks / 8, a, ints);
+    return stream_blocks(type, row, blocks, a, ints);
+}
+
+/* The int16 path (see quant_matmul_int16). */
+static float row_dot_int16(int type, const uint8_t *row, int64_t blocks,
+                           const struct activations *a) {
+    return stream_row(type, row, blocks, a, 1);
 }
 #endif
 
@@ -659,9 +739,8 @@ static float row_dot_float_q6_k(const uint8_t *row, int64_t supers, const float 
 static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const float *x,
                            const float *xsum) {
 #ifdef QUANT_AVX2
-    if (type == Q4_K) return row_dot_float_q4_k(row, blocks / 8, x, xsum);
-    if (type == Q6_K) return row_dot_float_q6_k(row, blocks / 8, x);
-    return row_dot_float_blocks(type, row, blocks, x, xsum);
+    const struct activations a = {.x = x, .xsum = xsum};
+    return stream_row(type, row, blocks, &a, 0);
 #else
     const int64_t stride = block_bytes(type);
     float extra = 0.0f, acc = 0.0f;
@@ -684,29 +763,88 @@ static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const f
 #endif
 }
 
-/* out[n, rows] = x @ dequantized(w).T with the activations as they are (see row_dot_float).
- * Returns as quant_matmul_int8 does. */
-int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
-                       int64_t n, int num_threads, float *out) {
-    const int64_t stride = block_bytes(type);
-    if (stride == 0 || cols % block_size(type) != 0) return -1;
-    if (!float_streamed(type))
-        return dequantized_rows_times(type, w, rows, cols, x, n, num_threads, out);
+/* One row of x quantized per block of 32 to int16: xd = max |x| / 32767, xq = round(x / xd), so
+ * that an activation moves by at most xd / 2: 2^-16 of its block's largest, 1/258 of int8's. */
+static void quantize_int16(const float *x, int64_t blocks, int16_t *xq, float *xd) {
+    for (int64_t b = 0; b < blocks; ++b, x += BLOCK, xq += BLOCK) {
+        float amax = 0.0f;
+        for (int i = 0; i < BLOCK; ++i) amax = fmaxf(amax, fabsf(x[i]));
+        const float inverse = amax > 0.0f ? 32767.0f / amax : 0.0f;
+        for (int i = 0; i < BLOCK; ++i) xq[i] = (int16_t)nearbyintf(x[i] * inverse);
+        xd[b] = amax / 32767.0f;
+    }
+}
+
+/* The formats the int16 path reads: those with streaming code, where AVX2 is compiled. */
+static int int16_streamed(int type) {
+#ifdef QUANT_AVX2
+    return float_streamed(type);
+#else
+    (void)type;
+    return 0;
+#endif
+}
+
+int quant_int16_streamed(int type) { return int16_streamed(type); }
+
+/* out[n, rows] for a format the float path streams: with x as it is, or (ints) quantized to
+ * int16. Returns 0, or -2 where the activations' scratch cannot be allocated. */
+static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t cols,
+                            const float *x, int64_t n, int num_threads, float *out, int ints) {
     const int64_t blocks = cols / BLOCK;
     float *xsum = malloc(sizeof *xsum * (size_t)(n * blocks) + 1);
-    if (!xsum) return -2;
-    for (int64_t i = 0; i < n; ++i) block_sums(x + i * cols, blocks, xsum + i * blocks);
-    const int64_t row_bytes = cols / block_size(type) * stride;
+    float *xd = ints ? malloc(sizeof *xd * (size_t)(n * blocks) + 1) : NULL;
+    int16_t *xq = ints ? malloc(sizeof *xq * (size_t)(n * cols) + 1) : NULL;
+    if (!xsum || (ints && (!xd || !xq))) {
+        free(xsum), free(xd), free(xq);
+        return -2;
+    }
+    for (int64_t i = 0; i < n; ++i) {
+        block_sums(x + i * cols, blocks, xsum + i * blocks);
+        if (ints) quantize_int16(x + i * cols, blocks, xq + i * cols, xd + i * blocks);
+    }
+    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
     const int parallel = rows * cols * n >= (1 << 16);
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         prefetch_row(w, r, rows, row_bytes);
-        for (int64_t i = 0; i < n; ++i)
-            out[i * rows + r] = row_dot_float(type, w + r * row_bytes, blocks, x + i * cols,
-                                              xsum + i * blocks);
+        const uint8_t *row = w + r * row_bytes;
+        for (int64_t i = 0; i < n; ++i) {
+#ifdef QUANT_AVX2
+            if (ints) {
+                const struct activations a = {
+                    .xq = xq + i * cols, .xd = xd + i * blocks, .xsum = xsum + i * blocks};
+                out[i * rows + r] = row_dot_int16(type, row, blocks, &a);
+                continue;
+            }
+#endif
+            out[i * rows + r] = row_dot_float(type, row, blocks, x + i * cols, xsum + i * blocks);
+        }
     }
-    free(xsum);
+    free(xsum), free(xd), free(xq);
     return 0;
+}
+
+/* out[n, rows] = x @ dequantized(w).T with the activations as they are (see row_dot_float).
+ * Returns as quant_matmul_int8 does. */
+int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                       int64_t n, int num_threads, float *out) {
+    if (block_bytes(type) == 0 || cols % block_size(type) != 0) return -1;
+    if (!float_streamed(type))
+        return dequantized_rows_times(type, w, rows, cols, x, n, num_threads, out);
+    return streamed_product(type, w, rows, cols, x, n, num_threads, out, 0);
+}
+
+/* out[n, rows] = x @ dequantized(w).T with x quantized per block to int16 (quantize_int16): the
+ * weights' and activations' integers multiplied exactly, each block's sum scaled once. Its error
+ * is at most the sum over blocks of xd / 2 times sum |w|, then float32's rounding. As fast as the
+ * int8 path (one Zen 3 thread, Q4_1 3072 x 576 in cache: float 0.197 ms, int16 0.133, int8
+ * 0.127), 1/258 of its activations' rounding. Returns as quant_matmul_int8 does; -1 also for a
+ * format int16_streamed does not read (the portable build: none). */
+int quant_matmul_int16(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                       int64_t n, int num_threads, float *out) {
+    if (!int16_streamed(type) || cols % block_size(type) != 0) return -1;
+    return streamed_product(type, w, rows, cols, x, n, num_threads, out, 1);
 }
 
 /* out[n, rows] = x @ dequantized(w).T with int8 activations (see row_dot_int8). Returns 0; -1

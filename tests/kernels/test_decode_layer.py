@@ -23,11 +23,12 @@ from pagedbatch.kernels.attention import prepare_attention
 from pagedbatch.kernels.decode_layer import run_layer
 from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import (
+    ACTIVATIONS,
     ACTIVATIONS_SETTING,
     SMALL_BATCH,
     QuantizedTensor,
     QuantizedWeight,
-    int8_formats,
+    activations_for,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -103,6 +104,14 @@ def layers_one_by_one(model, ids, meta, kv_caches) -> torch.Tensor:
     return model.norm(x, residual)[0]
 
 
+@pytest.fixture(autouse=True)
+def float_activations(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Float activations, so that the two paths agree to float32's rounding: on integer ones
+    the paths' last bits can put an activation on either side of a rounding step (the setting's
+    own test below)."""
+    monkeypatch.setenv(ACTIVATIONS_SETTING, "float32")
+
+
 @pytest.fixture
 def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     """One entry per layer run in one call: `run_layer` counted as models/llama.py calls it."""
@@ -165,19 +174,19 @@ def test_gemma3s_layers_with_q_k_and_v_in_two_formats(make_checkpoint, seq_lens,
 
 
 @pytest.mark.parametrize("seq_lens", [[20], [5, 70, 17]])
-@pytest.mark.parametrize("activations", ["auto", "int8", "float32"])
+@pytest.mark.parametrize("setting", ["auto", "int16", "int8", "float32"])
 @torch.inference_mode()
 def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
-    make_checkpoint, seq_lens, activations, fused_calls, monkeypatch
+    make_checkpoint, seq_lens, setting, fused_calls, monkeypatch
 ):
     """Every format of Gemma 3's Q4_K_M file, each product as the few-row path takes it: o in
     Q4_K and down in Q6_K, q, k, gate and up in Q5_0 and v in Q8_0 (K formats need widths of
-    256: hidden 256, 4 heads of 64), on the activations `int8_formats` chooses (`auto`: int8 for
-    the K formats where the float path does not stream them). On float activations the two paths
-    agree to float32's rounding; on int8 ones an activation that the paths' last bits put on
-    either side of an int8 rounding step moves by a step (amax / 127): the hidden states then
-    differ by about a thousandth of their norm."""
-    monkeypatch.setenv(ACTIVATIONS_SETTING, activations)
+    256: hidden 256, 4 heads of 64), on the activations `activations_for` chooses. On float
+    activations the two paths agree to float32's rounding; on integer ones an activation that the
+    paths' last bits put on either side of a rounding step moves by a step (amax / 127 for int8,
+    amax / 32767 for int16): the hidden states then differ by about a thousandth of their norm
+    with int8."""
+    monkeypatch.setenv(ACTIVATIONS_SETTING, setting)
     shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
     k_formats = {"o_proj": Format.Q4_K, "down_proj": Format.Q6_K}
     checkpoint = make_checkpoint("gemma3", **shape)
@@ -189,14 +198,12 @@ def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
     got = model(ids, meta.positions, kv_caches, meta)
     assert len(fused_calls) == len(model.layers)
     fused = model._decode_layers[1][0].struct  # what decode_layer.c was given
-    chosen = int8_formats()
-    k_int8, v_int8 = int(Format.Q4_K in chosen), int(Format.Q8_0 in chosen)
-    assert int(Format.Q6_K in chosen) == k_int8
-    flags = (fused.o.int8, fused.down.int8, fused.qkv[0].int8, fused.qkv[1].int8)
-    assert flags == (k_int8, k_int8, 0, v_int8)
-    assert (k_int8, v_int8) == {"int8": (1, 1), "float32": (0, 0)}.get(activations, (k_int8, 0))
+    linears = (fused.o, fused.down, fused.qkv[0], fused.qkv[1])
+    formats = (Format.Q4_K, Format.Q6_K, Format.Q5_0, Format.Q8_0)
+    chosen = [activations_for(f) for f in formats]
+    assert [linear.activations for linear in linears] == [ACTIVATIONS[a] for a in chosen]
     assert expected.abs().max() > 1  # the random weights kept the hidden states of a model's size
-    if not chosen:
+    if set(chosen) == {"float32"}:
         torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
     else:
         assert (got - expected).norm() <= 1e-2 * expected.norm()

@@ -5,7 +5,7 @@ The float path and the tiles' path multiply the exact weights with x as it is: f
 rounding is their whole error. The int8 path quantizes each block of 32 activations to a scale
 amax / 127 and int8 quants, so an activation moves by at most amax / 254, and an output by at
 most the sum over its blocks of amax / 254 times the block's sum of |w|: that is its bound
-(with float32's rounding on top).
+(with float32's rounding on top). The int16 path likewise, to amax / 32767: amax / 65534.
 """
 
 from __future__ import annotations
@@ -44,13 +44,14 @@ def rounding_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
     return 1e-5 * (x.double().abs() @ weights.abs().T) + 1e-6
 
 
-def activation_bound(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """Per output, the most the int8 activations can move it: sum over blocks of amax / 254
-    times sum |w| (`[n, rows]`), plus float32's rounding of the sums."""
+def activation_bound(x: torch.Tensor, weights: torch.Tensor, levels: int = 127) -> torch.Tensor:
+    """Per output, the most activations quantized per block to integers of +-`levels` (int8's
+    127, int16's 32767) can move it: sum over blocks of amax / (2 levels) times sum |w|
+    (`[n, rows]`), plus float32's rounding of the sums."""
     n, rows = x.shape[0], weights.shape[0]
     amax = x.double().abs().reshape(n, -1, BLOCK).amax(-1)  # [n, blocks]
     w_abs = weights.abs().reshape(rows, -1, BLOCK).sum(-1)  # [rows, blocks]
-    return (amax / 254) @ w_abs.T * 1.001 + rounding_bound(x, weights)
+    return (amax / (2 * levels)) @ w_abs.T * 1.001 + rounding_bound(x, weights)
 
 
 def build_portable(tmp_path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
@@ -62,7 +63,8 @@ def build_portable(tmp_path, extra_flags: tuple[str, ...] = ()) -> ctypes.CDLL:
     source = next(str(s) for s in native.SOURCES if s.name == "quant_matmul.c")
     subprocess.run([compiler, *flags, source, "-o", str(target), "-lm"], check=True)
     lib = ctypes.CDLL(str(target))
-    for name in ("quant_matmul_float", "quant_matmul_int8", "quant_dequantize", "quant_kernel_isa"):
+    names = ("quant_matmul_float", "quant_matmul_int8", "quant_matmul_int16", "quant_dequantize")
+    for name in (*names, "quant_kernel_isa", "quant_float_streamed", "quant_int16_streamed"):
         getattr(lib, name).argtypes = native.SIGNATURES[name]
         getattr(lib, name).restype = ctypes.c_int
     return lib
@@ -89,10 +91,10 @@ def lib(request, tmp_path_factory) -> ctypes.CDLL:
 
 
 def run_small(
-    lib: ctypes.CDLL, blocks: np.ndarray, fmt: Format, x: torch.Tensor, int8: bool = True
+    lib: ctypes.CDLL, blocks: np.ndarray, fmt: Format, x: torch.Tensor, activations: str = "int8"
 ) -> torch.Tensor:
     stored = torch.from_numpy(blocks)
-    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1], int8)
+    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1], activations)
 
 
 def with_outliers(n: int, cols: int) -> torch.Tensor:
@@ -119,8 +121,26 @@ def test_float_path_within_float32_rounding(lib, fmt, rows, cols, n):
     blocks = random_blocks(fmt, rows, cols, seed=rows + n)
     x = with_outliers(n, cols)
     weights = dequantize(blocks, fmt)
-    out = run_small(lib, blocks, fmt, x, int8=False)
+    out = run_small(lib, blocks, fmt, x, "float32")
     assert (out.double() - x.double() @ weights.T).abs().le(rounding_bound(x, weights)).all()
+
+
+@pytest.mark.parametrize(("fmt", "rows", "cols"), with_shapes(list(Format)), ids=str)
+@pytest.mark.parametrize("n", [1, 3, 8])
+def test_int16_path_within_its_activation_bound_where_it_streams(lib, fmt, rows, cols, n):
+    """Where it is compiled (AVX2 and AVX-512) it reads every format the float path streams;
+    elsewhere it refuses them all."""
+    blocks = random_blocks(fmt, rows, cols, seed=rows + n)
+    x = with_outliers(n, cols)
+    if not lib.quant_int16_streamed(fmt.ggml_type):
+        assert lib.quant_kernel_isa() == 0 or not lib.quant_float_streamed(fmt.ggml_type)
+        with pytest.raises(ValueError, match="do not read"):
+            run_small(lib, blocks, fmt, x, "int16")
+        return
+    weights = dequantize(blocks, fmt)
+    out = run_small(lib, blocks, fmt, x, "int16")
+    bound = activation_bound(x, weights, levels=32767)
+    assert (out.double() - x.double() @ weights.T).abs().le(bound).all()
 
 
 @pytest.mark.parametrize("fmt", INT8, ids=lambda f: f.name)
@@ -137,14 +157,20 @@ def test_int8_path_sums_exactly_what_it_quantized(lib, fmt):
     torch.testing.assert_close(out, exact, rtol=1e-5, atol=1e-4)
 
 
-@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
-def test_the_vocabulary_projection(lib, int8):
+@pytest.mark.parametrize("activations", ["int8", "int16", "float32"])
+def test_the_vocabulary_projection(lib, activations):
     """SmolLM2's tied LM head: Q8_0, 49152 x 576, one decode row."""
+    if activations == "int16" and not lib.quant_int16_streamed(Format.Q8_0.ggml_type):
+        pytest.skip("no int16 path in this build")
     blocks = random_blocks(Format.Q8_0, 49152, 576, seed=9)
     x = with_outliers(1, 576)
     weights = dequantize(blocks, Format.Q8_0)
-    out = run_small(lib, blocks, Format.Q8_0, x, int8).double()
-    bound = activation_bound(x, weights) if int8 else rounding_bound(x, weights)
+    out = run_small(lib, blocks, Format.Q8_0, x, activations).double()
+    bound = {
+        "int8": activation_bound(x, weights),
+        "int16": activation_bound(x, weights, levels=32767),
+        "float32": rounding_bound(x, weights),
+    }[activations]
     assert (out - x.double() @ weights.T).abs().le(bound).all()
 
 
@@ -164,12 +190,13 @@ def test_dequantize_kernel_is_exact(lib, fmt):
 def test_what_the_kernels_do_not_read_is_refused(lib):
     out, x = torch.empty(4), torch.zeros(40)
     blocks = torch.zeros(2, 100, dtype=torch.uint8)
-    for kernel in (lib.quant_matmul_int8, lib.quant_matmul_float):
+    for kernel in (lib.quant_matmul_int8, lib.quant_matmul_float, lib.quant_matmul_int16):
         assert kernel(10, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
         assert kernel(3, blocks.data_ptr(), 2, 40, x.data_ptr(), 1, 1, out.data_ptr()) == -1
         assert kernel(12, blocks.data_ptr(), 2, 32, x.data_ptr(), 1, 1, out.data_ptr()) == -1
-    q5_k = Format.Q5_K.ggml_type  # the int8 path reads no Q5_K
+    q5_k = Format.Q5_K.ggml_type  # neither integer path reads Q5_K
     assert lib.quant_matmul_int8(q5_k, blocks.data_ptr(), 1, 256, x.data_ptr(), 1, 1, 0) == -1
+    assert lib.quant_matmul_int16(q5_k, blocks.data_ptr(), 1, 256, x.data_ptr(), 1, 1, 0) == -1
     assert lib.quant_dequantize(10, blocks.data_ptr(), 2, 256, 1, out.data_ptr()) == -1
 
 
@@ -190,51 +217,63 @@ def test_the_native_build_takes_avx512_or_avx2_where_the_cpu_has_it(tmp_path):
 @pytest.mark.usefixtures("native_path")
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
 @pytest.mark.parametrize("n", [1, 9, 40])
-@pytest.mark.parametrize("int8", [True, False], ids=["int8", "float"])
-def test_quant_matmul_on_every_path(fmt, n, int8, monkeypatch):
-    """Through `quant_matmul` as the model calls it: leading dimensions kept, a streaming path for
-    a few rows, tiles beyond (here 3 tiles of 128 rows and a ragged one), and torch's dequantizer
-    where the C kernels are off."""
+@pytest.mark.parametrize("setting", ["int8", "int16", "float32"])
+def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
+    """Through `quant_matmul` as the model calls it, on the activations the setting gives the
+    format: leading dimensions kept, a streaming path for a few rows, tiles beyond (here 3 tiles
+    of 128 rows and a ragged one), and torch's dequantizer where the C kernels are off."""
     monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 1024)
     # Past a few rows the tiles, not quant_gemm.c's bf16 paths (test_quant_gemm.py checks those).
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, setting)
+    activations = quant_linear.activations_for(fmt)
     rows, cols = 400, 1024
     blocks = random_blocks(fmt, rows, cols, seed=n)
     x = torch.randn(n, 1, cols, generator=torch.Generator().manual_seed(n))
     weights = dequantize(blocks, fmt)
-    out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols, int8)
+    out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols, activations)
     assert out.shape == (n, 1, rows) and out.dtype == torch.float32
     error = (out.reshape(n, rows).double() - x.reshape(n, cols).double() @ weights.T).abs()
-    int8_path = int8 and fmt in INT8 and n <= quant_linear.SMALL_BATCH and native.library()
-    bound = activation_bound if int8_path else rounding_bound
-    assert error.le(bound(x.reshape(n, cols), weights)).all()
+    levels = {"int8": 127, "int16": 32767}.get(activations)
+    if levels is None or n > quant_linear.SMALL_BATCH:
+        bound = rounding_bound(x.reshape(n, cols), weights)
+    else:
+        bound = activation_bound(x.reshape(n, cols), weights, levels)
+    assert error.le(bound).all()
 
 
 @needs_compiler
-def test_models_take_int8_activations_for_the_k_formats_the_float_path_cannot_stream(
-    monkeypatch, tmp_path
-):
-    """`auto`: the K formats go int8 only where the float path would dequantize their rows
-    first (the portable build: no AVX2); the setting's other values hold everywhere."""
-    blocks = torch.from_numpy(random_blocks(Format.Q8_0, 4, 32))
-
-    def formats() -> frozenset[Format]:
-        return quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32).int8_formats
-
+def test_each_setting_gives_each_format_the_activations_its_kernels_read(monkeypatch, tmp_path):
+    """`auto`: int16 wherever the C kernels stream the format with it (AVX2, AVX-512); in the
+    portable build float32, but int8 for the K formats, whose float path would dequantize each
+    row first. `int16`, `int8` and `float32` where their kernel reads the format, else float32."""
     lib = native.library()
     assert lib is not None
-    streamed = {f for f in quant_linear.INT8_BY_DEFAULT if lib.quant_float_streamed(f.ggml_type)}
-    assert formats() == quant_linear.INT8_BY_DEFAULT - streamed
-    assert streamed == (quant_linear.INT8_BY_DEFAULT if lib.quant_kernel_isa() >= 2 else set())
     portable = build_portable(tmp_path)
+    assert not any(portable.quant_int16_streamed(f.ggml_type) for f in Format)
     assert not any(portable.quant_float_streamed(f.ggml_type) for f in quant_linear.INT8_BY_DEFAULT)
-    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int8")
-    assert formats() == quant_linear.INT8_FORMATS
-    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "float32")
-    assert formats() == frozenset()
+    streams = lib.quant_kernel_isa() >= 2
+    int16 = {f for f in Format if lib.quant_int16_streamed(f.ggml_type)}
+    assert int16 == (set(Format) - {Format.Q5_K} if streams else set())
+
+    def chosen(setting: str) -> dict[Format, str]:
+        monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, setting)
+        return {f: quant_linear.activations_for(f) for f in Format}
+
+    fallback = {f: "int8" if f in quant_linear.INT8_BY_DEFAULT else "float32" for f in Format}
+    assert chosen("auto") == {f: "int16" if f in int16 else fallback[f] for f in Format}
+    assert chosen("int16") == {f: "int16" if f in int16 else "float32" for f in Format}
+    assert chosen("int8") == {
+        f: "int8" if f in quant_linear.INT8_FORMATS else "float32" for f in Format
+    }
+    assert set(chosen("float32").values()) == {"float32"}
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "int4")
-    with pytest.raises(ValueError, match="auto, float32 or int8"):
-        formats()
+    with pytest.raises(ValueError, match="auto, float32, int16 or int8"):
+        quant_linear.activations_for(Format.Q8_0)
+    monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, "auto")
+    blocks = torch.from_numpy(random_blocks(Format.Q8_0, 4, 32))
+    weight = quant_linear.QuantizedWeight([(blocks, Format.Q8_0)], 32)
+    assert weight.activations == {Format.Q8_0: chosen("auto")[Format.Q8_0]}
 
 
 @pytest.mark.usefixtures("native_path")

@@ -102,7 +102,7 @@ def c_kernel(blocks: np.ndarray, fmt: Format, x: torch.Tensor) -> torch.Tensor:
     if lib is None:
         pytest.skip("the C kernels are not built here")
     stored = torch.from_numpy(blocks)
-    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1], False).double()
+    return quant_linear._small_batch(lib, x, stored, fmt, x.shape[1], "float32").double()
 
 
 @pytest.mark.parametrize(("fmt", "rows", "cols", "m"), cases())

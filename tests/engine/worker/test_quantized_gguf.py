@@ -22,7 +22,12 @@ from pagedbatch.engine.worker.parallel_layers import (
 )
 from pagedbatch.kernels import quant_gemm
 from pagedbatch.kernels.quant_blocks import Format
-from pagedbatch.kernels.quant_linear import QuantizedTensor, QuantizedWeight, int8_formats
+from pagedbatch.kernels.quant_linear import (
+    ACTIVATIONS_SETTING,
+    QuantizedTensor,
+    QuantizedWeight,
+    activations_for,
+)
 
 SMOLLM2 = "smollm2-135m-instruct"
 
@@ -32,7 +37,8 @@ def quantized(weights: np.ndarray, fmt: Format) -> QuantizedTensor:
     return QuantizedTensor(torch.from_numpy(blocks), fmt, weights.shape[1])
 
 
-def test_a_fused_linear_keeps_its_parts_blocks_in_runs_of_one_format():
+def test_a_fused_linear_keeps_its_parts_blocks_in_runs_of_one_format(monkeypatch):
+    monkeypatch.setenv(ACTIVATIONS_SETTING, "float32")
     rng = np.random.default_rng(0)
     q, k, v = (rng.standard_normal((rows, 96)) for rows in (64, 32, 32))
     x = torch.randn(2, 96)
@@ -147,9 +153,10 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
 
     quantized_text = [a.text for a in answers["gguf"]]
     assert "Berlin" in quantized_text[0] and "4" in quantized_text[1], quantized_text
-    # Greedy tokens agreeing before the first difference: the float activations' sums differ
-    # from exact mode's in their order only, and all 62 agreed on the machine that wrote this
-    # (int8 activations, PAGEDBATCH_QUANT_ACTIVATIONS=int8: 55).
+    # Greedy tokens agreeing before the first difference: all 62 agreed with float activations
+    # (their sums differ from exact mode's in their order only) on the machine that wrote this,
+    # and with int16 ones (the default with AVX2) on a Zen 3 EPYC; int8 activations
+    # (PAGEDBATCH_QUANT_ACTIVATIONS=int8): 55.
     agreeing = total = 0
     for exact, approx in zip(answers["none"], answers["gguf"], strict=True):
         pairs = list(zip(exact.token_ids, approx.token_ids, strict=False))
@@ -182,12 +189,15 @@ def test_gemma_computes_on_its_k_quant_blocks_and_agrees_with_exact_mode(real_mo
     # q/k/v in two runs where v is Q8_0; gate/up, the output and down projections in one.
     assert (Format.Q5_0, Format.Q8_0) in formats
     assert {(Format.Q5_0,), (Format.Q4_K,), (Format.Q6_K,), (Format.Q8_0,)} <= formats
-    # Few-row products take float activations where the C kernels stream the format (the K
-    # formats with AVX-512), int8 ones elsewhere (quant_linear.int8_formats): greedy tokens
-    # agreeing before the first difference, 96 of 96 on the float path (an AMD EPYC with
-    # AVX-512), 91 and 82 of 96 with int8 (a Xeon, that EPYC).
-    chosen = int8_formats()
-    assert all(p.int8_formats == chosen for p in packed if isinstance(p, QuantizedWeight))
+    # Few-row products take int16 activations where the C kernels stream the format (every one
+    # here, with AVX2), int8 ones for the K formats elsewhere (quant_linear.activations_for):
+    # greedy tokens agreeing before the first difference, 96 of 96 on the float path (an AMD
+    # EPYC with AVX-512), 91 and 82 of 96 with int8 (a Xeon, that EPYC).
+    assert all(
+        p.activations == {f: activations_for(f) for f in p.formats}
+        for p in packed
+        if isinstance(p, QuantizedWeight)
+    )
     agreeing = sum(
         next((i for i, (a, b) in enumerate(zip(exact, approx, strict=False)) if a != b), len(exact))
         for exact, approx in zip(answers["none"], answers["gguf"], strict=True)
