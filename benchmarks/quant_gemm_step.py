@@ -1,7 +1,8 @@
 """The many-row products of one SmolLM2-135M Q4_1 decode step of `--rows` sequences (or a
 prefill of as many tokens), each of quant_gemm.c's paths against the float32 tiles quant_linear
-took before it and torch's float32 GEMM on already dequantized weights: per linear, one thread's
-CPU time (best of `--repeats`; CPU time, not wall time, because the shared machine is loaded).
+took before it, torch's float32 GEMM on already dequantized weights and exact mode's (oneDNN on
+weights reordered at load): per linear, one thread's CPU time (best of `--repeats`; CPU time,
+not wall time, because the shared machine is loaded).
 
     python benchmarks/quant_gemm_step.py --rows 128
 
@@ -13,6 +14,7 @@ cost does not depend on the values. Prints one JSON object: milliseconds per lin
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import time
 
@@ -57,6 +59,10 @@ def methods() -> dict[str, object]:
     found: dict[str, object] = {
         "tiles": lambda x, b, f, c, w: quant_linear._tiles(lib, x, b, f, c),
         "torch_float32": lambda x, b, f, c, w: x @ w.T,
+        # exact mode's product: oneDNN on weights reordered once at load
+        "packed_float32": lambda x, b, f, c, w: torch.ops.mkldnn._linear_pointwise(
+            x, packed_weight(w, x.shape[0]), None, "none", [], ""
+        ),
     }
     for path in ("amx", "avx512"):
         if path in quant_gemm.paths():
@@ -67,6 +73,14 @@ def methods() -> dict[str, object]:
     if "vnni" in quant_gemm.int8_paths():
         found["vnni_int8"] = lambda x, b, f, c, w: quant_gemm.quant_gemm_int8(x, b, f, c, "vnni")
     return found
+
+
+@functools.cache
+def packed_weight(weights: torch.Tensor, rows: int) -> torch.Tensor:
+    """The weights in oneDNN's blocked layout for `rows` rows, reordered on first use (as exact
+    mode's `parallel_layers.Packed` is at load; the best of the repeats leaves that call out).
+    Tensors hash by identity: one reorder per linear."""
+    return torch.ops.mkldnn._reorder_linear_weight(weights, rows)
 
 
 def main() -> None:
