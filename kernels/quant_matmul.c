@@ -519,10 +519,11 @@ struct activations {
 };
 
 #ifdef QUANT_AVX2
-/* The float path's vectors: one source for AVX2 (8 lanes) and AVX-512 (16). A block's weights are
- * first made bytes (its integers, signed or not, 32 in a __m256i, the formats' own code below),
- * then widened to floats and multiplied with the activations lane by lane; each block's or
- * sub-block's sum is scaled once by its scale. */
+/* The float and int16 paths' vectors: one source for AVX2 (8 lanes) and AVX-512 (16), whose
+ * helpers below come in one version a width. A block's weights are first made bytes (its
+ * integers, signed or not, 16 in a __m128i, the formats' own code below), then widened to floats
+ * and multiplied with the activations lane by lane (or to int16 and multiplied with theirs);
+ * each block's or sub-block's sum is scaled once by its scale. */
 #ifdef QUANT_AVX512
 typedef __m512 fvec;
 static inline fvec fvec_zero(void) { return _mm512_setzero_ps(); }
@@ -594,6 +595,10 @@ static inline fvec thirty_two_sums(__m128i lo, __m128i hi, int is_signed, const 
 
 #define ALWAYS_INLINE static inline __attribute__((always_inline))
 
+/* Rows of x one pass over the weights takes on the streaming paths: each block is expanded once
+ * and multiplied with all of them (their accumulators, one vector each, in registers). */
+enum { STREAM_ROWS = 8 };
+
 /* acc + scale times the products of 32 weights (lo, hi) with the activations from column k: x's
  * floats, or (ints) xq's integers, whose block's scale then joins `scale`. */
 ALWAYS_INLINE fvec add_32(__m128i lo, __m128i hi, int is_signed, const struct activations *a,
@@ -623,14 +628,16 @@ static inline __m256i bit_bytes(uint32_t bits) {
 }
 
 /* The formats of 32 weights a block: d times the block's integers' products with the
- * activations; Q4_0's offset and Q4_1's minimum multiply the block's activation sum (xsum).
- * Q5_0's q - 16 is built as bytes: its nibbles, less 16 where the weight's fifth bit (bit i of
- * qh) is clear. */
-ALWAYS_INLINE float stream_blocks(int type, const uint8_t *row, int64_t blocks,
-                                  const struct activations *a, int ints) {
+ * activations of nx rows of x (at most STREAM_ROWS: each block is expanded once for them all);
+ * Q4_0's offset and Q4_1's minimum multiply the block's activation sum (xsum). Q5_0's q - 16 is
+ * built as bytes: its nibbles, less 16 where the weight's fifth bit (bit i of qh) is clear. */
+ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
+                                 const struct activations *a, int nx, int ints, float *result) {
     const int64_t stride = block_bytes(type);
-    fvec acc = fvec_zero();
-    float extra = 0.0f;
+    fvec acc[STREAM_ROWS];
+    float extra[STREAM_ROWS];
+#pragma GCC unroll 8
+    for (int i = 0; i < nx; ++i) acc[i] = fvec_zero(), extra[i] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b, row += stride) {
         float d, m; /* m: Q4_1's minimum; the next two bytes of the others' blocks */
         half_pair_at(row, &d, &m);
@@ -651,21 +658,28 @@ ALWAYS_INLINE float stream_blocks(int type, const uint8_t *row, int64_t blocks,
             const __m256i less = _mm256_andnot_si256(bit_bytes(qh), _mm256_set1_epi8(16));
             lo = _mm_sub_epi8(lo, _mm256_castsi256_si128(less));
             hi = _mm_sub_epi8(hi, _mm256_extracti128_si256(less, 1));
-        } else if (type != Q8_0) {
-            extra += (type == Q4_1 ? m : -8.0f * d) * a->xsum[b];
         }
-        acc = add_32(lo, hi, type == Q8_0 || type == Q5_0, a, b * BLOCK, d, acc, ints);
+        const float offset = type == Q4_1 ? m : -8.0f * d; /* Q4_0's and Q4_1's */
+#pragma GCC unroll 8
+        for (int i = 0; i < nx; ++i) {
+            if (type == Q4_0 || type == Q4_1) extra[i] += offset * a[i].xsum[b];
+            acc[i] = add_32(lo, hi, type == Q8_0 || type == Q5_0, &a[i], b * BLOCK, d, acc[i],
+                            ints);
+        }
     }
-    return fvec_sum(acc) + extra;
+#pragma GCC unroll 8
+    for (int i = 0; i < nx; ++i) result[i] = fvec_sum(acc[i]) + extra[i];
 }
 
 /* The K formats a sub-block at a time, its sum scaled by its own scale. Q4_K: each run of 32
  * bytes holds sub-block 2g in its low nibbles, 2g + 1 in its high; each sub-block's minimum
  * multiplies its activation sum (xsum, per 32 as its sub-blocks). */
-ALWAYS_INLINE float stream_q4_k(const uint8_t *row, int64_t supers, const struct activations *a,
-                                int ints) {
-    fvec acc = fvec_zero();
-    float extra = 0.0f;
+ALWAYS_INLINE void stream_q4_k(const uint8_t *row, int64_t supers, const struct activations *a,
+                               int nx, int ints, float *result) {
+    fvec acc[STREAM_ROWS];
+    float extra[STREAM_ROWS];
+#pragma GCC unroll 8
+    for (int i = 0; i < nx; ++i) acc[i] = fvec_zero(), extra[i] = 0.0f;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     for (int64_t s = 0; s < supers; ++s, row += 144) {
         float d, dmin;
@@ -679,21 +693,28 @@ ALWAYS_INLINE float stream_q4_k(const uint8_t *row, int64_t supers, const struct
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * g + h;
                 const int64_t k = s * SUPER_BLOCK + 32 * j;
-                acc = add_32(_mm256_castsi256_si128(halves[h]),
-                             _mm256_extracti128_si256(halves[h], 1), 0, a, k,
-                             d * (float)scales[j], acc, ints);
-                extra -= dmin * (float)scales[8 + j] * a->xsum[k / BLOCK];
+                const __m128i lo = _mm256_castsi256_si128(halves[h]);
+                const __m128i hi = _mm256_extracti128_si256(halves[h], 1);
+                const float minimum = dmin * (float)scales[8 + j];
+#pragma GCC unroll 8
+                for (int i = 0; i < nx; ++i) {
+                    acc[i] = add_32(lo, hi, 0, &a[i], k, d * (float)scales[j], acc[i], ints);
+                    extra[i] -= minimum * a[i].xsum[k / BLOCK];
+                }
             }
         }
     }
-    return fvec_sum(acc) + extra;
+#pragma GCC unroll 8
+    for (int i = 0; i < nx; ++i) result[i] = fvec_sum(acc[i]) + extra[i];
 }
 
 /* Q6_K: 32 weights of one k of a half (two sub-blocks of 16, each its own scale) from 32 bytes
  * of ql (a nibble each) and 32 of qh (two bits each), less 32 as signed bytes. */
-ALWAYS_INLINE float stream_q6_k(const uint8_t *row, int64_t supers, const struct activations *a,
-                                int ints) {
-    fvec acc = fvec_zero();
+ALWAYS_INLINE void stream_q6_k(const uint8_t *row, int64_t supers, const struct activations *a,
+                               int nx, int ints, float *result) {
+    fvec acc[STREAM_ROWS];
+#pragma GCC unroll 8
+    for (int i = 0; i < nx; ++i) acc[i] = fvec_zero();
     const __m256i low4 = _mm256_set1_epi8(0x0F), low2 = _mm256_set1_epi8(3);
     for (int64_t s = 0; s < supers; ++s, row += 210) {
         const float d = half_to_float(row + 208);
@@ -710,38 +731,63 @@ ALWAYS_INLINE float stream_q6_k(const uint8_t *row, int64_t supers, const struct
                     _mm256_or_si256(low, _mm256_slli_epi16(high, 4)), _mm256_set1_epi8(32));
                 const int64_t column = s * SUPER_BLOCK + 128 * half + 32 * k;
                 const int8_t *sc = scales + 8 * half + 2 * k;
-                acc = add_16(_mm256_castsi256_si128(q), 1, a, column, d * (float)sc[0], acc, ints);
-                acc = add_16(_mm256_extracti128_si256(q, 1), 1, a, column + 16, d * (float)sc[1],
-                             acc, ints);
+                const float first = d * (float)sc[0], second = d * (float)sc[1];
+#pragma GCC unroll 8
+                for (int i = 0; i < nx; ++i) {
+                    acc[i] = add_16(_mm256_castsi256_si128(q), 1, &a[i], column, first, acc[i],
+                                    ints);
+                    acc[i] = add_16(_mm256_extracti128_si256(q, 1), 1, &a[i], column + 16, second,
+                                    acc[i], ints);
+                }
             }
         }
     }
-    return fvec_sum(acc);
+#pragma GCC unroll 8
+    for (int i = 0; i < nx; ++i) result[i] = fvec_sum(acc[i]);
 }
 
-/* One stored row of a format with code of its own here, with one row of activations. */
-ALWAYS_INLINE float stream_row(int type, const uint8_t *row, int64_t blocks,
-                               const struct activations *a, int ints) {
-    if (type == Q4_K) return stream_q4_k(row, blocks / 8, a, ints);
-    if (type == Q6_K) return stream_q6_k(row, blocks / 8, a, ints);
-    return stream_blocks(type, row, blocks, a, ints);
+/* One stored row of a format with code of its own here, with nx rows of activations. */
+ALWAYS_INLINE void stream_row(int type, const uint8_t *row, int64_t blocks,
+                              const struct activations *a, int nx, int ints, float *result) {
+    if (type == Q4_K)
+        stream_q4_k(row, blocks / 8, a, nx, ints, result);
+    else if (type == Q6_K)
+        stream_q6_k(row, blocks / 8, a, nx, ints, result);
+    else
+        stream_blocks(type, row, blocks, a, nx, ints, result);
 }
 
-/* The int16 path (see quant_matmul_int16). */
-static float row_dot_int16(int type, const uint8_t *row, int64_t blocks,
-                           const struct activations *a) {
-    return stream_row(type, row, blocks, a, 1);
+/* stream_row with nx a constant in each case, so that its accumulators stay registers; one
+ * function for each kind of activations. */
+#define STREAM_CASES(ints)                                                                      \
+    switch (nx) {                                                                               \
+    case 1: stream_row(type, row, blocks, a, 1, ints, result); break;                           \
+    case 2: stream_row(type, row, blocks, a, 2, ints, result); break;                           \
+    case 3: stream_row(type, row, blocks, a, 3, ints, result); break;                           \
+    case 4: stream_row(type, row, blocks, a, 4, ints, result); break;                           \
+    case 5: stream_row(type, row, blocks, a, 5, ints, result); break;                           \
+    case 6: stream_row(type, row, blocks, a, 6, ints, result); break;                           \
+    case 7: stream_row(type, row, blocks, a, 7, ints, result); break;                           \
+    default: stream_row(type, row, blocks, a, STREAM_ROWS, ints, result);                       \
+    }
+
+static void stream_row_float(int type, const uint8_t *row, int64_t blocks,
+                             const struct activations *a, int nx, float *result) {
+    STREAM_CASES(0)
 }
+
+static void stream_row_int16(int type, const uint8_t *row, int64_t blocks,
+                             const struct activations *a, int nx, float *result) {
+    STREAM_CASES(1)
+}
+#undef STREAM_CASES
 #endif
 
-/* The dot product of one stored row with one float32 activation row: the weights are expanded
- * in registers, the activations used as they are (no int8 rounding). */
+#ifndef QUANT_AVX2
+/* The portable float path: the dot product of one stored row of Q4_0, Q4_1 or Q8_0 with one
+ * float32 activation row, a weight at a time. */
 static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const float *x,
                            const float *xsum) {
-#ifdef QUANT_AVX2
-    const struct activations a = {.x = x, .xsum = xsum};
-    return stream_row(type, row, blocks, &a, 0);
-#else
     const int64_t stride = block_bytes(type);
     float extra = 0.0f, acc = 0.0f;
     for (int64_t b = 0; b < blocks; ++b, row += stride, x += BLOCK) {
@@ -760,8 +806,8 @@ static float row_dot_float(int type, const uint8_t *row, int64_t blocks, const f
         acc += d * s;
     }
     return acc + extra;
-#endif
 }
+#endif
 
 /* One row of x quantized per block of 32 to int16: xd = max |x| / 32767, xq = round(x / xd), so
  * that an activation moves by at most xd / 2: 2^-16 of its block's largest, 1/258 of int8's. */
@@ -805,22 +851,41 @@ static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t co
     }
     const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
     const int parallel = rows * cols * n >= (1 << 16);
+#ifdef QUANT_AVX2
+    /* Each row of x's activations; a pass over a weight row takes STREAM_ROWS of them. */
+    struct activations *acts = malloc(sizeof *acts * (size_t)n);
+    if (!acts) {
+        free(xsum), free(xd), free(xq);
+        return -2;
+    }
+    for (int64_t i = 0; i < n; ++i)
+        acts[i] = (struct activations){
+            .x = x + i * cols,
+            .xq = ints ? xq + i * cols : NULL,
+            .xd = ints ? xd + i * blocks : NULL,
+            .xsum = xsum + i * blocks,
+        };
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
     for (int64_t r = 0; r < rows; ++r) {
         prefetch_row(w, r, rows, row_bytes);
         const uint8_t *row = w + r * row_bytes;
-        for (int64_t i = 0; i < n; ++i) {
-#ifdef QUANT_AVX2
-            if (ints) {
-                const struct activations a = {
-                    .xq = xq + i * cols, .xd = xd + i * blocks, .xsum = xsum + i * blocks};
-                out[i * rows + r] = row_dot_int16(type, row, blocks, &a);
-                continue;
-            }
-#endif
-            out[i * rows + r] = row_dot_float(type, row, blocks, x + i * cols, xsum + i * blocks);
+        for (int64_t i = 0; i < n; i += STREAM_ROWS) {
+            const int nx = n - i < STREAM_ROWS ? (int)(n - i) : STREAM_ROWS;
+            float result[STREAM_ROWS];
+            (ints ? stream_row_int16 : stream_row_float)(type, row, blocks, acts + i, nx, result);
+            for (int j = 0; j < nx; ++j) out[(i + j) * rows + r] = result[j];
         }
     }
+    free(acts);
+#else
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+    for (int64_t r = 0; r < rows; ++r) {
+        prefetch_row(w, r, rows, row_bytes);
+        for (int64_t i = 0; i < n; ++i)
+            out[i * rows + r] = row_dot_float(type, w + r * row_bytes, blocks, x + i * cols,
+                                              xsum + i * blocks);
+    }
+#endif
     free(xsum), free(xd), free(xq);
     return 0;
 }
