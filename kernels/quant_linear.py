@@ -2,7 +2,7 @@
 objects a model holds such weights in (`QuantizedTensor` as loaded, `QuantizedWeight` as used).
 
 Two paths, chosen by how many rows x has:
-- a few (a decode step's sequences, up to `SMALL_BATCH`): the C kernels of quant_matmul.c, which
+- a few (a decode step's sequences, up to `small_batch()`): the C kernels of quant_matmul.c, which
   stream the blocks once, expanding them in registers, on the activations asked for
   (`ACTIVATIONS`): `quant_matmul_float` multiplies x as it is; `quant_matmul_int16` quantizes x
   per block of 32 to int16 and multiplies integers (1.25 to 1.5x as fast on AVX2, each
@@ -39,6 +39,7 @@ from __future__ import annotations
 
 import copy
 import ctypes
+import functools
 import os
 import threading
 from collections.abc import Iterator
@@ -59,9 +60,14 @@ INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Fo
 # Those on the int8 path by default where no streaming code reads them with float or int16
 # activations (see the top and `quant_float_streamed`).
 INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
-# Rows of x up to which the streaming paths run: their cost grows with the rows, the tiles' GEMM
-# amortises the dequantization over them.
+# Rows of x up to which the streaming paths run (`small_batch`): their cost grows with the rows
+# (each block expanded once for 8 of them), the many-row paths' GEMM amortises expanding the
+# weights over all. 8 where quant_gemm.c has a bf16 path (AMX's bf16x3, AVX512-BF16's screened
+# LM head); 64 on other CPUs with the AVX2 kernels: a SmolLM2 decode step's products took 215 ms
+# streamed at 64 rows against the float32 tiles' 292 (32 rows: 101 against 198; 96 rows: 461
+# against 270; int16, 2 threads of a Zen 3 EPYC).
 SMALL_BATCH = 8
+STREAMED_BATCH = 64
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
 # Added to the norms of `QuantizedWeight.approximate`'s bound: its products with each other
@@ -110,6 +116,19 @@ def gemm_path() -> tuple[str, str] | None:
     return None if path is None else (value, path)
 
 
+def small_batch() -> int:
+    """Rows of x up to which products stream the blocks (quant_matmul.c) and decode steps run
+    their layers as one C call each (decode_layer.c): see `SMALL_BATCH`."""
+    return _small_batch_for(native.library())
+
+
+@functools.cache
+def _small_batch_for(lib: ctypes.CDLL | None) -> int:
+    if lib is None or lib.quant_kernel_isa() < 2 or quant_gemm.fastest() is not None:
+        return SMALL_BATCH
+    return STREAMED_BATCH
+
+
 def quant_matmul(
     x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, activations: str = "float32"
 ) -> torch.Tensor:
@@ -119,7 +138,7 @@ def quant_matmul(
     lead = x.shape[:-1]
     x2 = x.reshape(-1, cols).contiguous()
     lib = native.library()
-    if lib is not None and x2.shape[0] <= SMALL_BATCH:
+    if lib is not None and x2.shape[0] <= small_batch():
         out = _small_batch(lib, x2, blocks, fmt, cols, activations)
     elif lib is not None and (gemm := gemm_path()) is not None:
         out = quant_gemm.multiply(x2, blocks, fmt, cols, *gemm)
@@ -326,11 +345,11 @@ class QuantizedWeight:
 
     def approximates(self, x: torch.Tensor) -> bool:
         """Whether `approximate` runs here for x and costs less than the product: one run of
-        blocks, x on the C kernels' path with more rows than `SMALL_BATCH` (fewer stream the
+        blocks, x on the C kernels' path with more rows than `small_batch()` (fewer stream the
         blocks once, bound by reading them, whatever the arithmetic), a bf16 path of quant_gemm."""
         return (
             len(self.runs) == 1
-            and x.shape[0] > SMALL_BATCH
+            and x.shape[0] > small_batch()
             and x.dtype == torch.float32
             and not on_triton(x)
             and quant_gemm.fastest() is not None

@@ -25,10 +25,10 @@ from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import (
     ACTIVATIONS,
     ACTIVATIONS_SETTING,
-    SMALL_BATCH,
     QuantizedTensor,
     QuantizedWeight,
     activations_for,
+    small_batch,
 )
 
 pytestmark = pytest.mark.skipif(
@@ -50,7 +50,7 @@ def quantized_model(
     (v_proj's to `v_fmt`, where given: q, k and v in two runs of blocks); the parts named in
     `k_formats` in the K format it gives, as random blocks of weights about the checkpoint's
     size (the gguf package does not quantize to K formats)."""
-    llm = LLM(checkpoint, num_kv_blocks=32)
+    llm = LLM(checkpoint, num_kv_blocks=256)
     model = llm.engine.runner.model
     weights = load_file(str(checkpoint / "model.safetensors"))
     for i, layer in enumerate(model.layers):
@@ -126,7 +126,9 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
 
 
 @pytest.mark.parametrize("fmt", [Format.Q4_1, Format.Q8_0, Format.Q5_0])
-@pytest.mark.parametrize("seq_lens", [[1], [37], [5, 70, 17], list(range(9, 9 + SMALL_BATCH))])
+@pytest.mark.parametrize(
+    "seq_lens", [[1], [37], [5, 70, 17], list(range(9, 17)), list(range(9, 9 + small_batch()))]
+)
 @torch.inference_mode()
 def test_a_decode_step_in_one_call_a_layer_matches_the_layers_torch_path(
     tiny_llama, fmt, seq_lens, fused_calls
@@ -213,7 +215,7 @@ def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
 def test_prefills_and_large_batches_keep_the_torch_path(tiny_llama, fused_calls):
     llm, model = quantized_model(tiny_llama, Format.Q8_0)
     kv_caches = llm.engine.runner.kv_caches
-    ids, meta = decode_step(llm, list(range(9, 10 + SMALL_BATCH)))
+    ids, meta = decode_step(llm, list(range(9, 10 + small_batch())))
     prefill = prepare_attention(
         torch.tensor([0, 3]), torch.tensor([3]), meta.block_tables[:1], meta.block_size
     )

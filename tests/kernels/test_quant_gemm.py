@@ -209,7 +209,7 @@ def test_int8_is_exact_on_integer_activations():
     ],
 )
 def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
-    """`quant_matmul` with 40 rows: the setting's product on its fastest path here, or the
+    """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its fastest path here, or the
     float32 tiles (exact mode's arithmetic) where float32 is asked or no path runs here (AVX2
     alone, as Zen 3: neither bf16 nor VNNI). auto: bf16x3 on AMX, else the tiles (AVX512-BF16's
     bf16x3 is slower than they are)."""
@@ -225,7 +225,7 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
     assert quant_linear.gemm_path() == expected
     fmt, rows, cols = Format.Q4_1, 100, 576
     blocks = random_blocks(fmt, rows, cols, seed=1)
-    x = with_outliers(40, cols)
+    x = with_outliers(quant_linear.small_batch() + 32, cols)
     weights = dequantize(blocks, fmt)
     out = quant_linear.quant_matmul(x, torch.from_numpy(blocks), fmt, cols)
     error = (out.double() - x.double() @ weights.T).abs()

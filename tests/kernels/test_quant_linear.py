@@ -7,7 +7,7 @@ from test_quant_blocks import random_blocks
 
 from pagedbatch.kernels import quant_gemm
 from pagedbatch.kernels.quant_blocks import Format, dequantize
-from pagedbatch.kernels.quant_linear import SMALL_BATCH, QuantizedWeight
+from pagedbatch.kernels.quant_linear import QuantizedWeight, small_batch
 
 pytestmark = pytest.mark.skipif(
     quant_gemm.fastest() is None, reason="no bf16 path of quant_gemm on this CPU"
@@ -23,7 +23,7 @@ def weight(fmt: Format, rows: int, cols: int, seed: int) -> tuple[QuantizedWeigh
 def test_the_approximate_product_is_within_its_bound_of_the_exact_one(fmt):
     w, exact_w = weight(fmt, 300, 512, seed=fmt.ggml_type)
     generator = torch.Generator().manual_seed(0)
-    x = torch.randn(SMALL_BATCH + 8, 512, generator=generator)
+    x = torch.randn(small_batch() + 8, 512, generator=generator)
     x[3, 7] = 400.0  # an outlier, as real hidden states have
     x[5] *= 1e-3
     assert w.approximates(x)
@@ -43,7 +43,7 @@ def test_the_bound_is_half_reached_where_every_rounding_errs_the_same_way():
     block[2:] = 1
     blocks = torch.from_numpy(np.tile(block, (rows, cols // 32)))
     w = QuantizedWeight([(blocks, Format.Q8_0)], cols)
-    x = torch.full((SMALL_BATCH + 1, cols), 1 + 3 / 512)
+    x = torch.full((small_batch() + 1, cols), 1 + 3 / 512)
     approx, bound = w.approximate(x, slice(None))
     error = approx - (1 + 3 / 512) ** 2 * cols
     assert bool((error <= bound).all()) and bool((error > bound / 2.2).all())
@@ -58,8 +58,8 @@ def test_rows_product_is_the_float32_product_of_the_rows_asked():
 
 def test_few_rows_several_runs_and_other_dtypes_are_not_approximated():
     w, _ = weight(Format.Q4_0, 64, 256, seed=3)
-    assert not w.approximates(torch.zeros(SMALL_BATCH, 256))
-    assert not w.approximates(torch.zeros(SMALL_BATCH + 1, 256, dtype=torch.bfloat16))
+    assert not w.approximates(torch.zeros(small_batch(), 256))
+    assert not w.approximates(torch.zeros(small_batch() + 1, 256, dtype=torch.bfloat16))
     two, _ = weight(Format.Q8_0, 64, 256, seed=4)
     joined = QuantizedWeight([*w.runs, *two.runs], 256)
-    assert not joined.approximates(torch.zeros(SMALL_BATCH + 1, 256))
+    assert not joined.approximates(torch.zeros(small_batch() + 1, 256))

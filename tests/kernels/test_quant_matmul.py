@@ -235,7 +235,7 @@ def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
     assert out.shape == (n, 1, rows) and out.dtype == torch.float32
     error = (out.reshape(n, rows).double() - x.reshape(n, cols).double() @ weights.T).abs()
     levels = {"int8": 127, "int16": 32767}.get(activations)
-    if levels is None or n > quant_linear.SMALL_BATCH:
+    if levels is None or n > quant_linear.small_batch():
         bound = rounding_bound(x.reshape(n, cols), weights)
     else:
         bound = activation_bound(x.reshape(n, cols), weights, levels)

@@ -41,7 +41,7 @@ from pagedbatch.kernels.decode_layer import (
     fusable,
     run_layer,
 )
-from pagedbatch.kernels.quant_linear import SMALL_BATCH, QuantizedWeight
+from pagedbatch.kernels.quant_linear import QuantizedWeight, small_batch
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -193,7 +193,7 @@ def in_row_chunks(
     at most `rows` rows into one output: the same values where fn's kernels compute a row the
     same way at any row count, with fn's intermediates a chunk's size. Near-equal, so that no
     chunk is a remainder of a few rows, which a linear would take its few-row kernel for
-    (quant_linear's SMALL_BATCH), whose sums are ordered otherwise."""
+    (quant_linear.small_batch()), whose sums are ordered otherwise."""
     total = x.shape[0]
     if total <= rows:
         return fn(x)
@@ -377,7 +377,7 @@ class LlamaForCausalLM(nn.Module):
         sequences; None where the layers take their torch path."""
         if not (
             meta.max_query_len == 1
-            and x.shape[0] <= SMALL_BATCH
+            and x.shape[0] <= small_batch()
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and positions.dim() == 1

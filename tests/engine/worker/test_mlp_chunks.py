@@ -19,7 +19,7 @@ from pagedbatch.engine.worker.parallel_layers import (
     quantize_linears,
 )
 from pagedbatch.kernels.quant_blocks import Format
-from pagedbatch.kernels.quant_linear import SMALL_BATCH, QuantizedTensor
+from pagedbatch.kernels.quant_linear import QuantizedTensor, small_batch
 
 HIDDEN, INTERMEDIATE = 64, 96
 ROWS = 2 * MLP_CHUNK_ROWS + 6  # three chunks; all at once, no chunk of a few rows
@@ -36,8 +36,8 @@ def test_chunks_are_near_equal_and_none_is_a_few_rows():
     assert torch.equal(in_row_chunks(record, x, 512), x * 2)
     assert seen == [343, 343, 344]
     seen.clear()
-    in_row_chunks(record, x[: 512 + SMALL_BATCH // 2], 512)
-    assert min(seen) > SMALL_BATCH
+    in_row_chunks(record, x[: 512 + small_batch() // 2], 512)
+    assert min(seen) > small_batch()
     seen.clear()
     in_row_chunks(record, x[:512], 512)
     assert seen == [512]
