@@ -209,10 +209,10 @@ def test_int8_is_exact_on_integer_activations():
     ],
 )
 def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
-    """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its fastest path here, or the
-    float32 tiles (exact mode's arithmetic) where float32 is asked or no path runs here (AVX2
-    alone, as Zen 3: neither bf16 nor VNNI). auto: bf16x3 on AMX, else the tiles (AVX512-BF16's
-    bf16x3 is slower than they are)."""
+    """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its
+    fastest path here, or the float32 tiles (exact mode's arithmetic) where float32 is asked or
+    no path runs here (AVX2 alone, as Zen 3: neither bf16 nor VNNI). auto: bf16x3 on AMX, else
+    the tiles (AVX512-BF16's bf16x3 is slower than they are)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
