@@ -63,18 +63,10 @@ SIGNATURES: dict[str, list[type]] = {
         _i64, _ptr, _i64, _i32,  # head dim, cos/sin table, its rows, threads
         _ptr, _ptr,  # query out, key out
     ],
-    "quant_matmul_int8": [
+    **dict.fromkeys(("quant_matmul_float", "quant_matmul_int8", "quant_matmul_int16"), [
         _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
         _ptr, _i64, _i32, _ptr,  # x, its rows, threads, out
-    ],
-    "quant_matmul_float": [
-        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
-        _ptr, _i64, _i32, _ptr,  # x, its rows, threads, out
-    ],
-    "quant_matmul_int16": [
-        _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
-        _ptr, _i64, _i32, _ptr,  # x, its rows, threads, out
-    ],
+    ]),
     "quant_dequantize": [
         _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
         _i32, _ptr,  # threads, out

@@ -53,7 +53,11 @@ from pagedbatch.kernels.quant_blocks import Format, dequantize
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
 # The activations a few-row product takes, by the number decode_layer.c knows them by.
 ACTIVATIONS = {"float32": 0, "int8": 1, "int16": 2}
-_KERNELS = {name: f"quant_matmul_{name.removesuffix('32')}" for name in ACTIVATIONS}
+_KERNELS = {
+    "float32": "quant_matmul_float",
+    "int8": "quant_matmul_int8",
+    "int16": "quant_matmul_int16",
+}
 GEMM_SETTING = "PAGEDBATCH_QUANT_GEMM"
 # The formats quant_matmul_int8 reads; the others take float activations where int8 is asked.
 INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Format.Q6_K})

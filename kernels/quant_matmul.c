@@ -890,8 +890,8 @@ static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t co
     return 0;
 }
 
-/* out[n, rows] = x @ dequantized(w).T with the activations as they are (see row_dot_float).
- * Returns as quant_matmul_int8 does. */
+/* out[n, rows] = x @ dequantized(w).T with the activations as they are (stream_row_float; the
+ * portable build's row_dot_float). Returns as quant_matmul_int8 does. */
 int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                        int64_t n, int num_threads, float *out) {
     if (block_bytes(type) == 0 || cols % block_size(type) != 0) return -1;

@@ -5,10 +5,9 @@ from __future__ import annotations
 
 import pytest
 
-from pagedbatch.engine.worker.model_runner import NATIVE_BF16_FLAGS
-from pagedbatch.kernels import native
+from pagedbatch.engine.worker.model_runner import native_bfloat16
 
-NATIVE_BF16 = bool(NATIVE_BF16_FLAGS & native.cpu_flags())
 needs_native_bf16 = pytest.mark.skipif(
-    not NATIVE_BF16, reason="this CPU has no native bfloat16 (avx512_bf16 or amx_bf16): refused"
+    not native_bfloat16(),
+    reason="this CPU has no native bfloat16 (avx512_bf16 or amx_bf16): refused",
 )

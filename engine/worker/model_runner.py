@@ -93,11 +93,16 @@ HALF_DTYPES = (torch.bfloat16, torch.float16)
 NATIVE_BF16_FLAGS = frozenset({"avx512_bf16", "amx_bf16"})
 
 
+def native_bfloat16() -> bool:
+    """Whether this CPU multiplies bfloat16 natively (its flags hold one of NATIVE_BF16_FLAGS)."""
+    return bool(NATIVE_BF16_FLAGS & native.cpu_flags())
+
+
 def resolve_dtype(name: str, cfg: ModelConfig, device: torch.device) -> torch.dtype:
     """`dtype` as it applies; bfloat16 on a CPU without native bfloat16 (AVX512-BF16 or AMX, as
     its /proc/cpuinfo flags say) refused at start, where vLLM's CPU backend warns: emulated, it
     would cost float32's arithmetic and more, for bfloat16's precision."""
-    if name == "bfloat16" and device.type == "cpu" and not NATIVE_BF16_FLAGS & native.cpu_flags():
+    if name == "bfloat16" and device.type == "cpu" and not native_bfloat16():
         raise ValueError(
             "dtype bfloat16 on CPU needs native bfloat16 (AVX512-BF16 or AMX: the avx512_bf16 "
             "or amx_bf16 flag in /proc/cpuinfo), which this CPU lacks; use dtype float32"

@@ -29,8 +29,7 @@ from transformers import AutoModelForCausalLM
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import DTYPES
-from pagedbatch.engine.worker.model_runner import NATIVE_BF16_FLAGS
-from pagedbatch.kernels import native
+from pagedbatch.engine.worker.model_runner import native_bfloat16
 from pagedbatch.make_model import make_model
 
 # float32 sums in another order (cuBLAS and our kernels against transformers' own) differ in the
@@ -150,11 +149,7 @@ def main() -> None:
     for arch in args.archs.split(","):
         model_dir = make_model(args.work / f"{arch}-{args.size}", arch=arch, size=args.size)
         for dtype in args.dtypes.split(","):
-            if (
-                dtype == "bfloat16"
-                and args.device == "cpu"
-                and not NATIVE_BF16_FLAGS & native.cpu_flags()
-            ):
+            if dtype == "bfloat16" and args.device == "cpu" and not native_bfloat16():
                 # The engine refuses bfloat16 on such a CPU at start (model_runner.resolve_dtype).
                 results[f"{arch}/{dtype}"] = "skipped: this CPU has no native bfloat16"
                 continue
