@@ -64,6 +64,10 @@ def methods() -> dict[str, object]:
             x, packed_weight(w, x.shape[0]), None, "none", [], ""
         ),
     }
+    for activations in ("float32", "int16"):  # the few-row kernels, streaming the blocks
+        found[f"streamed_{activations}"] = lambda x, b, f, c, w, a=activations: (
+            quant_linear._small_batch(lib, x, b, f, c, a)
+        )
     for path in ("amx", "avx512"):
         if path in quant_gemm.paths():
             for product in ("bf16x3", "bf16"):
