@@ -74,6 +74,13 @@ SMALL_BATCH = 8
 STREAMED_BATCH = 64
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
+# oneDNN compiles a primitive for each shape it multiplies and keeps it (about half a MiB each, not
+# all handed back when evicted): with a primitive for each row count a step had, SmolLM2's 128
+# chats held 348 MiB more than on MKL's sgemm. The tiles give it pieces of x of at most PIECE_ROWS
+# rows, padded to a multiple of PIECE_MULTIPLE: 8 shapes a tile. A prefill's 2048 rows in pieces
+# of 128 took 12.9 ms against 9.5 at once (MKL's 22.7; a tile of 1820 x 576, 2 threads).
+PIECE_ROWS = 128
+PIECE_MULTIPLE = 16
 # Added to the norms of `QuantizedWeight.approximate`'s bound: its products with each other
 # exceed what bf16's flush of subnormal values and products can change in a sum.
 SUBNORMAL_SLACK = 2.0**-50
@@ -173,19 +180,41 @@ def _small_batch(
 def _tiles(
     lib: ctypes.CDLL | None, x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int
 ) -> torch.Tensor:
-    if blocks.shape[0] * cols <= TILE_ELEMENTS:  # one tile: its product is the answer
-        ((_, weights),) = _weight_tiles(lib, blocks, fmt, cols)
+    """x @ W.T by tiles of W dequantized to float32, each multiplied by oneDNN where torch has
+    it (its kernels use AVX-512 on AMD CPUs, where MKL's sgemm, torch.mm's, does not: a Zen 5
+    EPYC's SmolLM2 step, products of 128 rows, one thread, 153 ms against 309), in the row
+    pieces of `_row_pieces`; by torch.mm otherwise."""
+    pieces = _row_pieces(x)
+    if len(pieces) == 1 and pieces[0][1] is x and blocks.shape[0] * cols <= TILE_ELEMENTS:
+        ((_, weights),) = _weight_tiles(lib, blocks, fmt, cols)  # one product: the answer
         return _float32_product(x, weights)
     out = torch.empty(x.shape[0], blocks.shape[0])
     for start, weights in _weight_tiles(lib, blocks, fmt, cols):
-        out[:, start : start + weights.shape[0]] = _float32_product(x, weights)
+        for first, piece in pieces:
+            rows = min(PIECE_ROWS, x.shape[0] - first)
+            product = _float32_product(piece, weights)[:rows]
+            out[first : first + rows, start : start + weights.shape[0]] = product
     return out
 
 
+def _row_pieces(x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
+    """x's rows as `_tiles` multiplies them, each piece with its first row: for oneDNN, pieces of
+    `PIECE_ROWS` rows at most, each padded with zero rows to a multiple of `PIECE_MULTIPLE`; x
+    whole for torch.mm."""
+    rows = x.shape[0]
+    if not torch.backends.mkldnn.is_available() or rows <= PIECE_ROWS and not rows % PIECE_MULTIPLE:
+        return [(0, x)]
+    pieces = []
+    for first in range(0, x.shape[0], PIECE_ROWS):
+        piece = x[first : first + PIECE_ROWS]
+        if padding := -piece.shape[0] % PIECE_MULTIPLE:
+            piece = torch.cat([piece, piece.new_zeros(padding, piece.shape[1])])
+        pieces.append((first, piece))
+    return pieces
+
+
 def _float32_product(x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
-    """x @ weights.T in float32, by oneDNN where torch has it: its kernels use AVX-512 on AMD
-    CPUs, where MKL's sgemm (torch.mm's) does not. A Zen 5 EPYC's SmolLM2 step, one thread,
-    products of 128 rows: 153 ms against 309 (benchmarks/README.md)."""
+    """x @ weights.T in float32: oneDNN's where torch has it, else torch.mm's."""
     if not torch.backends.mkldnn.is_available():
         return x @ weights.t()
     return torch.ops.mkldnn._linear_pointwise(x, weights, None, "none", [], "")
@@ -403,7 +432,13 @@ class QuantizedWeight:
         """x @ W[ids].T in float32 (`[n, len(ids)]`), the rows `ids` (int64) dequantized a tile
         at a time."""
         ((blocks, fmt),) = self.runs
-        return _tiles(native.library(), x, blocks.index_select(0, ids), fmt, self.cols)
+        out = torch.empty(x.shape[0], len(ids))
+        picked = blocks.index_select(0, ids)
+        # torch.mm: a step's candidates are a new count of rows each time, and oneDNN would keep
+        # a primitive for each (see PIECE_ROWS).
+        for start, weights in _weight_tiles(native.library(), picked, fmt, self.cols):
+            out[:, start : start + weights.shape[0]] = x @ weights.T
+        return out
 
     def _norms(self) -> torch.Tensor:
         """Each output row's float32 weights' Euclidean norm, rounded up (see `approximate`),

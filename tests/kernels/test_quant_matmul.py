@@ -216,12 +216,13 @@ def test_the_native_build_takes_avx512_or_avx2_where_the_cpu_has_it(tmp_path):
 
 @pytest.mark.usefixtures("native_path")
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
-@pytest.mark.parametrize("n", [1, 9, 40])
+@pytest.mark.parametrize("n", [1, 9, 40, 150])
 @pytest.mark.parametrize("setting", ["int8", "int16", "float32"])
 def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
     """Through `quant_matmul` as the model calls it, on the activations the setting gives the
     format: leading dimensions kept, a streaming path for a few rows, tiles beyond (here 3 tiles
-    of 128 rows and a ragged one), and torch's dequantizer where the C kernels are off."""
+    of 128 rows and a ragged one; 150 rows of x, two padded pieces), and torch's dequantizer
+    where the C kernels are off."""
     monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 1024)
     # Past a few rows the tiles, not quant_gemm.c's bf16 paths (test_quant_gemm.py checks those).
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")
@@ -240,6 +241,23 @@ def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
     else:
         bound = activation_bound(x.reshape(n, cols), weights, levels)
     assert error.le(bound).all()
+
+
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch has no oneDNN")
+def test_the_tiles_give_onednn_a_few_shapes_of_x_whatever_its_rows():
+    """oneDNN keeps a compiled primitive for each shape it multiplies: x's rows reach it in
+    pieces of at most PIECE_ROWS, each a multiple of PIECE_MULTIPLE, x's rows in order and then
+    zeros."""
+    shapes = set()
+    for n in range(1, 300):
+        x = torch.arange(1.0, n + 1).view(n, 1)
+        pieces = quant_linear._row_pieces(x)
+        assert [first for first, _ in pieces] == list(range(0, n, quant_linear.PIECE_ROWS))
+        rows = torch.cat([piece for _, piece in pieces])
+        assert torch.equal(rows[:n], x) and not rows[n:].any()
+        shapes |= {piece.shape[0] for _, piece in pieces}
+    multiple, most = quant_linear.PIECE_MULTIPLE, quant_linear.PIECE_ROWS
+    assert shapes == set(range(multiple, most + 1, multiple))
 
 
 @needs_compiler
