@@ -76,11 +76,13 @@ STREAMED_BATCH = 64
 TILE_ELEMENTS = 1 << 20
 # oneDNN compiles a primitive for each shape it multiplies and keeps it (about half a MiB each, not
 # all handed back when evicted): with a primitive for each row count a step had, SmolLM2's 128
-# chats held 348 MiB more than on MKL's sgemm. The tiles give it pieces of x of at most PIECE_ROWS
-# rows, padded to a multiple of PIECE_MULTIPLE: 8 shapes a tile. A prefill's 2048 rows in pieces
-# of 128 took 12.9 ms against 9.5 at once (MKL's 22.7; a tile of 1820 x 576, 2 threads).
+# chats held 348 MiB more than on MKL's sgemm. The tiles give it pieces of x of LARGE_PIECE_ROWS,
+# else of at most PIECE_ROWS padded to a multiple of PIECE_MULTIPLE: 9 shapes a tile. A prefill's
+# 2048 rows took 10.8 ms in pieces of 512, 12.9 in pieces of 128, 9.5 at once (MKL's 22.7; a tile
+# of 1820 x 576, 2 threads).
 PIECE_ROWS = 128
 PIECE_MULTIPLE = 16
+LARGE_PIECE_ROWS = 512
 # Added to the norms of `QuantizedWeight.approximate`'s bound: its products with each other
 # exceed what bf16's flush of subnormal values and products can change in a sum.
 SUBNORMAL_SLACK = 2.0**-50
@@ -185,31 +187,34 @@ def _tiles(
     EPYC's SmolLM2 step, products of 128 rows, one thread, 153 ms against 309), in the row
     pieces of `_row_pieces`; by torch.mm otherwise."""
     pieces = _row_pieces(x)
-    if len(pieces) == 1 and pieces[0][1] is x and blocks.shape[0] * cols <= TILE_ELEMENTS:
+    if len(pieces) == 1 and pieces[0][2] is x and blocks.shape[0] * cols <= TILE_ELEMENTS:
         ((_, weights),) = _weight_tiles(lib, blocks, fmt, cols)  # one product: the answer
         return _float32_product(x, weights)
     out = torch.empty(x.shape[0], blocks.shape[0])
     for start, weights in _weight_tiles(lib, blocks, fmt, cols):
-        for first, piece in pieces:
-            rows = min(PIECE_ROWS, x.shape[0] - first)
+        for first, rows, piece in pieces:
             product = _float32_product(piece, weights)[:rows]
             out[first : first + rows, start : start + weights.shape[0]] = product
     return out
 
 
-def _row_pieces(x: torch.Tensor) -> list[tuple[int, torch.Tensor]]:
-    """x's rows as `_tiles` multiplies them, each piece with its first row: for oneDNN, pieces of
-    `PIECE_ROWS` rows at most, each padded with zero rows to a multiple of `PIECE_MULTIPLE`; x
-    whole for torch.mm."""
-    rows = x.shape[0]
-    if not torch.backends.mkldnn.is_available() or rows <= PIECE_ROWS and not rows % PIECE_MULTIPLE:
-        return [(0, x)]
+def _row_pieces(x: torch.Tensor) -> list[tuple[int, int, torch.Tensor]]:
+    """x's rows as `_tiles` multiplies them, each piece as (its first row, x's rows in it, the
+    piece): for oneDNN, pieces of `LARGE_PIECE_ROWS` while as many rows are left, then of
+    `PIECE_ROWS` at most, each padded with zero rows to a multiple of `PIECE_MULTIPLE`; x whole
+    for torch.mm."""
+    n = x.shape[0]
+    if not torch.backends.mkldnn.is_available() or n <= PIECE_ROWS and not n % PIECE_MULTIPLE:
+        return [(0, n, x)]
     pieces = []
-    for first in range(0, x.shape[0], PIECE_ROWS):
-        piece = x[first : first + PIECE_ROWS]
-        if padding := -piece.shape[0] % PIECE_MULTIPLE:
+    first = 0
+    while first < n:
+        rows = LARGE_PIECE_ROWS if n - first >= LARGE_PIECE_ROWS else min(PIECE_ROWS, n - first)
+        piece = x[first : first + rows]
+        if padding := -rows % PIECE_MULTIPLE:
             piece = torch.cat([piece, piece.new_zeros(padding, piece.shape[1])])
-        pieces.append((first, piece))
+        pieces.append((first, rows, piece))
+        first += rows
     return pieces
 
 
@@ -225,8 +230,10 @@ def _weight_tiles(
 ) -> Iterator[tuple[int, torch.Tensor]]:
     """The float32 weights of `blocks` a tile of rows at a time, each with its first row, in
     this thread's tile buffer (each tile is gone once the next is made)."""
-    step = max(1, TILE_ELEMENTS // cols)
-    tile = _tile(min(step, blocks.shape[0]), cols)
+    rows = blocks.shape[0]
+    tiles = -(-rows * cols // TILE_ELEMENTS)
+    step = -(-rows // tiles)  # tiles of one size, each within TILE_ELEMENTS: one shape for oneDNN
+    tile = _tile(step, cols)
     for start in range(0, blocks.shape[0], step):
         part = blocks[start : start + step]
         yield start, _dequantize_into(lib, part, fmt, tile[: part.shape[0]])

@@ -13,6 +13,7 @@ from __future__ import annotations
 import ctypes
 import shutil
 import subprocess
+from itertools import accumulate
 
 import numpy as np
 import pytest
@@ -221,14 +222,14 @@ def test_the_native_build_takes_avx512_or_avx2_where_the_cpu_has_it(tmp_path):
 def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
     """Through `quant_matmul` as the model calls it, on the activations the setting gives the
     format: leading dimensions kept, a streaming path for a few rows, tiles beyond (here 3 tiles
-    of 128 rows and a ragged one; 150 rows of x, two padded pieces), and torch's dequantizer
-    where the C kernels are off."""
+    of 101 rows and one of 98; 150 rows of x, two padded pieces), and torch's dequantizer where
+    the C kernels are off."""
     monkeypatch.setattr(quant_linear, "TILE_ELEMENTS", 128 * 1024)
     # Past a few rows the tiles, not quant_gemm.c's bf16 paths (test_quant_gemm.py checks those).
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")
     monkeypatch.setenv(quant_linear.ACTIVATIONS_SETTING, setting)
     activations = quant_linear.activations_for(fmt)
-    rows, cols = 400, 1024
+    rows, cols = 401, 1024
     blocks = random_blocks(fmt, rows, cols, seed=n)
     x = torch.randn(n, 1, cols, generator=torch.Generator().manual_seed(n))
     weights = dequantize(blocks, fmt)
@@ -246,18 +247,18 @@ def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch has no oneDNN")
 def test_the_tiles_give_onednn_a_few_shapes_of_x_whatever_its_rows():
     """oneDNN keeps a compiled primitive for each shape it multiplies: x's rows reach it in
-    pieces of at most PIECE_ROWS, each a multiple of PIECE_MULTIPLE, x's rows in order and then
-    zeros."""
+    pieces of LARGE_PIECE_ROWS, else of at most PIECE_ROWS padded to a multiple of
+    PIECE_MULTIPLE, x's rows in order, each followed by zeros."""
     shapes = set()
-    for n in range(1, 300):
+    for n in [*range(1, 300), 511, 512, 513, 1100, 2048]:
         x = torch.arange(1.0, n + 1).view(n, 1)
         pieces = quant_linear._row_pieces(x)
-        assert [first for first, _ in pieces] == list(range(0, n, quant_linear.PIECE_ROWS))
-        rows = torch.cat([piece for _, piece in pieces])
-        assert torch.equal(rows[:n], x) and not rows[n:].any()
-        shapes |= {piece.shape[0] for _, piece in pieces}
+        assert torch.equal(torch.cat([piece[:rows] for _, rows, piece in pieces]), x)
+        assert [first for first, _, _ in pieces] == [0, *accumulate(r for _, r, _ in pieces)][:-1]
+        assert not any(piece[rows:].any() for _, rows, piece in pieces)
+        shapes |= {piece.shape[0] for _, _, piece in pieces}
     multiple, most = quant_linear.PIECE_MULTIPLE, quant_linear.PIECE_ROWS
-    assert shapes == set(range(multiple, most + 1, multiple))
+    assert shapes == {*range(multiple, most + 1, multiple), quant_linear.LARGE_PIECE_ROWS}
 
 
 @needs_compiler
