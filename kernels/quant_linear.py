@@ -19,8 +19,9 @@ Two paths, chosen by how many rows x has:
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
 
-Models take int16 activations where quant_matmul.c streams the format's blocks (AVX2 and
-AVX-512), whose greedy tokens agree with exact mode's as the float path's do (the float path:
+Where quant_matmul.c streams a format's blocks (AVX2 and AVX-512) models take int16 activations
+or float32, whichever is the faster on this CPU (`few_row_activations`: int16 on AVX2 cores, float
+on Zen 5); int16's greedy tokens agree with exact mode's as the float path's do (the float path:
 SmolLM2, 8 chats, 137 tokens of 137; int8: 5 of 8 answers whole; Gemma 3 270M's K formats, 24
 prompts of 32 tokens in steps of 6: 768 of 768, int8 536); in the portable build, float32, and
 int8 for a format of `INT8_BY_DEFAULT` (there Q6_K's float path dequantizes each row, 15x slower
@@ -47,7 +48,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedbatch.kernels import native, ops, quant_gemm
+from pagedbatch.kernels import few_row_activations, native, ops, quant_gemm
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 
 ACTIVATIONS_SETTING = "PAGEDBATCH_QUANT_ACTIVATIONS"
@@ -91,8 +92,9 @@ SUBNORMAL_SLACK = 2.0**-50
 def activations_for(fmt: Format) -> str:
     """The activations (an `ACTIVATIONS` name) that few-row products of `fmt` take, as
     `PAGEDBATCH_QUANT_ACTIVATIONS` says:
-    - `auto` (the default): int16 where the C kernels stream `fmt` with them, else int8 for a
-      format of `INT8_BY_DEFAULT`, else float32;
+    - `auto` (the default): where the C kernels stream `fmt` both ways, int16 or float32, the
+      faster on this CPU (`few_row_activations`); else int8 for a format of `INT8_BY_DEFAULT`,
+      else float32;
     - `int16`, `int8` or `float32`: that, where its kernel reads `fmt` (else float32).
     Without the C kernels: float32 (the tiles), whatever is asked."""
     value = os.environ.get(ACTIVATIONS_SETTING, "auto").strip().lower()
@@ -101,6 +103,8 @@ def activations_for(fmt: Format) -> str:
     lib = native.library()
     if lib is None or value == "float32":
         return "float32"
+    if value == "auto" and (choice := few_row_activations.chosen(lib).get(fmt)) is not None:
+        return choice
     if value in ("auto", "int16") and lib.quant_int16_streamed(fmt.ggml_type):
         return "int16"
     if value == "int8":

@@ -20,7 +20,7 @@ import pytest
 import torch
 from test_quant_blocks import random_blocks
 
-from pagedbatch.kernels import native, quant_linear
+from pagedbatch.kernels import few_row_activations, native, quant_linear
 from pagedbatch.kernels.quant_blocks import BLOCK, Format, dequantize
 
 needs_compiler = pytest.mark.skipif(
@@ -263,9 +263,10 @@ def test_the_tiles_give_onednn_a_few_shapes_of_x_whatever_its_rows():
 
 @needs_compiler
 def test_each_setting_gives_each_format_the_activations_its_kernels_read(monkeypatch, tmp_path):
-    """`auto`: int16 wherever the C kernels stream the format with it (AVX2, AVX-512); in the
-    portable build float32, but int8 for the K formats, whose float path would dequantize each
-    row first. `int16`, `int8` and `float32` where their kernel reads the format, else float32."""
+    """`auto`: where the C kernels stream the format both ways (AVX2, AVX-512), int16 or float32
+    as measured on this CPU (test_few_row_activations.py); in the portable build float32, but int8
+    for the K formats, whose float path would dequantize each row first. `int16`, `int8` and
+    `float32` where their kernel reads the format, else float32."""
     lib = native.library()
     assert lib is not None
     portable = build_portable(tmp_path)
@@ -280,7 +281,9 @@ def test_each_setting_gives_each_format_the_activations_its_kernels_read(monkeyp
         return {f: quant_linear.activations_for(f) for f in Format}
 
     fallback = {f: "int8" if f in quant_linear.INT8_BY_DEFAULT else "float32" for f in Format}
-    assert chosen("auto") == {f: "int16" if f in int16 else fallback[f] for f in Format}
+    measured = few_row_activations.chosen(lib)
+    assert set(measured) == int16
+    assert chosen("auto") == {f: measured.get(f, fallback[f]) for f in Format}
     assert chosen("int16") == {f: "int16" if f in int16 else "float32" for f in Format}
     assert chosen("int8") == {
         f: "int8" if f in quant_linear.INT8_FORMATS else "float32" for f in Format
