@@ -325,7 +325,8 @@ def test_cancelling_a_finished_batch_is_a_400(serve_batches):
 def test_past_its_window_a_batch_expires_with_batch_expired_lines(serve_batches):
     server = serve_batches(completion_window_seconds=3, shard_size=2)
     client = server.client()
-    lines = [chat_line(f"r{i}", max_tokens=300, ignore_eos=True) for i in range(30)]
+    # 45,000 tokens, well past what a CPU runs the tiny model through in the window.
+    lines = [chat_line(f"r{i}", max_tokens=1500, ignore_eos=True) for i in range(30)]
     batch = finished(client, create(client, lines).id)
     assert batch.status == "expired" and batch.expired_at
     output, errors = results(client, batch)

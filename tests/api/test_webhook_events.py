@@ -44,8 +44,8 @@ def start_batch(client: openai.OpenAI, lines: list[str]) -> str:
     ).id
 
 
-def long_lines(count: int) -> list[str]:
-    return [line(f"r{i}", max_tokens=300, ignore_eos=True) for i in range(count)]
+def long_lines(count: int, max_tokens: int = 300) -> list[str]:
+    return [line(f"r{i}", max_tokens=max_tokens, ignore_eos=True) for i in range(count)]
 
 
 def register(server: Server, url: str, api_key: str = "unused", **body) -> dict:
@@ -84,8 +84,10 @@ def test_every_final_state_reaches_the_receiver_signed(serve_batches):
         }
         client.batches.cancel(batches["batch.cancelled"])
         receiver.wait_for(lambda got: len(got) == 4)
-        # Alone, so that it is the only batch to outlive the short completion window.
-        batches["batch.expired"] = start_batch(client, long_lines(30))
+        # Alone, so that it is the only batch to outlive the short completion window: 45,000
+        # tokens, well past what a CPU runs the tiny model through in it (a Zen 5 EPYC finished
+        # 9,000 within it).
+        batches["batch.expired"] = start_batch(client, long_lines(30, max_tokens=1500))
         receiver.wait_for(lambda got: len(got) == 5)
         time.sleep(0.5)  # nothing more comes: each event arrives once
         received = receiver.received
