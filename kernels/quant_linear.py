@@ -191,7 +191,7 @@ def _tiles(
     EPYC's SmolLM2 step, products of 128 rows, one thread, 153 ms against 309), in the row
     pieces of `_row_pieces`; by torch.mm otherwise."""
     pieces = _row_pieces(x)
-    if len(pieces) == 1 and pieces[0][2] is x and blocks.shape[0] * cols <= TILE_ELEMENTS:
+    if len(pieces) == 1 and pieces[0][2] is x and 0 < blocks.shape[0] * cols <= TILE_ELEMENTS:
         ((_, weights),) = _weight_tiles(lib, blocks, fmt, cols)  # one product: the answer
         return _float32_product(x, weights)
     out = torch.empty(x.shape[0], blocks.shape[0])
@@ -235,8 +235,8 @@ def _weight_tiles(
     """The float32 weights of `blocks` a tile of rows at a time, each with its first row, in
     this thread's tile buffer (each tile is gone once the next is made)."""
     rows = blocks.shape[0]
-    tiles = -(-rows * cols // TILE_ELEMENTS)
-    step = -(-rows // tiles)  # tiles of one size, each within TILE_ELEMENTS: one shape for oneDNN
+    tiles = max(1, -(-rows * cols // TILE_ELEMENTS))
+    step = max(1, -(-rows // tiles))  # tiles of one size within TILE_ELEMENTS: one oneDNN shape
     tile = _tile(step, cols)
     for start in range(0, blocks.shape[0], step):
         part = blocks[start : start + step]

@@ -244,6 +244,15 @@ def test_quant_matmul_on_every_path(fmt, n, setting, monkeypatch):
     assert error.le(bound).all()
 
 
+@pytest.mark.usefixtures("native_path")
+@pytest.mark.parametrize(("n", "rows"), [(0, 100), (40, 0), (200, 0)])
+def test_no_rows_of_x_or_of_weights_give_an_empty_product(n, rows, monkeypatch):
+    monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")
+    blocks = torch.from_numpy(random_blocks(Format.Q4_1, 100, 64, seed=0))[:rows]
+    out = quant_linear.quant_matmul(torch.ones(n, 64), blocks, Format.Q4_1, 64)
+    assert out.shape == (n, rows)
+
+
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="torch has no oneDNN")
 def test_the_tiles_give_onednn_a_few_shapes_of_x_whatever_its_rows():
     """oneDNN keeps a compiled primitive for each shape it multiplies: x's rows reach it in
