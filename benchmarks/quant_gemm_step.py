@@ -1,8 +1,9 @@
 """The many-row products of one SmolLM2-135M Q4_1 decode step of `--rows` sequences (or a
-prefill of as many tokens), each of quant_gemm.c's paths against the float32 tiles quant_linear
-took before it, torch's float32 GEMM on already dequantized weights and exact mode's (oneDNN on
-weights reordered at load): per linear, one thread's CPU time (best of `--repeats`; CPU time,
-not wall time, because the shared machine is loaded).
+prefill of as many tokens), each of quant_gemm.c's paths against the float32 tiles (oneDNN's
+GEMM on weights dequantized a tile at a time), torch's float32 GEMM on already dequantized
+weights, exact mode's (oneDNN on weights reordered at load) and the few-row kernels that stream
+the blocks (float32 and int16 activations): per linear, one thread's CPU time (best of
+`--repeats`; CPU time, not wall time, because the shared machine is loaded).
 
     python benchmarks/quant_gemm_step.py --rows 128
 
