@@ -16,11 +16,15 @@ EVIL_ORIGIN = "http://rebind.evil.example:8000"
 APP_ORIGIN = "https://app.example.com"
 
 
-def batch_file(server: Server) -> str:
-    line = {"custom_id": "a", "method": "POST", "url": "/v1/chat/completions", "body": CHAT}
-    upload = server.client().files.create(
-        file=("in.jsonl", json.dumps(line).encode()), purpose="batch"
+def batch_file(server: Server, lines: int = 1, max_tokens: int = 2) -> str:
+    body = {**CHAT, "max_tokens": max_tokens, "ignore_eos": True}
+    text = "\n".join(
+        json.dumps(
+            {"custom_id": f"r{i}", "method": "POST", "url": "/v1/chat/completions", "body": body}
+        )
+        for i in range(lines)
     )
+    upload = server.client().files.create(file=("in.jsonl", text.encode()), purpose="batch")
     return upload.id
 
 
@@ -106,7 +110,9 @@ def test_the_sdk_works_as_before(batch_server):
     client = batch_server.client()
     answer = client.chat.completions.create(**CHAT)
     assert answer.choices[0].message.content is not None
-    input_file_id = batch_file(batch_server)
+    # 45,000 tokens: still running when it is cancelled, however fast the CPU (a Zen 5 EPYC
+    # finished a one-line batch first).
+    input_file_id = batch_file(batch_server, lines=30, max_tokens=1500)
     batch = client.batches.create(
         input_file_id=input_file_id, endpoint="/v1/chat/completions", completion_window="24h"
     )
