@@ -1,5 +1,6 @@
 """The CPU kernels written in C (`cpu_attention.c`, `cpu_rotary.c`, `quant_matmul.c`,
-`decode_layer.c`), compiled on first use with the machine's C compiler and loaded with ctypes.
+`decode_layer.c`, `greedy_screen.c`), compiled on first use with the machine's C compiler and
+loaded with ctypes.
 
 They are plain C with OpenMP, not a torch extension: compiling one takes about a second, where a
 file including torch's headers takes a minute. The library is built for this CPU
@@ -30,8 +31,10 @@ logger = logging.getLogger(__name__)
 SETTING = "PAGEDBATCH_NATIVE_KERNELS"
 SOURCES = tuple(
     Path(__file__).with_name(name)
-    for name in ("cpu_attention.c", "cpu_rotary.c", "quant_matmul.c", "decode_layer.c")
-)
+    for name in (
+        "cpu_attention.c", "cpu_rotary.c", "quant_matmul.c", "decode_layer.c", "greedy_screen.c"
+    )
+)  # fmt: skip
 _QUOTED_INCLUDE = re.compile(r'^\s*#\s*include\s+"([^"]+)"', re.MULTILINE)
 # -std=c11 alone would turn off fused multiply-adds (ISO C's default contraction rule).
 FLAGS = ("-O3", "-march=native", "-ffp-contract=fast", "-fopenmp", "-shared", "-fPIC", "-std=c11")
@@ -78,6 +81,11 @@ SIGNATURES: dict[str, list[type]] = {
     "quant_kernel_isa": [],
     "quant_float_streamed": [_i32],  # ggml type
     "quant_int16_streamed": [_i32],  # ggml type
+    "screen_candidates": [
+        _ptr, _i64, _i64, _ptr, _ptr,  # approximate logits, rows, width, margins, norms
+        _ptr, _i64, _i64,  # floors, the slice's first id, room for candidates
+        _ptr, _ptr, _ptr, _i32,  # candidates' rows, ids, upper bounds; threads
+    ],
 }  # fmt: skip
 
 

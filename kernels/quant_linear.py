@@ -84,7 +84,7 @@ TILE_ELEMENTS = 1 << 20
 PIECE_ROWS = 128
 PIECE_MULTIPLE = 16
 LARGE_PIECE_ROWS = 512
-# Added to the norms of `QuantizedWeight.approximate`'s bound: its products with each other
+# Added to the norms of `QuantizedWeight.error_bound`'s bound: its products with each other
 # exceed what bf16's flush of subnormal values and products can change in a sum.
 SUBNORMAL_SLACK = 2.0**-50
 
@@ -343,7 +343,7 @@ class QuantizedWeight:
         self.runs = [(blocks.contiguous(), fmt) for blocks, fmt in runs]
         self.cols = cols
         self.activations = {fmt: activations_for(fmt) for _, fmt in self.runs}
-        self._row_norms: torch.Tensor | None = None  # see `approximate`
+        self._row_norms: torch.Tensor | None = None  # see `error_bound`
 
     @classmethod
     def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
@@ -412,32 +412,31 @@ class QuantizedWeight:
         )
 
     def approximate(
-        self, x: torch.Tensor, part: slice, out: tuple[torch.Tensor, torch.Tensor] | None = None
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+        self, x: torch.Tensor, part: slice, out: torch.Tensor | None = None
+    ) -> torch.Tensor:
         """The outputs `part` selects of x @ W.T (x float32 `[n, cols]` on the CPU) by one
         bfloat16 product (quant_gemm's `bf16`: a half or less of the float32 GEMM's time on
-        AVX512-BF16, a third of bf16x3's on AMX), and a bound on each one's error, both
-        `[n, width]` (written into `out`'s two tensors where given, contiguous float32 of that
-        shape): |approx - x @ W.T| <= bound, where x @ W.T is any float32 product's.
-
-        The bound: each product of bf16-rounded x and w is within 2^-7 + 2^-16 of x w, and the
-        float32 sums (ours, and the exact path's, in any order) add at most 2 cols 2^-24 of
-        sum |x w|, which is at most ||x|| ||w|| (Cauchy-Schwarz; each weight row's norm computed
-        once, rounded up). The small constant added covers bf16's flush of subnormals."""
+        AVX512-BF16, a third of bf16x3's on AMX), `[n, width]` (written into `out` where given,
+        contiguous float32 of that shape); within `error_bound` of any float32 product's."""
         ((blocks, fmt),) = self.runs
         start, stop, _ = part.indices(self.rows)
         gemm_path = quant_gemm.fastest()
         assert gemm_path is not None, "approximate where approximates() says it runs"
-        x = x.contiguous()
-        approx, bound = (None, None) if out is None else out
-        approx = quant_gemm.quant_gemm(
-            x, blocks[start:stop], fmt, self.cols, gemm_path, passes=1, out=approx
+        return quant_gemm.quant_gemm(
+            x.contiguous(), blocks[start:stop], fmt, self.cols, gemm_path, passes=1, out=out
         )
+
+    def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """(margin `[n]`, norms `[rows]`): |approximate(x)[i, j] - (x @ W.T)[i, j]| is at most
+        margin[i] * norms[j], where x @ W.T is any float32 product's.
+
+        Each product of bf16-rounded x and w is within 2^-7 + 2^-16 of x w, and the float32
+        sums (ours, and the exact path's, in any order) add at most 2 cols 2^-24 of sum |x w|,
+        which is at most ||x|| ||w|| (Cauchy-Schwarz; each weight row's norm computed once,
+        rounded up). The small constant added covers bf16's flush of subnormals."""
         relative = (2**-7 + 2**-16 + 2 * self.cols * 2**-24) * (1 + 2**-10)
         margin = torch.linalg.vector_norm(x, dim=1).mul_(relative).add_(SUBNORMAL_SLACK)
-        norms = self._norms()[start:stop]
-        bound = torch.mul(margin[:, None], norms, out=bound)
-        return approx, bound
+        return margin, self._norms()
 
     def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x @ W[ids].T in float32 (`[n, len(ids)]`), the rows `ids` (int64) dequantized a tile
@@ -452,7 +451,7 @@ class QuantizedWeight:
         return out
 
     def _norms(self) -> torch.Tensor:
-        """Each output row's float32 weights' Euclidean norm, rounded up (see `approximate`),
+        """Each output row's float32 weights' Euclidean norm, rounded up (see `error_bound`),
         computed on first use a tile at a time."""
         if self._row_norms is None:
             ((blocks, fmt),) = self.runs

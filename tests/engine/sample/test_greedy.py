@@ -82,15 +82,14 @@ class Screen:
     def approximates(self, x: torch.Tensor) -> bool:
         return True
 
-    def approximate(
-        self, x: torch.Tensor, part: slice, out: tuple[torch.Tensor, torch.Tensor]
-    ) -> tuple[torch.Tensor, torch.Tensor]:
+    def approximate(self, x: torch.Tensor, part: slice, out: torch.Tensor) -> torch.Tensor:
         exact = self.logits[:, part]
         noise = torch.rand(exact.shape, generator=self.generator) * 2 - 1
-        approx, bound = out
-        bound.fill_(self.spread)
-        torch.add(exact, noise * bound, out=approx)
-        return approx, bound
+        return torch.add(exact, noise * self.spread, out=out)
+
+    def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        rows, vocab = self.logits.shape
+        return torch.full((rows,), self.spread), torch.ones(vocab)
 
     def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.exact_ids += ids.tolist()
