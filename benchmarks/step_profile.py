@@ -231,6 +231,7 @@ def scenario(
             max_num_seqs=max(num_seqs, 1),
             max_num_batched_tokens=args.max_num_batched_tokens,
             kv_cache_memory_gib=args.kv_cache_gib,
+            kv_cache_dtype=args.kv_cache_dtype,
         )
     )
     rng = random.Random(0)
@@ -328,6 +329,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=20)
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument("--kv-cache-gib", type=float, default=2.0)
+    p.add_argument("--kv-cache-dtype", default="auto", help="as the engine's")
     p.add_argument(
         "--quantization", default="none", choices=("none", "gguf"), help="as the engine's"
     )

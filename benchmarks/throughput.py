@@ -282,6 +282,7 @@ def worker_ours(
         "max_num_seqs": spec["max_num_seqs"],
         "max_num_batched_tokens": spec["max_num_batched_tokens"],
         "kv_cache_memory_gib": spec["kv_cache_gib"],
+        "kv_cache_dtype": spec["kv_cache_dtype"],
         "enable_prefix_caching": prefix_caching,
         "quantization": "none" if exact else spec["quantization"],
     }
@@ -610,6 +611,7 @@ def run_parent(args: argparse.Namespace, stack: contextlib.ExitStack) -> dict[st
         "max_num_seqs": args.max_num_seqs,
         "max_num_batched_tokens": args.max_num_batched_tokens,
         "kv_cache_gib": args.kv_cache_gib,
+        "kv_cache_dtype": args.kv_cache_dtype,
         "ignore_eos": not args.chat,
         "shared_prefix_len": args.shared_prefix_len,
         "quantization": args.quantization,
@@ -809,6 +811,11 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     p.add_argument("--max-num-batched-tokens", type=int, default=2048)
     p.add_argument(
         "--kv-cache-gib", type=float, default=2.0, help="each engine's KV cache (vllm's too)"
+    )
+    p.add_argument(
+        "--kv-cache-dtype",
+        default="auto",
+        help="ours' (exact mode's too; see docs/configuration.md); vllm's stays auto",
     )
     p.add_argument(
         "--shared-prefix-len",

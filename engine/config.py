@@ -150,13 +150,15 @@ class EngineArgs:
     )
     kv_cache_dtype: str = arg(
         "auto",
-        doc="how the KV cache stores keys and values: auto in the activations' dtype (see dtype); "
-        "int8 or fp8 (float8 e4m3) as one byte an element with a float32 scale per 32 "
-        "elements of a row, so the same memory holds about twice the tokens of a bfloat16 "
-        "cache (3.6 times a float32 one) and decode attention reads that much less; outputs "
-        "are close to, "
-        "not identical with, auto's. Not with the fused decode layer of quantization gguf, "
-        "whose decode steps then take the unfused path",
+        doc="how the KV cache stores keys and values: auto in the activations' dtype (see "
+        "dtype); float16 or bfloat16 in that dtype, each element rounded once as it is cached "
+        "(under a float32 model: half the memory and half the bytes decode attention reads; "
+        "llama.cpp's cache is float16 by default); int8 or fp8 (float8 e4m3) as one byte an "
+        "element with a float32 scale per 32 elements of a row, so the same memory holds about "
+        "twice the tokens of a bfloat16 cache (3.6 times a float32 one) and decode attention "
+        "reads that much less. Outputs are close to, not identical with, auto's. int8 and fp8 "
+        "keep off the fused decode layer of quantization gguf (a float cache's), whose decode "
+        "steps then take the unfused path",
         choices=KV_CACHE_DTYPES,
     )
     enable_prefix_caching: bool = arg(

@@ -172,6 +172,7 @@ def reshape_and_cache(
         kv_quant.write(value_cache, value, slot_mapping)
         return
     num_kv_heads, head_dim = key_cache.shape[2:]
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)  # rounded, where it is less
     key_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, key)
     value_cache.view(-1, num_kv_heads, head_dim).index_copy_(0, slot_mapping, value)
 
@@ -187,19 +188,20 @@ def paged_attention(
     """Causal attention of query `[num_tokens, num_heads, head_dim]` over each sequence's cached
     context; returns the same shape. A query at position p attends keys k <= p, and with a sliding
     window w only those with p - k < w (as transformers' Mistral and Qwen2 do). Query head h reads
-    KV head h // (num_heads // num_kv_heads). A quantized cache's rows are dequantized to the
-    query's dtype as they are gathered (the C kernel dequantizes in its inner loop)."""
+    KV head h // (num_heads // num_kv_heads). A quantized cache's rows, or a cache's of another
+    dtype than the query's, are converted to the query's dtype as they are gathered (the C kernel
+    converts in its inner loop)."""
     num_tokens, num_heads, head_dim = query.shape
     num_kv_heads = key_cache.shape[2]
-    quantized = isinstance(key_cache, QuantizedCache)
-    buffer = _workspace(key_cache, query.dtype if quantized else None)
+    converted = isinstance(key_cache, QuantizedCache) or key_cache.dtype != query.dtype
+    buffer = _workspace(key_cache, query.dtype)
     max_rows = buffer.shape[1]
     in_place = query.dtype == torch.float32 and query.device.type == "cpu"
     lib = native.library() if in_place else None
     plan = _plan(meta, sliding_window, query.dtype, max_rows, lib is not None)
 
     def gather(slots: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        if quantized:  # dequantized into fresh tensors: their bytes are not the cache's
+        if converted:  # into fresh tensors: their bytes are not the cache's
             return (
                 kv_quant.gather(key_cache, slots, query.dtype),
                 kv_quant.gather(value_cache, slots, query.dtype),
@@ -294,7 +296,9 @@ def _flash(
 
 
 # The C kernel's codes for the cache formats it reads (cpu_attention.c's `enum kv_format`).
-_C_FORMATS = {torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2}
+C_FORMATS = {
+    torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.bfloat16: 3, torch.float16: 4
+}  # fmt: skip
 
 
 def _decode_in_place(
@@ -313,7 +317,7 @@ def _decode_in_place(
         caches = (key_cache.data, value_cache.data, key_cache.scales, value_cache.scales)
     else:
         caches = (key_cache, value_cache, None, None)
-    fmt = _C_FORMATS.get(key_cache.dtype)
+    fmt = C_FORMATS.get(key_cache.dtype)
     if fmt is None:
         raise ValueError(f"the C decode kernel reads no {key_cache.dtype} cache")
     status = lib.paged_decode_attention_kv(
@@ -332,12 +336,11 @@ def _decode_in_place(
 _local = threading.local()
 
 
-def _workspace(cache: KVCacheTensor, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """A `[2, rows, num_kv_heads, head_dim]` buffer for gathered keys and values in `dtype`
-    (default the cache's; a quantized cache's rows are gathered in the query's), kept per thread
-    and layout: a fresh one per call would cost page faults on every layer."""
+def _workspace(cache: KVCacheTensor, dtype: torch.dtype) -> torch.Tensor:
+    """A `[2, rows, num_kv_heads, head_dim]` buffer for gathered keys and values in `dtype` (the
+    query's), kept per thread and layout: a fresh one per call would cost page faults on every
+    layer."""
     buffers: dict[tuple, torch.Tensor] = _local.__dict__.setdefault("buffers", {})
-    dtype = dtype or cache.dtype
     device, row_shape = cache.device, tuple(cache.shape[2:])
     key = (dtype, device, row_shape)
     if key not in buffers:

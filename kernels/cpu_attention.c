@@ -29,9 +29,10 @@
  * Elements are widened to floats as they are loaded (a byte's W lanes at a time); a key group's
  * scale multiplies that group's partial dot product with the query, and a value group's scale
  * the softmax weight its elements are added with, so dequantizing costs one multiply a group,
- * not one an element. A bfloat16 cache (dtype bfloat16) has no scales:
- * its elements are widened exactly, their 16 bits the top half of a float's. Queries and outputs
- * stay float32 in every format (attention.py converts a bfloat16 query's at the call).
+ * not one an element. A bfloat16 or float16 cache (a model's dtype, or a float32 model's
+ * kv_cache_dtype) has no scales: its elements are widened exactly, a bfloat16's 16 bits the top
+ * half of a float's, a float16's by F16C's vcvtph2ps. Queries and outputs stay float32 in every
+ * format (attention.py converts a bfloat16 query's at the call).
  */
 #include <math.h>
 #include <stdint.h>
@@ -54,10 +55,10 @@ typedef uint16_t u16vec __attribute__((vector_size(W * sizeof(uint16_t))));
 typedef uint32_t u32vec __attribute__((vector_size(W * sizeof(uint32_t))));
 
 /* How the cache's elements are stored: attention.py's _C_FORMATS. */
-enum kv_format { KV_FLOAT32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3 };
+enum kv_format { KV_FLOAT32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3, KV_F16 = 4 };
 
 static inline int64_t element_size(enum kv_format fmt) {
-    return fmt == KV_FLOAT32 ? 4 : fmt == KV_BF16 ? 2 : 1;
+    return fmt == KV_FLOAT32 ? 4 : fmt == KV_BF16 || fmt == KV_F16 ? 2 : 1;
 }
 
 /* Whether the format's rows carry a scale each (int8, float8). */
@@ -112,6 +113,19 @@ static inline vec fp8_to_float(const uint8_t *p) {
     return (vec)((ivec)(mantissa * (vec)power) | ((x & 0x80) << 24));
 }
 
+/* W float16 as floats (exact). */
+static inline vec f16_to_float(const uint8_t *p) {
+#if defined(__AVX512F__)
+    return (vec)_mm512_cvtph_ps(_mm256_loadu_si256((const __m256i *)p));
+#elif defined(__F16C__)
+    return (vec)_mm256_cvtph_ps(_mm_loadu_si128((const __m128i *)p));
+#else
+    vec x;
+    for (int i = 0; i < W; ++i) x[i] = (float)((const _Float16 *)p)[i];
+    return x;
+#endif
+}
+
 static inline float fp8_scalar(uint8_t b) {
     const int e = (b >> 3) & 15, m = b & 7;
     const float magnitude = e ? ldexpf((float)(m | 8), e - 10) : ldexpf((float)m, -9);
@@ -127,6 +141,7 @@ static inline __attribute__((always_inline)) vec load_kv(const uint8_t *p, enum 
         memcpy(&h, p, sizeof h);
         return (vec)(__builtin_convertvector(h, u32vec) << 16);
     }
+    if (fmt == KV_F16) return f16_to_float(p);
     return fp8_to_float(p);
 }
 
@@ -141,6 +156,7 @@ static inline __attribute__((always_inline)) float kv_element(const uint8_t *p, 
         memcpy(&x, &bits, sizeof x);
         return x;
     }
+    if (fmt == KV_F16) return (float)((const _Float16 *)p)[i];
     return fp8_scalar(p[i]);
 }
 
@@ -464,6 +480,8 @@ static inline __attribute__((always_inline)) void attend_format(struct item *it,
         attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_FP8);
     else if (fmt == KV_BF16)
         attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_BF16);
+    else if (fmt == KV_F16)
+        attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_F16);
     else
         attend_shaped(it, key_cache, value_cache, key_scales, value_scales, KV_FLOAT32);
 }
@@ -471,7 +489,7 @@ static inline __attribute__((always_inline)) void attend_format(struct item *it,
 /* Returns 0, or -1 when a thread could not allocate its score buffer (nothing is written then by
  * that thread; the caller treats the whole call as failed), -2 for a format it does not know or
  * a quantized cache's scale_group that is no divisor of head_dim. key_scales, value_scales and
- * scale_group are a quantized cache's (NULL, NULL and any for float32 and bfloat16). */
+ * scale_group are a quantized cache's (NULL, NULL and any for the float formats). */
 int paged_decode_attention_kv(const float *query, const void *key_cache, const void *value_cache,
                               const float *key_scales, const float *value_scales, int format,
                               int64_t scale_group, const int32_t *block_tables, int64_t table_width,
@@ -480,7 +498,7 @@ int paged_decode_attention_kv(const float *query, const void *key_cache, const v
                               int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
                               int64_t head_dim, int64_t block_size, float scale, int num_threads,
                               float *out) {
-    if (format < KV_FLOAT32 || format > KV_BF16) return -2;
+    if (format < KV_FLOAT32 || format > KV_F16) return -2;
     const enum kv_format fmt = (enum kv_format)format;
     if (!scaled(fmt)) scale_group = head_dim; /* no scales: the whole row is one group */
     if (scale_group <= 0 || head_dim % scale_group != 0) return -2;
@@ -529,17 +547,4 @@ int paged_decode_attention_kv(const float *query, const void *key_cache, const v
         free(scores);
     }
     return failed ? -1 : 0;
-}
-
-/* The float32 cache's entry (decode_layer.c's): paged_decode_attention_kv without scales. */
-int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
-                           const int32_t *block_tables, int64_t table_width,
-                           const int64_t *token_rows, const int64_t *table_rows,
-                           const int64_t *first_keys, const int64_t *seq_lens, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int num_threads, float *out) {
-    return paged_decode_attention_kv(query, key_cache, value_cache, NULL, NULL, KV_FLOAT32,
-                                     head_dim, block_tables, table_width, token_rows, table_rows,
-                                     first_keys, seq_lens, num_seqs, num_heads, num_kv_heads,
-                                     head_dim, block_size, scale, num_threads, out);
 }

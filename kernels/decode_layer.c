@@ -7,7 +7,8 @@
  *   r = x + residual (or x, for the first layer)           the residual stream, written back
  *   h = rms_norm(r) * norm1
  *   q, k, v = h @ qkv.T; q and k rotated by position (cpu_rotary.c, bitwise torch's formula)
- *   k and v written to the token's cache slot; q attends its sequence (cpu_attention.c)
+ *   k and v written to the token's cache slot (float32, or rounded to the cache's float16 or
+ *   bfloat16); q attends its sequence (cpu_attention.c)
  *   r = r + attention @ o.T; h = rms_norm(r) * norm2
  *   out = (silu(h @ gate.T) * (h @ up.T)) @ down.T
  * and as Gemma 3's (gemma3.py) with `gemma` set: each head's q and k normalised before rotary,
@@ -23,7 +24,7 @@
 #include <stdlib.h>
 #include <string.h>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || defined(__F16C__)
 #include <immintrin.h>
 #endif
 
@@ -37,12 +38,17 @@ int rotary_embedding(const int64_t *positions, int64_t num_tokens, const float *
                      int64_t q_stride, int64_t q_heads, const float *key, int64_t k_stride,
                      int64_t k_heads, int64_t head_dim, const float *cos_sin, int64_t rows,
                      int num_threads, float *q_out, float *k_out);
-int paged_decode_attention(const float *query, const float *key_cache, const float *value_cache,
-                           const int32_t *block_tables, int64_t table_width,
-                           const int64_t *token_rows, const int64_t *table_rows,
-                           const int64_t *first_keys, const int64_t *seq_lens, int64_t num_seqs,
-                           int64_t num_heads, int64_t num_kv_heads, int64_t head_dim,
-                           int64_t block_size, float scale, int num_threads, float *out);
+int paged_decode_attention_kv(const float *query, const void *key_cache, const void *value_cache,
+                              const float *key_scales, const float *value_scales, int format,
+                              int64_t scale_group, const int32_t *block_tables, int64_t table_width,
+                              const int64_t *token_rows, const int64_t *table_rows,
+                              const int64_t *first_keys, const int64_t *seq_lens,
+                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
+                              int64_t head_dim, int64_t block_size, float scale, int num_threads,
+                              float *out);
+
+/* The cache formats this layer writes: cpu_attention.c's codes for them. */
+enum { CACHE_FLOAT32 = 0, CACHE_BF16 = 3, CACHE_F16 = 4 };
 
 /* A linear's weight in one run of blocks (quant_linear.QuantizedWeight). */
 struct quant_linear {
@@ -64,9 +70,10 @@ struct decode_layer {
     int64_t heads, kv_heads, head_dim;
     const float *cos_sin;
     int64_t cos_sin_rows;
-    float *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] */
+    void *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] */
     int64_t block_size;
     int32_t gemma;
+    int32_t cache_format; /* CACHE_FLOAT32, CACHE_BF16 or CACHE_F16 */
     const float *q_norm, *k_norm, *post_attention_norm, *post_mlp_norm; /* gemma's */
 };
 
@@ -163,6 +170,36 @@ static void gelu_tanh_and_mul(const float *gate, const float *up, int64_t n, flo
     for (; i < n; ++i) a[i] = gelu_tanh(gate[i]) * up[i];
 }
 
+/* n floats from src stored at element `at` of a cache in `format`, rounded to nearest even
+ * (float16 by F16C where the CPU has it; bfloat16 as quant_gemm.c rounds, NaN kept NaN). */
+static void store_row(void *cache, int64_t at, const float *src, int64_t n, int format) {
+    if (format == CACHE_FLOAT32) {
+        memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
+        return;
+    }
+    uint16_t *dst = (uint16_t *)cache + at;
+    int64_t i = 0;
+    if (format == CACHE_F16) {
+#ifdef __F16C__
+        for (; i + 8 <= n; i += 8)
+            _mm_storeu_si128((__m128i *)(dst + i),
+                             _mm256_cvtps_ph(_mm256_loadu_ps(src + i), _MM_FROUND_TO_NEAREST_INT));
+#endif
+        for (; i < n; ++i) {
+            const _Float16 h = (_Float16)src[i];
+            memcpy(dst + i, &h, sizeof h);
+        }
+        return;
+    }
+    for (; i < n; ++i) {
+        uint32_t bits;
+        memcpy(&bits, src + i, sizeof bits);
+        dst[i] = (bits & 0x7fffffffu) > 0x7f800000u
+                     ? (uint16_t)((bits >> 16) | 0x40)
+                     : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+    }
+}
+
 /* Returns 0; -1 where a position has no row in the rotary table, -2 where scratch or the
  * attention's scores could not be allocated. `out` may be `x`. */
 int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s, const float *x,
@@ -197,14 +234,15 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
     if (status) goto done;
     for (int64_t t = 0; t < n; ++t) {
         const int64_t slot = s->slots[t] * kv_size;
-        memcpy(l->key_cache + slot, k + t * kv_size, sizeof(float) * kv_size);
-        memcpy(l->value_cache + slot, qkv + t * qkv_size + q_size + kv_size,
-               sizeof(float) * kv_size);
+        store_row(l->key_cache, slot, k + t * kv_size, kv_size, l->cache_format);
+        store_row(l->value_cache, slot, qkv + t * qkv_size + q_size + kv_size, kv_size,
+                  l->cache_format);
     }
-    if (paged_decode_attention(q, l->key_cache, l->value_cache, s->tables, s->table_width,
-                               s->token_rows, s->table_rows, s->first_keys, s->seq_lens, s->seqs,
-                               l->heads, l->kv_heads, l->head_dim, l->block_size, l->scale,
-                               (int)threads, attn)) {
+    if (paged_decode_attention_kv(q, l->key_cache, l->value_cache, NULL, NULL, l->cache_format,
+                                  head_dim, s->tables, s->table_width, s->token_rows,
+                                  s->table_rows, s->first_keys, s->seq_lens, s->seqs, l->heads,
+                                  l->kv_heads, head_dim, l->block_size, l->scale, (int)threads,
+                                  attn)) {
         status = -2;
         goto done;
     }

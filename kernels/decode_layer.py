@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import torch
 
 from pagedbatch.kernels import native
-from pagedbatch.kernels.attention import AttentionMetadata, decode_rows
+from pagedbatch.kernels.attention import C_FORMATS, AttentionMetadata, decode_rows
 from pagedbatch.kernels.quant_linear import ACTIVATIONS, QuantizedWeight
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -29,6 +29,8 @@ class _Linear(ctypes.Structure):
 
 
 QKV_RUNS = 3  # decode_layer.c's: q, k and v in up to three formats
+# The caches decode_layer.c writes and reads: float ones.
+CACHE_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
 class _Layer(ctypes.Structure):
@@ -39,7 +41,7 @@ class _Layer(ctypes.Structure):
         ("heads", _i64), ("kv_heads", _i64), ("head_dim", _i64),
         ("cos_sin", _ptr), ("cos_sin_rows", _i64),
         ("key_cache", _ptr), ("value_cache", _ptr), ("block_size", _i64),
-        ("gemma", _i32),
+        ("gemma", _i32), ("cache_format", _i32),
         ("q_norm", _ptr), ("k_norm", _ptr), ("post_attention_norm", _ptr), ("post_mlp_norm", _ptr),
     ]  # fmt: skip
 
@@ -119,7 +121,8 @@ class DecodeLayer:
             shape.heads, shape.kv_heads, shape.head_dim,
             table.data_ptr(), table.shape[0],
             key_cache.data_ptr(), value_cache.data_ptr(), key_cache.shape[1],
-            gemma is not None, *(t.data_ptr() for t in self._tensors[5:]),
+            gemma is not None, C_FORMATS[key_cache.dtype],
+            *(t.data_ptr() for t in self._tensors[5:]),
         )  # fmt: skip
 
 

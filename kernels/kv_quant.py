@@ -39,8 +39,11 @@ from dataclasses import dataclass
 
 import torch
 
-# Engine argument values (`kv_cache_dtype`): auto stores K and V in the activations' dtype.
-KV_CACHE_DTYPES = ("auto", "fp8", "int8")
+# Engine argument values (`kv_cache_dtype`): auto stores K and V in the activations' dtype, a
+# float name in that dtype (a float32 model's keys and values rounded to it as they are cached),
+# a quantized name as above.
+KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8")
+FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # The largest magnitude each format holds: a group's scale maps its extreme onto it.
 LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}
@@ -94,6 +97,8 @@ def storage_dtype(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:
     """The dtype a cache's elements are stored in under the engine argument."""
     if kv_cache_dtype == "auto":
         return activations
+    if kv_cache_dtype in FLOATS:
+        return FLOATS[kv_cache_dtype]
     if kv_cache_dtype not in QUANTIZED:
         raise ValueError(
             f"kv_cache_dtype must be one of {', '.join(KV_CACHE_DTYPES)}, got {kv_cache_dtype!r}"

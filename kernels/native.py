@@ -43,13 +43,6 @@ _i64, _i32, _f32 = ctypes.c_int64, ctypes.c_int32, ctypes.c_float
 _ptr = ctypes.c_void_p
 # Argument types of each exported function, in order.
 SIGNATURES: dict[str, list[type]] = {
-    "paged_decode_attention": [
-        _ptr, _ptr, _ptr,  # query, key cache, value cache
-        _ptr, _i64,  # block tables, their width
-        _ptr, _ptr, _ptr, _ptr, _i64,  # token rows, table rows, first keys, seq lens, how many
-        _i64, _i64, _i64, _i64,  # heads, KV heads, head dim, block size
-        _f32, _i32, _ptr,  # scale, threads, out
-    ],
     "paged_decode_attention_kv": [
         _ptr, _ptr, _ptr,  # query, key cache, value cache
         _ptr, _ptr, _i32,  # key scales, value scales (a quantized cache's), format

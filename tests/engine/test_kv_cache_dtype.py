@@ -2,7 +2,7 @@
 32 elements of a token's KV head (kernels/kv_quant.py), fits more blocks in the same memory,
 reports the dtype, and scores text close to the unquantized cache's (not identically: see the
 kernel tests for the bounds), through prefill chunks that read earlier chunks' keys and through
-decode."""
+decode. float16 under a float32 model: two bytes an element, each rounded once as it is cached."""
 
 from __future__ import annotations
 
@@ -37,7 +37,7 @@ GIB = 2**30
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match="kv_cache_dtype.*auto, fp8, int8"):
+    with pytest.raises(ValueError, match="kv_cache_dtype.*auto, float16, bfloat16, fp8, int8"):
         EngineArgs(model="x", kv_cache_dtype="fp16")
 
 
@@ -64,6 +64,19 @@ def test_the_same_memory_holds_more_blocks_and_the_stats_say_the_dtype(tiny_llam
     assert settings_in_force(plain)["kv_cache_dtype"] == "float32"
 
 
+def test_a_float16_cache_holds_twice_a_float32_ones_blocks(tiny_llama):
+    budget = 0.01  # GiB
+    plain = LLMEngine(EngineArgs(model=str(tiny_llama), kv_cache_memory_gib=budget))
+    half = LLMEngine(
+        EngineArgs(model=str(tiny_llama), kv_cache_memory_gib=budget, kv_cache_dtype="float16")
+    )
+    assert half.runner.num_blocks / plain.runner.num_blocks == pytest.approx(2, rel=0.01)
+    key_cache, value_cache = half.runner.kv_caches[0]
+    assert key_cache.dtype == value_cache.dtype == torch.float16
+    assert half.runner.dtype == torch.float32  # the activations stay the model's
+    assert settings_in_force(half)["kv_cache_dtype"] == "float16"
+
+
 def scored(llm: LLM, prompts: list[list[int]]) -> list[list[float]]:
     params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=0)
     return [[e.logprob for e in o.prompt_logprobs[1:]] for o in llm.generate(prompts, params)]
@@ -76,12 +89,14 @@ def rounded_reference(monkeypatch):
 
     def make(kv: str) -> None:
         write = ops.TORCH.reshape_and_cache
-        dtype = QUANTIZED[kv]
+
+        def through(x: torch.Tensor) -> torch.Tensor:
+            if kv in kv_quant.FLOATS:
+                return x.to(kv_quant.FLOATS[kv]).to(x.dtype)
+            return kv_quant.dequantize(*kv_quant.quantize(x, QUANTIZED[kv]), x.dtype)
 
         def rounded(key, value, key_cache, value_cache, slots):
-            key, value = (kv_quant.dequantize(*kv_quant.quantize(x, dtype), x.dtype)
-                          for x in (key, value))  # fmt: skip
-            write(key, value, key_cache, value_cache, slots)
+            write(through(key), through(value), key_cache, value_cache, slots)
 
         monkeypatch.setattr(ops, "TORCH", ops.TORCH._replace(reshape_and_cache=rounded))
         ops.reset()
@@ -90,7 +105,7 @@ def rounded_reference(monkeypatch):
     ops.reset()
 
 
-@pytest.mark.parametrize("kv", ["int8", "fp8"])
+@pytest.mark.parametrize("kv", ["int8", "fp8", "float16"])
 @pytest.mark.parametrize("arch", ["llama", "gemma2", "gemma3"])
 @pytest.mark.parametrize("layers", ["one", "all"])
 def test_prefill_chunks_and_decode_read_what_was_stored(

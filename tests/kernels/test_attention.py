@@ -144,6 +144,35 @@ def test_matches_dense_reference(scenario, heads, window, dtype):
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
 
 
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+@pytest.mark.parametrize("head_dim", [20, 64, 256])
+@pytest.mark.parametrize("scenario", ["mixed", "decode_lengths_spread"])
+def test_float32_queries_read_a_half_precision_cache_as_it_holds_it(
+    scenario, head_dim, cache_dtype
+):
+    """kv_cache_dtype float16 or bfloat16 under a float32 model: the keys and values are rounded
+    once, as they are cached; attention over them is float32's (the C kernel widens each element
+    exactly as it loads it, torch converts the gathered rows)."""
+    batch = make_batch(SCENARIOS[scenario], 6, 2, head_dim=head_dim)
+    batch.key_cache = batch.key_cache.to(cache_dtype)
+    batch.value_cache = batch.value_cache.to(cache_dtype)
+    scale = head_dim**-0.5
+    out = run(batch, scale, 7)
+    assert out.dtype == torch.float32
+    expected = reference_attention(batch, scale, 7)  # of the values as the cache holds them
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+def test_reshape_and_cache_rounds_float32_rows_into_a_half_precision_cache():
+    key_cache = torch.zeros(4, BLOCK_SIZE, 2, HEAD_DIM, dtype=torch.float16)
+    value_cache = torch.zeros_like(key_cache)
+    key, value = torch.randn(2, 5, 2, HEAD_DIM, generator=torch.Generator().manual_seed(1))
+    slots = torch.tensor([3, 17, 18, 40, 63])
+    reshape_and_cache(key, value, key_cache, value_cache, slots)
+    assert torch.equal(key_cache.view(-1, 2, HEAD_DIM)[slots], key.half())
+    assert torch.equal(value_cache.view(-1, 2, HEAD_DIM)[slots], value.half())
+
+
 @pytest.mark.parametrize("head_dim", [20, 64, 128])
 def test_head_sizes_the_c_kernel_specializes_or_not(head_dim):
     # 64 and 128 run as constants; 20 is no multiple of the vector width.
@@ -274,7 +303,7 @@ def test_a_chunk_after_a_long_context_reads_it_in_tiles_without_a_mask(dtype):
     expected = reference_attention(batch, 0.2, None)
     torch.testing.assert_close(out.double(), expected, atol=TOLERANCE[dtype], rtol=0)
     (plan,) = meta._plans.values()
-    rows = attention._workspace(batch.key_cache).shape[1]  # one gather
+    rows = attention._workspace(batch.key_cache, batch.key_cache.dtype).shape[1]  # one gather
     in_place = plan.decode_rows is not None  # the C kernel reads a decode's blocks in place
     assert [len(seq.tiles) for seq in plan.prefill] == [
         math.ceil(936 / rows) + 1,

@@ -44,13 +44,17 @@ PARTS = {
 
 
 def quantized_model(
-    checkpoint: Path, fmt: Format, v_fmt: Format | None = None, k_formats: dict | None = None
+    checkpoint: Path,
+    fmt: Format,
+    v_fmt: Format | None = None,
+    k_formats: dict | None = None,
+    kv_cache_dtype: str = "auto",
 ) -> tuple[LLM, torch.nn.Module]:
     """The checkpoint's engine with every decoder linear on its weights quantized to `fmt`
     (v_proj's to `v_fmt`, where given: q, k and v in two runs of blocks); the parts named in
     `k_formats` in the K format it gives, as random blocks of weights about the checkpoint's
     size (the gguf package does not quantize to K formats)."""
-    llm = LLM(checkpoint, num_kv_blocks=256)
+    llm = LLM(checkpoint, num_kv_blocks=256, kv_cache_dtype=kv_cache_dtype)
     model = llm.engine.runner.model
     weights = load_file(str(checkpoint / "model.safetensors"))
     for i, layer in enumerate(model.layers):
@@ -149,6 +153,32 @@ def test_a_decode_step_in_one_call_a_layer_matches_the_layers_torch_path(
 
 
 @torch.inference_mode()
+@pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
+@torch.inference_mode()
+def test_a_half_precision_cache_is_written_rounded_and_read_in_the_one_call(
+    tiny_llama, kv_cache_dtype, fused_calls
+):
+    llm, model = quantized_model(tiny_llama, Format.Q8_0, kv_cache_dtype=kv_cache_dtype)
+    kv_caches = llm.engine.runner.kv_caches
+    assert kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
+    ids, meta = decode_step(llm, [5, 70, 17])
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    slots = meta.slot_mapping
+    written = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
+               for k, v in kv_caches]  # fmt: skip
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    # Rounded to the cache's dtype by each path: an element within float32's rounding of a
+    # rounding boundary may land a step apart.
+    step = {"float16": 2**-10, "bfloat16": 2**-7}[kv_cache_dtype]
+    torch.testing.assert_close(got, expected, rtol=step, atol=step)
+    for (k, v), (k_torch, v_torch) in zip(kv_caches, written, strict=True):
+        for cache, torch_written in ((k, k_torch), (v, v_torch)):
+            torch.testing.assert_close(
+                cache.view(-1, *cache.shape[2:])[slots], torch_written, rtol=step, atol=step
+            )
+
+
 def test_a_sliding_window_is_followed(make_checkpoint, fused_calls):
     llm, model = quantized_model(make_checkpoint("mistral", sliding_window=48), Format.Q8_0)
     kv_caches = llm.engine.runner.kv_caches

@@ -283,11 +283,11 @@ def decode_with(lib: ctypes.CDLL, query, keys, values, meta, scale, fmt_code=Non
     rows = attention.decode_rows(meta, None)
     query = query.contiguous()  # kept: the kernel reads it through a pointer
     out = torch.zeros_like(query)
-    code = attention._C_FORMATS[keys.dtype] if fmt_code is None else fmt_code
+    code = attention.C_FORMATS[keys.dtype] if fmt_code is None else fmt_code
     group = kv_quant.group_size(query.shape[2]) if group is None else group
+    scales = [c.scales.data_ptr() if isinstance(c, QuantizedCache) else 0 for c in (keys, values)]
     status = lib.paged_decode_attention_kv(
-        query.data_ptr(), keys.data.data_ptr(), values.data.data_ptr(),
-        keys.scales.data_ptr(), values.scales.data_ptr(), code, group,
+        query.data_ptr(), keys.data.data_ptr(), values.data.data_ptr(), *scales, code, group,
         rows.tables.data_ptr(), rows.tables.shape[1],
         rows.token_rows.data_ptr(), rows.table_rows.data_ptr(), rows.first_keys.data_ptr(),
         rows.seq_lens.data_ptr(), rows.token_rows.numel(),
@@ -309,6 +309,20 @@ def test_other_builds_match_the_reference(other_build, head_dim, fmt):
     status, out = decode_with(other_build, batch.query, *caches, meta, scale)
     assert status == 0
     expected = reference_attention(batch, scale, None)
+    torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_other_builds_read_a_half_precision_cache(other_build, dtype):
+    batch = make_batch(SCENARIOS["decode_lengths_spread"], 6, 2, head_dim=64)
+    batch.key_cache, batch.value_cache = batch.key_cache.to(dtype), batch.value_cache.to(dtype)
+    meta = prepare_attention(
+        batch.query_start_loc, batch.seq_lens, batch.block_tables, batch.block_size
+    )
+    status, out = decode_with(other_build, batch.query, batch.key_cache, batch.value_cache, meta,
+                              0.125)  # fmt: skip
+    assert status == 0
+    expected = reference_attention(batch, 0.125, None)
     torch.testing.assert_close(out.double(), expected, atol=1e-5, rtol=0)
 
 

@@ -33,6 +33,7 @@ from pagedbatch.engine.worker.parallel_layers import (
 from pagedbatch.kernels import native, ops
 from pagedbatch.kernels.attention import AttentionMetadata
 from pagedbatch.kernels.decode_layer import (
+    CACHE_DTYPES,
     QKV_RUNS,
     DecodeLayer,
     DecodeStep,
@@ -273,13 +274,15 @@ def fused_layer(
 ) -> DecodeLayer | None:
     """A layer of these parts as `decode_layer.c` computes it (the caller has checked that their
     classes are the ones it computes), where its linears are on quantized weights without
-    biases, its rotary table is fixed and its KV cache float32; None otherwise."""
+    biases, its rotary table is fixed and its KV cache float32, float16 or bfloat16; None
+    otherwise."""
     key_cache, value_cache = kv_cache
     linears = (attn.qkv_proj, attn.o_proj, mlp.gate_up_proj, mlp.down_proj)
     if not (
         type(attn.rotary) is RotaryEmbedding
         and attn.rotary.rope_type != "dynamic"
-        and key_cache.dtype == value_cache.dtype == torch.float32
+        and key_cache.dtype == value_cache.dtype
+        and key_cache.dtype in CACHE_DTYPES
         and fusable(attn.qkv_proj.packed, QKV_RUNS)
         and all(fusable(m.packed) for m in linears[1:])
         and all(m.bias is None and m.tp.size == 1 for m in linears)
