@@ -13,6 +13,7 @@ from gguf import GGUFWriter
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import ModelConfig, default_model_name
+from pagedbatch.engine.worker import gguf
 from pagedbatch.engine.worker.gguf import cache_root, find_gguf
 
 
@@ -85,6 +86,21 @@ def test_metadata_is_read_once_and_again_when_the_file_changes(
     assert (first.metadata_dir / "tensors.json").stat().st_mtime_ns == stamp
     model.touch()
     assert ModelConfig.load(model).metadata_dir != first.metadata_dir
+
+
+@pytest.mark.real_model
+def test_the_metadata_is_read_in_a_process_of_its_own(
+    tmp_path: Path, cache_home, real_model, monkeypatch: pytest.MonkeyPatch
+):
+    # The vocabulary's Python objects stay out of the engine's process (gguf.py's top): here,
+    # reading it in this process fails, and the file loads all the same.
+    def in_this_process(*args):
+        raise AssertionError("the metadata was read in the engine's process")
+
+    monkeypatch.setattr(gguf, "_write_metadata", in_this_process)
+    model = tmp_path / "smol.gguf"
+    shutil.copyfile(real_model("smollm2-135m-instruct"), model)
+    assert ModelConfig.load(model).vocab_size == 49152
 
 
 @pytest.mark.real_model
