@@ -267,6 +267,9 @@ def reshape_and_cache(
     if isinstance(key_cache, QuantizedCache):
         attention.reshape_and_cache(key, value, key_cache, value_cache, slot_mapping)
         return
+    # Rounded by torch where the cache's dtype is narrower: Triton's interpreter truncates to
+    # bfloat16 where torch and the GPU round to nearest even.
+    key, value = key.to(key_cache.dtype), value.to(value_cache.dtype)
     _check_rows(key, value, key_cache, value_cache)
     _reshape_and_cache_kernel[(num_tokens,)](
         key,

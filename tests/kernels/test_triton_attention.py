@@ -146,3 +146,22 @@ def test_reshape_and_cache_writes_the_same_slots(dtype, device):
 
     for cache, want in zip(caches, expected, strict=True):
         torch.testing.assert_close(cache, want, atol=0, rtol=0, equal_nan=True)
+
+
+@pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
+def test_a_half_precision_cache_under_float32_queries(cache_dtype, device):
+    # kv_cache_dtype float16 or bfloat16 for a float32 model: the write rounds, reads widen.
+    batch = cached_batch(device, SCENARIOS["mixed"], 6, 2)
+    batch.key_cache, batch.value_cache = (
+        batch.key_cache.to(cache_dtype),
+        batch.value_cache.to(cache_dtype),
+    )
+    assert_matches_torch_path(batch, 0.2, 7)
+    num_tokens = batch.query.shape[0]
+    key, value = torch.randn(2, num_tokens, 2, HEAD_DIM, device=device)
+    caches = batch.key_cache, batch.value_cache
+    expected = [c.clone() for c in caches]
+    triton_attention.reshape_and_cache(key, value, *caches, batch.meta.slot_mapping)
+    attention.reshape_and_cache(key, value, *expected, batch.meta.slot_mapping)
+    for cache, want in zip(caches, expected, strict=True):
+        torch.testing.assert_close(cache, want, atol=0, rtol=0, equal_nan=True)
