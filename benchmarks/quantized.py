@@ -18,7 +18,8 @@ a process of its own, one after another. Workloads (`--workloads`, all by defaul
   token-id prompts at once on `/completion`. Output tokens/s each, ratios in the same run, and
   the greedy agreement of ours gguf with ours exact (quality gate: at least 90% of answers
   identical over their first 32 tokens). Memory: ours gguf's peak RSS beyond the KV cache it
-  wrote, against 1.5x the file's size + 300 MiB.
+  wrote, against 1.5x the file's size + 300 MiB. `--kv-cache-dtype` sets ours' cache (both
+  modes): float16 is what llama-server's holds.
 - perplexity: quality.py's text in chunks of 512 tokens, ours gguf and exact through the engine's
   prompt logprobs, and `llama-perplexity -c 512` (gates: gguf within 0.5% of exact, within 1%
   of llama.cpp's).

@@ -129,6 +129,24 @@ def fused_calls(monkeypatch: pytest.MonkeyPatch) -> list[int]:
     return calls
 
 
+def fused_against_torch(llm: LLM, model, seq_lens: list[int], fused_calls, tolerance: float):
+    """A decode step through the fused layers against the layers' torch path: the hidden states
+    and the keys and values each wrote into the cache, within `tolerance`."""
+    kv_caches = llm.engine.runner.kv_caches
+    ids, meta = decode_step(llm, seq_lens)
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    slots = meta.slot_mapping
+    written = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
+               for k, v in kv_caches]  # fmt: skip
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    torch.testing.assert_close(got, expected, rtol=tolerance, atol=tolerance)
+    for cache_pair, torch_pair in zip(kv_caches, written, strict=True):
+        for cache, torch_written in zip(cache_pair, torch_pair, strict=True):
+            torch.testing.assert_close(cache.view(-1, *cache.shape[2:])[slots], torch_written,
+                                       rtol=tolerance, atol=tolerance)  # fmt: skip
+
+
 @pytest.mark.parametrize("fmt", [Format.Q4_1, Format.Q8_0, Format.Q5_0])
 @pytest.mark.parametrize(
     "seq_lens", [[1], [37], [5, 70, 17], list(range(9, 17)), list(range(9, 9 + small_batch()))]
@@ -138,47 +156,23 @@ def test_a_decode_step_in_one_call_a_layer_matches_the_layers_torch_path(
     tiny_llama, fmt, seq_lens, fused_calls
 ):
     llm, model = quantized_model(tiny_llama, fmt)
-    kv_caches = llm.engine.runner.kv_caches
-    ids, meta = decode_step(llm, seq_lens)
-    expected = layers_one_by_one(model, ids, meta, kv_caches)
-    slots = meta.slot_mapping
-    written = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
-               for k, v in kv_caches]  # fmt: skip
-    got = model(ids, meta.positions, kv_caches, meta)
-    assert len(fused_calls) == len(model.layers)
-    torch.testing.assert_close(got, expected, rtol=1e-4, atol=1e-4)
-    for (k, v), (k_torch, v_torch) in zip(kv_caches, written, strict=True):
-        torch.testing.assert_close(k.view(-1, *k.shape[2:])[slots], k_torch, rtol=1e-4, atol=1e-4)
-        torch.testing.assert_close(v.view(-1, *v.shape[2:])[slots], v_torch, rtol=1e-4, atol=1e-4)
+    fused_against_torch(llm, model, seq_lens, fused_calls, tolerance=1e-4)
 
 
-@torch.inference_mode()
 @pytest.mark.parametrize("kv_cache_dtype", ["float16", "bfloat16"])
 @torch.inference_mode()
 def test_a_half_precision_cache_is_written_rounded_and_read_in_the_one_call(
     tiny_llama, kv_cache_dtype, fused_calls
 ):
     llm, model = quantized_model(tiny_llama, Format.Q8_0, kv_cache_dtype=kv_cache_dtype)
-    kv_caches = llm.engine.runner.kv_caches
-    assert kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
-    ids, meta = decode_step(llm, [5, 70, 17])
-    expected = layers_one_by_one(model, ids, meta, kv_caches)
-    slots = meta.slot_mapping
-    written = [(k.view(-1, *k.shape[2:])[slots].clone(), v.view(-1, *v.shape[2:])[slots].clone())
-               for k, v in kv_caches]  # fmt: skip
-    got = model(ids, meta.positions, kv_caches, meta)
-    assert len(fused_calls) == len(model.layers)
+    assert llm.engine.runner.kv_caches[0][0].dtype == getattr(torch, kv_cache_dtype)
     # Rounded to the cache's dtype by each path: an element within float32's rounding of a
     # rounding boundary may land a step apart.
     step = {"float16": 2**-10, "bfloat16": 2**-7}[kv_cache_dtype]
-    torch.testing.assert_close(got, expected, rtol=step, atol=step)
-    for (k, v), (k_torch, v_torch) in zip(kv_caches, written, strict=True):
-        for cache, torch_written in ((k, k_torch), (v, v_torch)):
-            torch.testing.assert_close(
-                cache.view(-1, *cache.shape[2:])[slots], torch_written, rtol=step, atol=step
-            )
+    fused_against_torch(llm, model, [5, 70, 17], fused_calls, tolerance=step)
 
 
+@torch.inference_mode()
 def test_a_sliding_window_is_followed(make_checkpoint, fused_calls):
     llm, model = quantized_model(make_checkpoint("mistral", sliding_window=48), Format.Q8_0)
     kv_caches = llm.engine.runner.kv_caches

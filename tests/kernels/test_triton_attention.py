@@ -138,12 +138,14 @@ def test_reshape_and_cache_writes_the_same_slots(dtype, device):
     qkv = torch.randn(num_tokens, 8 * HEAD_DIM, device=device).to(dtype)
     key = qkv[:, 4 * HEAD_DIM : 6 * HEAD_DIM].view(num_tokens, 2, HEAD_DIM)
     value = qkv[:, 6 * HEAD_DIM :].view(num_tokens, 2, HEAD_DIM)
+    assert_writes_as_the_torch_path(key, value, batch)
+
+
+def assert_writes_as_the_torch_path(key: torch.Tensor, value: torch.Tensor, batch: Batch) -> None:
     caches = batch.key_cache, batch.value_cache
     expected = [c.clone() for c in caches]
-
     triton_attention.reshape_and_cache(key, value, *caches, batch.meta.slot_mapping)
     attention.reshape_and_cache(key, value, *expected, batch.meta.slot_mapping)
-
     for cache, want in zip(caches, expected, strict=True):
         torch.testing.assert_close(cache, want, atol=0, rtol=0, equal_nan=True)
 
@@ -157,11 +159,5 @@ def test_a_half_precision_cache_under_float32_queries(cache_dtype, device):
         batch.value_cache.to(cache_dtype),
     )
     assert_matches_torch_path(batch, 0.2, 7)
-    num_tokens = batch.query.shape[0]
-    key, value = torch.randn(2, num_tokens, 2, HEAD_DIM, device=device)
-    caches = batch.key_cache, batch.value_cache
-    expected = [c.clone() for c in caches]
-    triton_attention.reshape_and_cache(key, value, *caches, batch.meta.slot_mapping)
-    attention.reshape_and_cache(key, value, *expected, batch.meta.slot_mapping)
-    for cache, want in zip(caches, expected, strict=True):
-        torch.testing.assert_close(cache, want, atol=0, rtol=0, equal_nan=True)
+    key, value = torch.randn(2, batch.query.shape[0], 2, HEAD_DIM, device=device)
+    assert_writes_as_the_torch_path(key, value, batch)
