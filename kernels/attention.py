@@ -295,7 +295,7 @@ def _flash(
     )
 
 
-# The C kernel's codes for the cache formats it reads (cpu_attention.c's `enum kv_format`).
+# The C kernel's codes for the cache formats it reads (cpu_attention.h's `enum kv_format`).
 C_FORMATS = {
     torch.float32: 0, torch.int8: 1, torch.float8_e4m3fn: 2, torch.bfloat16: 3, torch.float16: 4
 }  # fmt: skip

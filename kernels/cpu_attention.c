@@ -42,6 +42,8 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_attention.h"
+
 #if defined(__AVX512F__)
 #define W 16
 #else
@@ -53,9 +55,6 @@ typedef float vec __attribute__((vector_size(W * sizeof(float))));
 typedef int32_t ivec __attribute__((vector_size(W * sizeof(int32_t))));
 typedef uint16_t u16vec __attribute__((vector_size(W * sizeof(uint16_t))));
 typedef uint32_t u32vec __attribute__((vector_size(W * sizeof(uint32_t))));
-
-/* How the cache's elements are stored: attention.py's _C_FORMATS. */
-enum kv_format { KV_FLOAT32 = 0, KV_INT8 = 1, KV_FP8 = 2, KV_BF16 = 3, KV_F16 = 4 };
 
 static inline int64_t element_size(enum kv_format fmt) {
     return fmt == KV_FLOAT32 ? 4 : fmt == KV_BF16 || fmt == KV_F16 ? 2 : 1;

@@ -28,6 +28,9 @@
 #include <immintrin.h>
 #endif
 
+#include "cpu_attention.h"
+#include "quant_formats.h"
+
 int quant_matmul_float(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                        int64_t n, int num_threads, float *out);
 int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
@@ -38,17 +41,6 @@ int rotary_embedding(const int64_t *positions, int64_t num_tokens, const float *
                      int64_t q_stride, int64_t q_heads, const float *key, int64_t k_stride,
                      int64_t k_heads, int64_t head_dim, const float *cos_sin, int64_t rows,
                      int num_threads, float *q_out, float *k_out);
-int paged_decode_attention_kv(const float *query, const void *key_cache, const void *value_cache,
-                              const float *key_scales, const float *value_scales, int format,
-                              int64_t scale_group, const int32_t *block_tables, int64_t table_width,
-                              const int64_t *token_rows, const int64_t *table_rows,
-                              const int64_t *first_keys, const int64_t *seq_lens,
-                              int64_t num_seqs, int64_t num_heads, int64_t num_kv_heads,
-                              int64_t head_dim, int64_t block_size, float scale, int num_threads,
-                              float *out);
-
-/* The cache formats this layer writes: cpu_attention.c's codes for them. */
-enum { CACHE_FLOAT32 = 0, CACHE_BF16 = 3, CACHE_F16 = 4 };
 
 /* A linear's weight in one run of blocks (quant_linear.QuantizedWeight). */
 struct quant_linear {
@@ -73,7 +65,7 @@ struct decode_layer {
     void *key_cache, *value_cache; /* [blocks, block_size, kv_heads, head_dim] */
     int64_t block_size;
     int32_t gemma;
-    int32_t cache_format; /* CACHE_FLOAT32, CACHE_BF16 or CACHE_F16 */
+    int32_t cache_format; /* KV_FLOAT32, KV_BF16 or KV_F16 (cpu_attention.h) */
     const float *q_norm, *k_norm, *post_attention_norm, *post_mlp_norm; /* gemma's */
 };
 
@@ -171,15 +163,15 @@ static void gelu_tanh_and_mul(const float *gate, const float *up, int64_t n, flo
 }
 
 /* n floats from src stored at element `at` of a cache in `format`, rounded to nearest even
- * (float16 by F16C where the CPU has it; bfloat16 as quant_gemm.c rounds, NaN kept NaN). */
+ * (float16 by F16C where the CPU has it; bfloat16 by quant_formats.h's to_bf16). */
 static void store_row(void *cache, int64_t at, const float *src, int64_t n, int format) {
-    if (format == CACHE_FLOAT32) {
+    if (format == KV_FLOAT32) {
         memcpy((float *)cache + at, src, sizeof(float) * (size_t)n);
         return;
     }
     uint16_t *dst = (uint16_t *)cache + at;
     int64_t i = 0;
-    if (format == CACHE_F16) {
+    if (format == KV_F16) {
 #ifdef __F16C__
         for (; i + 8 <= n; i += 8)
             _mm_storeu_si128((__m128i *)(dst + i),
@@ -191,13 +183,7 @@ static void store_row(void *cache, int64_t at, const float *src, int64_t n, int 
         }
         return;
     }
-    for (; i < n; ++i) {
-        uint32_t bits;
-        memcpy(&bits, src + i, sizeof bits);
-        dst[i] = (bits & 0x7fffffffu) > 0x7f800000u
-                     ? (uint16_t)((bits >> 16) | 0x40)
-                     : (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-    }
+    for (; i < n; ++i) dst[i] = to_bf16(src[i]);
 }
 
 /* Returns 0; -1 where a position has no row in the rotary table, -2 where scratch or the

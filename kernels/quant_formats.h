@@ -1,7 +1,8 @@
 /* The GGUF block formats that quant_matmul.c (a few rows) and quant_gemm.c (many rows) read, in
  * one place: their ggml type numbers, a block's bytes and weights, the half-precision scales,
- * the K formats' packed six-bit scales, and a block's float32 weights (layouts in
- * quant_blocks.py, which holds the same tables for the Python side).
+ * bfloat16's rounding (quant_gemm.c's products, decode_layer.c's cache writes), the K formats'
+ * packed six-bit scales, and a block's float32 weights (layouts in quant_blocks.py, which holds
+ * the same tables for the Python side).
  *
  * Everything here is static inline: each C file that includes it is compiled into a library of
  * its own (native.py), and the functions are small enough to be inlined where they are called.
@@ -60,6 +61,22 @@ static inline float half_to_float(const uint8_t *p) {
     memcpy(&f, &bits, sizeof f);
     return f;
 #endif
+}
+
+/* f rounded to the nearest bfloat16, ties to even (the hardware's rounding for finite values;
+ * a NaN stays a NaN). */
+static inline uint16_t to_bf16(float f) {
+    uint32_t bits;
+    memcpy(&bits, &f, sizeof bits);
+    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
+    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
+}
+
+static inline float from_bf16(uint16_t b) {
+    const uint32_t bits = (uint32_t)b << 16;
+    float f;
+    memcpy(&f, &bits, sizeof f);
+    return f;
 }
 
 /* Q4_K's and Q5_K's six-bit scale and minimum of sub-block j (of 8), packed in 12 bytes. */

@@ -46,21 +46,6 @@
 enum { PANEL = 32, CHUNK = 256, ROWS_AVX512 = 12, AMX_ROWS = 32 };
 enum { PATH_PORTABLE = 0, PATH_AVX512 = 1, PATH_AMX = 2 };
 
-/* f rounded to the nearest bfloat16, ties to even (the hardware's rounding for finite values). */
-static inline uint16_t to_bf16(float f) {
-    uint32_t bits;
-    memcpy(&bits, &f, sizeof bits);
-    if ((bits & 0x7fffffffu) > 0x7f800000u) return (uint16_t)((bits >> 16) | 0x40); /* NaN */
-    return (uint16_t)((bits + 0x7fffu + ((bits >> 16) & 1u)) >> 16);
-}
-
-static inline float from_bf16(uint16_t b) {
-    const uint32_t bits = (uint32_t)b << 16;
-    float f;
-    memcpy(&f, &bits, sizeof f);
-    return f;
-}
-
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* 16 vectors of 16 lanes transposed in registers: lane j of r[k] becomes lane k of r[j]. */

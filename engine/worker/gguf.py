@@ -8,9 +8,9 @@ hold (config.json, generation_config.json, the tokenizer files) and `tensors.jso
 tensor lies in the file and the name transformers gives it, into a cache directory keyed by the
 file's path, size and modification time. It does so in a process of its own: Gemma 3's vocabulary
 took 1.6 GiB at its peak and left the process 500 MiB larger, heap it never handed back.
-Every load after the first reads those, and the weights come one tensor at a time from a memory
-map of the file, dequantized by the `gguf` package to float32: the file is never read whole into
-memory, and a checkpoint never sits in memory twice.
+Every load after the first reads those, and the weights come one tensor at a time, read from the
+file (`_read`) and dequantized by the `gguf` package to float32: the file is never read whole
+into memory, and a checkpoint never sits in memory twice.
 
 The tensors are rearranged as transformers does it (its `TENSOR_PROCESSORS`: llama.cpp permutes
 Llama's q/k rows for its rotary layout and stores Gemma's norms as 1 + weight), so a GGUF loads
