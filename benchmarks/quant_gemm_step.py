@@ -75,9 +75,14 @@ def methods() -> dict[str, object]:
                 found[f"{path}_{product}"] = lambda x, b, f, c, w, p=path, q=product: (
                     quant_gemm.multiply(x, b, f, c, q, p)
                 )
-    if "vnni" in quant_gemm.int8_paths():
-        found["vnni_int8"] = lambda x, b, f, c, w: quant_gemm.quant_gemm_int8(x, b, f, c, "vnni")
+    if "vnni" in quant_gemm.integer_paths():
+        for bits in (16, 8):
+            found[f"vnni_int{bits}"] = functools.partial(_integer, bits=bits)
     return found
+
+
+def _integer(x, blocks, fmt, cols, weights, bits: int) -> torch.Tensor:
+    return quant_gemm.quant_gemm_int(x, blocks, fmt, cols, bits, "vnni")
 
 
 @functools.cache

@@ -560,31 +560,57 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
 }
 
 /* ---------------------------------------------------------------------------------------------
- * int8 activations (PAGEDBATCH_QUANT_GEMM=int8; llama.cpp's arithmetic, the issue's option (a)).
- * Each row of x is quantized per block of 32 as llama.cpp's q8: d = max |x| / 127, q =
- * round(x / d) in -127 .. 127, and each weight kept as the stored integer it is, unsigned, with
- * its group's float scale s and offset m (w = s q + m: Q4_0 q - 8, Q5_0 q - 16, Q8_0 q + 128
- * shifted to unsigned, Q4_1 and the K formats' mins; a group is 32 weights, Q6_K's 16 of their
- * own scale). An output is then
+ * Integer activations (PAGEDBATCH_QUANT_GEMM=int16 or int8). Each row of x is quantized per block
+ * of 32 to `bits` signed integers: d = max |x| / L, q = round(x / d) in -L .. L (L = 32767 for
+ * int16, 127 for int8 as llama.cpp's q8), and each weight kept as the stored integer it is,
+ * unsigned, with its group's float scale s and offset m (w = s q + m: Q4_0 q - 8, Q5_0 q - 16,
+ * Q8_0 q + 128 shifted to unsigned, Q4_1 and the K formats' mins; a group is 32 weights, Q6_K's 16
+ * of their own scale). An output is then
  *     sum over groups g of  s_g xd_g (sum_k q_k xq_k)  +  m_g xd_g (sum_k xq_k),
- * the integer sums exact (vpdpbusd: unsigned weight bytes by signed activation bytes, four a
- * lane), the second term the product of the offset with the quantized activations' sum: the
- * whole is the exact weights times the quantized activations, whose error is at most sum over
- * blocks of d / 2 sum |w| (quant_matmul.c's int8 bound), then float32's rounding.
- * The panel: pq[kq * PANEL + r] holds row r's four weight bytes at columns 4 kq .. 4 kq + 3;
- * ps, pm[g * PANEL + r] its group g's scale and offset.
- * Not a default anywhere: as fast as AMX's bf16x3 and 2.3x the float32 tiles on a 128-row
- * SmolLM2 step, but its greedy answers matched exact mode's over 32 tokens in 6 chats of 16
- * (the gate asks 90%; perplexity +0.25%): benchmarks/README.md. */
+ * the integer sums exact, the second term the product of the offset with the quantized
+ * activations' sum: the whole is the exact weights times the quantized activations, whose error
+ * is at most sum over blocks of d / 2 sum |w| (quant_matmul.c's bound), then float32's rounding.
+ * - int16 (vpdpwssd: two products of int16 a lane, at most 2 * 255 * 32767 a pair and 16 pairs a
+ *   group, under 2^29): 32 products an instruction, twice float32's FMA, each activation within
+ *   2^-16 of its block's largest, as the few-row int16 kernels of quant_matmul.c, whose greedy
+ *   answers follow exact mode's. The default on AVX512-VNNI CPUs without AMX (quant_linear).
+ * - int8 (vpdpbusd: unsigned weight bytes by signed activation bytes, four a lane), llama.cpp's
+ *   arithmetic: 64 products an instruction, but SmolLM2's greedy answers with it matched exact
+ *   mode's over 32 tokens in 6 chats of 16 (the gate asks 90%; perplexity +0.25%):
+ *   benchmarks/README.md. Taken only where asked.
+ * With int16 the formats whose offset is a fixed multiple of the scale (Q4_0, Q5_0, Q8_0, Q6_K:
+ * `centre`) keep their integers signed, q - centre, and no offset: one term a group, not two.
+ * The panel: pq[kd * PANEL + r] holds row r's weights at columns kd * per .. kd * per + per - 1,
+ * per = 32 / bits of them in a dword (bytes for int8, int16 for int16); ps, pm[g * PANEL + r] its
+ * group g's scale and offset. */
 
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
 #define GEMM_VNNI 1
 #include <immintrin.h>
 #endif
 
-enum { INT8_PORTABLE = 0, INT8_VNNI = 1, ROWS_VNNI = 4 };
+enum { INT_PORTABLE = 0, INT_VNNI = 1, ROWS_VNNI = 6 };
 
 static int group_size(int type) { return type == Q6_K ? 16 : BLOCK; }
+
+/* Weights a dword of the panel holds, and bytes an activation takes. */
+static inline int per_dword(int bits) { return 32 / bits; }
+static inline int element_bytes(int bits) { return bits / 8; }
+
+/* What integer_block's unsigned integers of a symmetric format are offset by (their offset is
+ * -centre times the scale); 0 for the formats with a min of their own (Q4_1, Q4_K, Q5_K). */
+static inline int centre(int type) {
+    switch (type) {
+    case Q4_0: return 8;
+    case Q5_0: return 16;
+    case Q8_0: return 128;
+    case Q6_K: return 32;
+    default: return 0;
+    }
+}
+
+/* Whether the panel holds signed integers without offsets (see above). */
+static inline int centred(int type, int bits) { return bits == 16 && centre(type) > 0; }
 
 /* One stored block as unsigned integers q (block_size(type) of them) and each group's scale s
  * and offset m: the weight k of group g is s[g] q[k] + m[g]. */
@@ -663,52 +689,60 @@ static inline __m256i block_bytes_avx(int type, const uint8_t *b) {
     return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
 }
 
-/* pack_int8's integers for the formats of 32 with code of their own, 16 rows at a time: 64
- * columns (two blocks) of each row in one vector of 16 quads, transposed in registers so that a
- * quad of the 16 rows is one aligned store. */
-static void pack_quads_avx512(int type, const uint8_t *panel_w, int64_t row_bytes, int64_t cols,
-                              int valid, uint32_t *pq) {
-    const int64_t stride = block_bytes(type);
+/* pack_int's integers for the formats of 32 with code of their own, 16 rows at a time: one vector
+ * a row for every 64 columns (int8: two blocks' bytes) or 32 (int16: a block's widened to int16),
+ * transposed in registers so that a dword of the 16 rows is one aligned store. */
+static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64_t row_bytes,
+                               int64_t cols, int valid, uint32_t *pq) {
+    const int64_t stride = block_bytes(type), span = bits == 8 ? 2 * BLOCK : BLOCK;
+    const int per = per_dword(bits), centred_by = centred(type, bits) ? centre(type) : 0;
     for (int r0 = 0; r0 < PANEL; r0 += 16) {
         const int here = valid - r0 >= 16 ? 16 : valid - r0 > 0 ? valid - r0 : 0;
         const uint8_t *base = panel_w + r0 * row_bytes;
-        for (int64_t c = 0; c < cols; c += 2 * BLOCK) {
-            const int two = c + BLOCK < cols;
+        for (int64_t c = 0; c < cols; c += span) {
+            const int two = bits == 8 && c + BLOCK < cols;
             __m512 v[16];
             for (int r = 0; r < 16; ++r) {
                 __m512i q = _mm512_setzero_si512();
                 if (r < here) {
                     const uint8_t *b = base + r * row_bytes + c / BLOCK * stride;
-                    q = _mm512_castsi256_si512(block_bytes_avx(type, b));
-                    if (two) q = _mm512_inserti64x4(q, block_bytes_avx(type, b + stride), 1);
+                    const __m256i bytes = block_bytes_avx(type, b);
+                    if (bits == 16)
+                        q = _mm512_sub_epi16(_mm512_cvtepu8_epi16(bytes),
+                                             _mm512_set1_epi16((short)centred_by));
+                    else {
+                        q = _mm512_castsi256_si512(bytes);
+                        if (two) q = _mm512_inserti64x4(q, block_bytes_avx(type, b + stride), 1);
+                    }
                 }
                 v[r] = _mm512_castsi512_ps(q);
             }
             transpose16(v);
-            for (int k = 0; k < (two ? 16 : 8); ++k)
-                _mm512_store_ps((float *)(pq + (c / 4 + k) * PANEL + r0), v[k]);
+            for (int k = 0; k < (bits == 8 && !two ? 8 : 16); ++k)
+                _mm512_store_ps((float *)(pq + (c / per + k) * PANEL + r0), v[k]);
         }
     }
 }
 #endif
 
-/* Panel p's integers, scales and offsets (see above); rows past the matrix's end are zeros.
- * `vectors`: the AVX-512 code for the integers of Q4_0, Q4_1 and Q8_0. */
-static void pack_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
-                      uint32_t *pq, float *ps, float *pm, int vectors) {
+/* Panel p's integers (`bits` the activations'), scales and offsets (see above); rows past the
+ * matrix's end are zeros. `vectors`: the AVX-512 code for the integers of Q4_0, Q4_1 and Q8_0. */
+static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
+                     uint32_t *pq, float *ps, float *pm, int vectors) {
     const int64_t size = block_size(type), stride = block_bytes(type), group = group_size(type);
     const int64_t row_bytes = cols / size * stride, groups = size / group;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
-    int quads_done = 0;
+    const int per = per_dword(bits), signed_q = centred(type, bits);
+    int dwords_done = 0;
 #ifdef GEMM_VNNI
     if (vectors && (type == Q4_0 || type == Q4_1 || type == Q8_0)) {
-        pack_quads_avx512(type, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
-        quads_done = 1;
+        pack_dwords_avx512(type, bits, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
+        dwords_done = 1;
     }
 #endif
     (void)vectors;
     if (valid < PANEL) {
-        if (!quads_done) memset(pq, 0, sizeof *pq * (size_t)(cols / 4 * PANEL));
+        if (!dwords_done) memset(pq, 0, sizeof *pq * (size_t)(cols / per * PANEL));
         memset(ps, 0, sizeof *ps * (size_t)(cols / group * PANEL));
         memset(pm, 0, sizeof *pm * (size_t)(cols / group * PANEL));
     }
@@ -717,69 +751,108 @@ static void pack_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, in
     for (int r = 0; r < valid; ++r) {
         const uint8_t *row = w + (p * PANEL + r) * row_bytes;
         for (int64_t c = 0; c < cols; c += size, row += stride) {
-            if (quads_done) { /* the scale and offset alone */
+            if (dwords_done) { /* the scale and offset alone */
                 s[0] = half_to_float(row);
-                m[0] = type == Q4_1   ? half_to_float(row + 2)
-                       : type == Q8_0 ? -128.0f * s[0]
-                                      : -8.0f * s[0];
+                m[0] = type == Q4_1 ? half_to_float(row + 2) : -(float)centre(type) * s[0];
             } else {
                 integer_block(type, row, q, s, m);
-                for (int64_t k = 0; k < size / 4; ++k) {
-                    uint32_t quad;
-                    memcpy(&quad, q + 4 * k, sizeof quad);
-                    pq[(c / 4 + k) * PANEL + r] = quad;
+                for (int64_t k = 0; k < size / per; ++k) {
+                    uint32_t dword = 0;
+                    for (int j = 0; j < per; ++j) {
+                        const int v = q[per * k + j] - (signed_q ? centre(type) : 0);
+                        dword |= (uint32_t)(v & (bits == 8 ? 0xFF : 0xFFFF)) << (bits * j);
+                    }
+                    pq[(c / per + k) * PANEL + r] = dword;
                 }
             }
             for (int64_t g = 0; g < groups; ++g) {
                 ps[(c / group + g) * PANEL + r] = s[g];
-                pm[(c / group + g) * PANEL + r] = m[g];
+                pm[(c / group + g) * PANEL + r] = signed_q ? 0.0f : m[g];
             }
         }
     }
 }
 
-/* x's rows [start, start + count) quantized per 32: xq (cols bytes a row), xd (a scale a block)
- * and xs (d times the sum of the group's quants, a group's). */
+/* One block of 32 activations quantized to `bits`: its integers q (returned in `q`), scale d
+ * (returned) and the sums of q over each group (`sums`, one or two). */
+static inline float quantize_block(const float *x, int bits, int64_t group, int32_t *q,
+                                   int32_t *sums) {
+    const float levels = bits == 8 ? 127.0f : 32767.0f;
+#ifdef GEMM_VNNI
+    const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
+    const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
+#else
+    float amax = 0.0f;
+    for (int k = 0; k < BLOCK; ++k) amax = fmaxf(amax, fabsf(x[k]));
+#endif
+    const float d = amax / levels, id = d > 0.0f ? 1.0f / d : 0.0f;
+#ifdef GEMM_VNNI /* the rounding mode's nearest, as lrintf's */
+    const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
+    const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
+    _mm512_storeu_si512(q, qlo);
+    _mm512_storeu_si512(q + 16, qhi);
+    if (group == BLOCK)
+        sums[0] = _mm512_reduce_add_epi32(_mm512_add_epi32(qlo, qhi));
+    else
+        sums[0] = _mm512_reduce_add_epi32(qlo), sums[1] = _mm512_reduce_add_epi32(qhi);
+#else
+    for (int k = 0; k < BLOCK; ++k) q[k] = (int32_t)lrintf(x[k] * id);
+    for (int64_t g = 0; g < BLOCK / group; ++g) {
+        sums[g] = 0;
+        for (int64_t k = 0; k < group; ++k) sums[g] += q[g * group + k];
+    }
+#endif
+    return d;
+}
+
+/* x's rows [start, start + count) quantized per 32 to `bits`: xq (cols elements a row), xd (a
+ * scale a block) and xs (d times the sum of the group's quants, a group's). */
 static void quantize_rows(const float *x, int64_t start, int64_t count, int64_t cols,
-                          int64_t group, int8_t *xq, float *xd, float *xs) {
+                          int64_t group, int bits, void *xq, float *xd, float *xs) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; ++i) {
         const float *row = x + (start + i) * cols;
         for (int64_t c = 0; c < cols; c += BLOCK) {
-            float amax = 0.0f;
-            for (int k = 0; k < BLOCK; ++k) amax = fmaxf(amax, fabsf(row[c + k]));
-            const float d = amax / 127.0f, id = d > 0.0f ? 1.0f / d : 0.0f;
-            int8_t *o = xq + i * cols + c;
-            for (int k = 0; k < BLOCK; ++k) o[k] = (int8_t)lrintf(row[c + k] * id);
+            int32_t q[BLOCK], sums[2];
+            const float d = quantize_block(row + c, bits, group, q, sums);
+            if (bits == 8)
+                for (int k = 0; k < BLOCK; ++k) ((int8_t *)xq)[i * cols + c + k] = (int8_t)q[k];
+            else
+                for (int k = 0; k < BLOCK; ++k) ((int16_t *)xq)[i * cols + c + k] = (int16_t)q[k];
             xd[i * (cols / BLOCK) + c / BLOCK] = d;
-            for (int64_t g = 0; g < BLOCK / group; ++g) {
-                int sum = 0;
-                for (int64_t k = 0; k < group; ++k) sum += o[g * group + k];
-                xs[i * (cols / group) + c / group + g] = d * (float)sum;
-            }
+            for (int64_t g = 0; g < BLOCK / group; ++g)
+                xs[i * (cols / group) + c / group + g] = d * (float)sums[g];
         }
     }
 }
 
 /* The portable products: each output's groups in order, the integer sum then two fused
  * multiply-adds (the VNNI path's arithmetic lane by lane, so the two agree to the bit). */
-static void panel_int8_portable(const int8_t *xq, const float *xd, const float *xs, int64_t count,
-                                int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
-                                const float *pm, int valid, float *out, int64_t ldo) {
+static void panel_int_portable(int bits, int offsets, const void *xq, const float *xd,
+                               const float *xs, int64_t count, int64_t cols, int64_t group,
+                               const uint32_t *pq, const float *ps, const float *pm, int valid,
+                               float *out, int64_t ldo) {
     const int64_t groups = cols / group;
+    const int per = per_dword(bits);
     for (int64_t i = 0; i < count; ++i) {
-        const int8_t *a = xq + i * cols;
         for (int j = 0; j < valid; ++j) {
             float acc = 0.0f;
             for (int64_t g = 0; g < groups; ++g) {
                 int32_t sum = 0;
-                for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
-                    const uint32_t quad = pq[(k / 4) * PANEL + j];
-                    for (int b = 0; b < 4; ++b) sum += (int32_t)((quad >> (8 * b)) & 0xFF) * a[k + b];
+                for (int64_t k = g * group; k < (g + 1) * group; k += per) {
+                    const uint32_t dword = pq[(k / per) * PANEL + j];
+                    for (int b = 0; b < per; ++b) {
+                        const int64_t at = i * cols + k + b;
+                        const int32_t a =
+                            bits == 8 ? ((const int8_t *)xq)[at] : ((const int16_t *)xq)[at];
+                        const int32_t q = bits == 8 ? (int32_t)(uint8_t)(dword >> (8 * b))
+                                                    : (int32_t)(int16_t)(dword >> (16 * b));
+                        sum += q * a;
+                    }
                 }
                 const float scale = ps[g * PANEL + j] * xd[i * (cols / BLOCK) + g * group / BLOCK];
                 acc = fmaf((float)sum, scale, acc);
-                acc = fmaf(pm[g * PANEL + j], xs[i * groups + g], acc);
+                if (offsets) acc = fmaf(pm[g * PANEL + j], xs[i * groups + g], acc);
             }
             out[i * ldo + j] = acc;
         }
@@ -788,94 +861,125 @@ static void panel_int8_portable(const int8_t *xq, const float *xd, const float *
 
 #ifdef GEMM_VNNI
 /* `mr` (at most ROWS_VNNI) rows of x by the panel's 32 rows: per group, the integer sums in
- * 2 * mr vectors (vpdpbusd, four columns a step), then scaled into 2 * mr float32 vectors. */
+ * 2 * mr vectors (a dword of weights a step: vpdpbusd for int8, vpdpwssd for int16), then scaled
+ * into 2 * mr float32 vectors. */
 static inline __attribute__((always_inline)) void rows_vnni(
-    int mr, const int8_t *xq, const float *xd, const float *xs, int64_t cols, int64_t group,
-    const uint32_t *pq, const float *ps, const float *pm, __mmask16 mask0, __mmask16 mask1,
-    float *out, int64_t ldo) {
+    int bits, int offsets, int mr, const uint8_t *xq, const float *xd, const float *xs, int64_t cols,
+    int64_t group, const uint32_t *pq, const float *ps, const float *pm, __mmask16 mask0,
+    __mmask16 mask1, float *out, int64_t ldo) {
     const int64_t groups = cols / group, blocks = cols / BLOCK;
+    const int per = per_dword(bits), bytes = element_bytes(bits);
     __m512 acc[ROWS_VNNI][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < mr; ++m) acc[m][0] = acc[m][1] = _mm512_setzero_ps();
     for (int64_t g = 0; g < groups; ++g) {
         __m512i sum[ROWS_VNNI][2];
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < mr; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
-        for (int64_t k = g * group; k < (g + 1) * group; k += 4) {
-            const __m512i b0 = _mm512_load_si512(pq + (k / 4) * PANEL);
-            const __m512i b1 = _mm512_load_si512(pq + (k / 4) * PANEL + 16);
-#pragma GCC unroll 4
+        for (int64_t k = g * group; k < (g + 1) * group; k += per) {
+            const __m512i b0 = _mm512_load_si512(pq + (k / per) * PANEL);
+            const __m512i b1 = _mm512_load_si512(pq + (k / per) * PANEL + 16);
+#pragma GCC unroll 8
             for (int m = 0; m < mr; ++m) {
-                int32_t quad;
-                memcpy(&quad, xq + m * cols + k, sizeof quad);
-                const __m512i a = _mm512_set1_epi32(quad);
-                sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], b0, a);
-                sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], b1, a);
+                int32_t dword;
+                memcpy(&dword, xq + (m * cols + k) * bytes, sizeof dword);
+                const __m512i a = _mm512_set1_epi32(dword);
+                if (bits == 8) {
+                    sum[m][0] = _mm512_dpbusd_epi32(sum[m][0], b0, a);
+                    sum[m][1] = _mm512_dpbusd_epi32(sum[m][1], b1, a);
+                } else {
+                    sum[m][0] = _mm512_dpwssd_epi32(sum[m][0], b0, a);
+                    sum[m][1] = _mm512_dpwssd_epi32(sum[m][1], b1, a);
+                }
             }
         }
         const __m512 s0 = _mm512_load_ps(ps + g * PANEL), s1 = _mm512_load_ps(ps + g * PANEL + 16);
         const __m512 m0 = _mm512_load_ps(pm + g * PANEL), m1 = _mm512_load_ps(pm + g * PANEL + 16);
-#pragma GCC unroll 4
+#pragma GCC unroll 8
         for (int m = 0; m < mr; ++m) {
             const __m512 d = _mm512_set1_ps(xd[m * blocks + g * group / BLOCK]);
             const __m512 t = _mm512_set1_ps(xs[m * groups + g]);
             acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][0]), _mm512_mul_ps(s0, d), acc[m][0]);
             acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][1]), _mm512_mul_ps(s1, d), acc[m][1]);
-            acc[m][0] = _mm512_fmadd_ps(m0, t, acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(m1, t, acc[m][1]);
+            if (offsets) {
+                acc[m][0] = _mm512_fmadd_ps(m0, t, acc[m][0]);
+                acc[m][1] = _mm512_fmadd_ps(m1, t, acc[m][1]);
+            }
         }
     }
-#pragma GCC unroll 4
+#pragma GCC unroll 8
     for (int m = 0; m < mr; ++m) {
         _mm512_mask_storeu_ps(out + m * ldo, mask0, acc[m][0]);
         _mm512_mask_storeu_ps(out + m * ldo + 16, mask1, acc[m][1]);
     }
 }
 
-static void panel_int8_vnni(const int8_t *xq, const float *xd, const float *xs, int64_t count,
-                            int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
-                            const float *pm, int valid, float *out, int64_t ldo) {
+/* The chunk's rows by the panel, ROWS_VNNI at a time; `bits` and `offsets` constants where it is
+ * inlined. */
+static inline __attribute__((always_inline)) void panel_vnni_bits(
+    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, int64_t count, int64_t cols,
+    int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid, float *out,
+    int64_t ldo) {
     const __mmask16 mask0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
     const __mmask16 mask1 =
         valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
-    const int64_t blocks = cols / BLOCK, groups = cols / group;
+    const int64_t blocks = cols / BLOCK, groups = cols / group, row = cols * element_bytes(bits);
     int64_t i = 0;
     for (; i + ROWS_VNNI <= count; i += ROWS_VNNI)
-        rows_vnni(ROWS_VNNI, xq + i * cols, xd + i * blocks, xs + i * groups, cols, group, pq, ps,
-                  pm, mask0, mask1, out + i * ldo, ldo);
-    const int8_t *a = xq + i * cols;
+        rows_vnni(bits, offsets, ROWS_VNNI, xq + i * row, xd + i * blocks, xs + i * groups, cols, group,
+                  pq, ps, pm, mask0, mask1, out + i * ldo, ldo);
+    const uint8_t *a = xq + i * row;
     const float *d = xd + i * blocks, *t = xs + i * groups;
     float *o = out + i * ldo;
     switch (count - i) { /* the tail, its row count a constant in each case */
 #define TAIL(n) \
-    case n: rows_vnni(n, a, d, t, cols, group, pq, ps, pm, mask0, mask1, o, ldo); break;
-        TAIL(1) TAIL(2) TAIL(3)
+    case n: rows_vnni(bits, offsets, n, a, d, t, cols, group, pq, ps, pm, mask0, mask1, o, ldo); \
+        break;
+        TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5)
 #undef TAIL
     default: break;
     }
 }
+
+static void panel_int_vnni(int bits, int offsets, const void *xq, const float *xd,
+                           const float *xs, int64_t count, int64_t cols, int64_t group,
+                           const uint32_t *pq, const float *ps, const float *pm, int valid,
+                           float *out, int64_t ldo) {
+#define PANEL_VNNI(b, o) \
+    panel_vnni_bits(b, o, xq, xd, xs, count, cols, group, pq, ps, pm, valid, out, ldo)
+    if (bits == 8)
+        PANEL_VNNI(8, 1);
+    else if (offsets)
+        PANEL_VNNI(16, 1);
+    else
+        PANEL_VNNI(16, 0);
+#undef PANEL_VNNI
+}
 #endif
 
-/* Which int8 paths were compiled here: bit INT8_x set for each (the portable one always). */
-int quant_gemm_int8_paths(void) {
-    int paths = 1 << INT8_PORTABLE;
+/* Which integer paths were compiled here: bit INT_x set for each (the portable one always). */
+int quant_gemm_int_paths(void) {
+    int paths = 1 << INT_PORTABLE;
 #ifdef GEMM_VNNI
-    paths |= 1 << INT8_VNNI;
+    paths |= 1 << INT_VNNI;
 #endif
     return paths;
 }
 
-/* out[n, rows] = x[n, cols] @ dequantized(w).T with x quantized per 32 to int8 (see above), by
- * `path` (INT8_x). Returns as quant_gemm does: 0; -1 for a type it does not read or cols not a
- * whole number of blocks; -2 where its buffers cannot be allocated; -3 for a path not compiled. */
-int quant_gemm_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
-                    int64_t n, int path, int num_threads, float *out) {
+/* out[n, rows] = x[n, cols] @ dequantized(w).T with x quantized per 32 to `bits` (8 or 16; see
+ * above), by `path` (INT_x). Returns as quant_gemm does: 0; -1 for a type it does not read, cols
+ * not a whole number of blocks, or bits not 8 or 16; -2 where its buffers cannot be allocated; -3
+ * for a path not compiled. */
+int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
+                   int64_t n, int bits, int path, int num_threads, float *out) {
     if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
-    if (path < 0 || path > INT8_VNNI || !(quant_gemm_int8_paths() & (1 << path))) return -3;
+    if (bits != 8 && bits != 16) return -1;
+    if (path < 0 || path > INT_VNNI || !(quant_gemm_int_paths() & (1 << path))) return -3;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
-    int8_t *xq = aligned_alloc(64, (size_t)(chunk * cols));
+    const int per = per_dword(bits), offsets = !centred(type, bits);
+    void *xq = aligned_alloc(64, (size_t)(chunk * cols * element_bytes(bits)));
     float *xd = aligned_alloc(64, sizeof *xd * (size_t)(chunk * (cols / BLOCK)));
     float *xs = aligned_alloc(64, sizeof *xs * (size_t)(chunk * (cols / group)));
     int failed = !xq || !xd || !xs;
@@ -885,7 +989,7 @@ int quant_gemm_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
     }
 #pragma omp parallel num_threads(num_threads)
     {
-        uint32_t *pq = aligned_alloc(64, sizeof *pq * (size_t)(cols / 4 * PANEL));
+        uint32_t *pq = aligned_alloc(64, sizeof *pq * (size_t)(cols / per * PANEL));
         float *ps = aligned_alloc(64, sizeof *ps * (size_t)(cols / group * PANEL));
         float *pm = aligned_alloc(64, sizeof *pm * (size_t)(cols / group * PANEL));
         if (!pq || !ps || !pm) {
@@ -894,7 +998,7 @@ int quant_gemm_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
         }
         for (int64_t start = 0; start < n; start += chunk) {
             const int64_t count = n - start < chunk ? n - start : chunk;
-            quantize_rows(x, start, count, cols, group, xq, xd, xs); /* ends in a barrier */
+            quantize_rows(x, start, count, cols, group, bits, xq, xd, xs); /* ends in a barrier */
             int stop;
 #pragma omp atomic read
             stop = failed;
@@ -903,14 +1007,16 @@ int quant_gemm_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, cons
             for (int64_t p = 0; p < panels; ++p) {
                 const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
                 float *o = out + start * rows + p * PANEL;
-                pack_int8(type, w, rows, cols, p, pq, ps, pm, path == INT8_VNNI);
+                pack_int(type, bits, w, rows, cols, p, pq, ps, pm, path == INT_VNNI);
 #ifdef GEMM_VNNI
-                if (path == INT8_VNNI) {
-                    panel_int8_vnni(xq, xd, xs, count, cols, group, pq, ps, pm, valid, o, rows);
+                if (path == INT_VNNI) {
+                    panel_int_vnni(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
+                                   valid, o, rows);
                     continue;
                 }
 #endif
-                panel_int8_portable(xq, xd, xs, count, cols, group, pq, ps, pm, valid, o, rows);
+                panel_int_portable(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
+                                   valid, o, rows);
             } /* a barrier before the next chunk's quantization */
         }
         free(pq);

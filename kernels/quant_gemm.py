@@ -13,12 +13,14 @@ accuracy near enough) or one (bf16); the bounds are in quant_gemm.c.
 - avx512: AVX512-BF16's vdpbf16ps (Zen 4, Cooper Lake and later);
 - portable: plain C, for checking the other two anywhere; quant_linear does not take it.
 
-And int8 (`quant_gemm_int8`, llama.cpp's arithmetic): x quantized per block of 32 to int8, each
-weight its stored integer with its group's scale and offset, integer sums (`int8_paths()`):
-- vnni: AVX512-VNNI's vpdpbusd (Zen 4, Ice Lake and later);
+And integer activations (`quant_gemm_int`): x quantized per block of 32 to int16 or int8, each
+weight its stored integer with its group's scale and offset, integer sums (`integer_paths()`):
+- vnni: AVX512-VNNI's vpdpwssd (int16) and vpdpbusd (int8) (Zen 4, Ice Lake and later);
 - portable: plain C, the same arithmetic to the bit.
-Taken only where `PAGEDBATCH_QUANT_GEMM=int8` asks: SmolLM2's greedy answers with it failed the
-quality gate (benchmarks/README.md).
+int16 (32 products an instruction, each activation within 2^-16 of its block's largest) is
+quant_linear's default on VNNI CPUs without AMX; int8 (llama.cpp's arithmetic) only where
+`PAGEDBATCH_QUANT_GEMM=int8` asks: SmolLM2's greedy answers with it failed the quality gate
+(benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -35,9 +37,11 @@ from pagedbatch.kernels.quant_blocks import Format
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 # The paths by the number quant_gemm.c knows them by, fastest last.
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}
-INT8_PATHS = {"portable": 0, "vnni": 1}
-# The products a setting names: bf16 products a weight (3 or 1), or int8 activations.
-PRODUCTS = ("bf16x3", "bf16", "int8")
+INTEGER_PATHS = {"portable": 0, "vnni": 1}
+# The products a setting names: bf16 products a weight (3 or 1), or integer activations of as
+# many bits (`INTEGER_BITS`).
+PRODUCTS = ("bf16x3", "bf16", "int16", "int8")
+INTEGER_BITS = {"int16": 16, "int8": 8}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
 SIGNATURES: dict[str, list[type]] = {
@@ -46,11 +50,11 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _i64, _i32, _i32, _i32, _ptr,  # x, its rows, path, passes, threads, out
     ],
     "quant_gemm_paths": [],
-    "quant_gemm_int8": [
+    "quant_gemm_int": [
         _i32, _ptr, _i64, _i64,  # ggml type, blocks, rows, cols
-        _ptr, _i64, _i32, _i32, _ptr,  # x, its rows, path, threads, out
+        _ptr, _i64, _i32, _i32, _i32, _ptr,  # x, its rows, bits, path, threads, out
     ],
-    "quant_gemm_int8_paths": [],
+    "quant_gemm_int_paths": [],
 }  # fmt: skip
 
 
@@ -73,13 +77,13 @@ def paths() -> frozenset[str]:
 
 
 @functools.cache
-def int8_paths() -> frozenset[str]:
-    """The int8 paths compiled for this CPU (none without the library)."""
+def integer_paths() -> frozenset[str]:
+    """The integer paths compiled for this CPU (none without the library)."""
     lib = library()
     if lib is None:
         return frozenset()
-    mask = lib.quant_gemm_int8_paths()
-    return frozenset(name for name, bit in INT8_PATHS.items() if mask >> bit & 1)
+    mask = lib.quant_gemm_int_paths()
+    return frozenset(name for name, bit in INTEGER_PATHS.items() if mask >> bit & 1)
 
 
 def fastest() -> str | None:
@@ -120,31 +124,34 @@ def quant_gemm(
     return out
 
 
-def quant_gemm_int8(
-    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, path: str
+def quant_gemm_int(
+    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, bits: int, path: str
 ) -> torch.Tensor:
-    """As `quant_gemm`, with x quantized per block of 32 to int8 and integer products by `path`
-    (an `INT8_PATHS` name): `[n, rows]` float32."""
+    """As `quant_gemm`, with x quantized per block of 32 to `bits` (16 or 8) and integer products
+    by `path` (an `INTEGER_PATHS` name): `[n, rows]` float32."""
     lib = library()
-    if lib is None or path not in int8_paths():
-        raise RuntimeError(f"quant_gemm's int8 {path} path does not run here")
+    if lib is None or path not in integer_paths():
+        raise RuntimeError(f"quant_gemm's integer {path} path does not run here")
     out = torch.empty(x.shape[0], blocks.shape[0])
-    status = lib.quant_gemm_int8(
+    status = lib.quant_gemm_int(
         fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], cols,
-        x.data_ptr(), x.shape[0], INT8_PATHS[path], torch.get_num_threads(), out.data_ptr(),
+        x.data_ptr(), x.shape[0], bits, INTEGER_PATHS[path], torch.get_num_threads(),
+        out.data_ptr(),
     )  # fmt: skip
     if status == -2:
-        raise MemoryError("quant_gemm_int8 could not allocate its buffers")
+        raise MemoryError("quant_gemm_int could not allocate its buffers")
     if status != 0:
-        raise ValueError(f"quant_gemm_int8 does not read {fmt.name} rows of {cols} ({status})")
+        raise ValueError(
+            f"quant_gemm_int does not read {fmt.name} rows of {cols} as int{bits} ({status})"
+        )
     return out
 
 
 def multiply(
     x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, product: str, path: str
 ) -> torch.Tensor:
-    """x @ W.T by `product` (bf16x3, bf16 or int8, see `PRODUCTS`) on `path` (one of `paths()`
-    for the bf16 products, of `int8_paths()` for int8)."""
-    if product == "int8":
-        return quant_gemm_int8(x, blocks, fmt, cols, path)
+    """x @ W.T by `product` (see `PRODUCTS`) on `path` (one of `paths()` for the bf16 products,
+    of `integer_paths()` for int16 and int8)."""
+    if product in INTEGER_BITS:
+        return quant_gemm_int(x, blocks, fmt, cols, INTEGER_BITS[product], path)
     return quant_gemm(x, blocks, fmt, cols, path, 3 if product == "bf16x3" else 1)

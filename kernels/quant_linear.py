@@ -9,12 +9,14 @@ Two paths, chosen by how many rows x has:
   activation within 2^-16 of its block's largest); `quant_matmul_int8`, for a format of
   `INT8_FORMATS`, to int8 as llama.cpp does (as fast as int16, 258 times as coarse);
 - more (prefill, a decode step of many sequences): `quant_gemm.c`, which expands each panel of
-  32 rows of W once a call to bfloat16 and multiplies it with every row of x on AMX tiles or
-  AVX512-BF16: each weight and activation split in two bf16 and three products summed (bf16x3,
-  float32's accuracy near enough: greedy answers follow exact mode's, where one bf16 product
-  (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16); or with int8 activations
-  quantized per 32 and VNNI's integer products (llama.cpp's arithmetic; see quant_gemm.c).
-  `gemm_path` says which: by default bf16x3 on AMX, the tiles below elsewhere.
+  32 rows of W once a call and multiplies it with every row of x: on AMX tiles or AVX512-BF16,
+  each weight and activation split in two bf16 and three products summed (bf16x3, float32's
+  accuracy near enough: greedy answers follow exact mode's, where one bf16 product
+  (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16); or with x quantized per 32
+  to int16 (the few-row kernels' int16) or int8 (llama.cpp's arithmetic) and VNNI's integer
+  products, the weights their stored integers (see quant_gemm.c).
+  `gemm_path` says which: by default bf16x3 on AMX, int16 on other VNNI CPUs, the tiles below
+  elsewhere.
   Where the CPU has neither, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's arithmetic),
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
@@ -114,22 +116,27 @@ def activations_for(fmt: Format) -> str:
 
 def gemm_path() -> tuple[str, str] | None:
     """The product many rows take and its `quant_gemm` path, as `PAGEDBATCH_QUANT_GEMM` says:
-    - `auto` (the default): bf16x3 on AMX tiles where the CPU has them, else None (bf16x3 on
-      AVX512-BF16 took 2.8x the float32 tiles' time: benchmarks/README.md);
+    - `auto` (the default): bf16x3 on AMX tiles where the CPU has them, else int16 activations
+      on AVX512-VNNI, else None (bf16x3 on AVX512-BF16 took 2.8x the float32 tiles' time:
+      benchmarks/README.md);
     - `bf16x3` or `bf16` (one product): on the fastest bf16 path (AMX, else AVX512-BF16);
-    - `int8`: int8 activations on VNNI;
+    - `int16` or `int8`: integer activations on VNNI;
     - `float32`: None.
     None: the float32 tiles (exact mode's arithmetic), also where the asked product has no fast
     path here or no compiler."""
     value = os.environ.get(GEMM_SETTING, "auto").strip().lower()
     if value not in (*quant_gemm.PRODUCTS, "auto", "float32"):
-        raise ValueError(f"{GEMM_SETTING} is auto, bf16x3, bf16, int8 or float32, not {value!r}")
-    vnni = "vnni" if "vnni" in quant_gemm.int8_paths() else None
+        raise ValueError(
+            f"{GEMM_SETTING} is auto, bf16x3, bf16, int16, int8 or float32, not {value!r}"
+        )
+    vnni = "vnni" if "vnni" in quant_gemm.integer_paths() else None
+    if value == "auto" and "amx" in quant_gemm.paths():
+        return ("bf16x3", "amx")
     if value == "auto":
-        return ("bf16x3", "amx") if "amx" in quant_gemm.paths() else None
+        return None if vnni is None else ("int16", vnni)
     if value == "float32":
         return None
-    path = vnni if value == "int8" else quant_gemm.fastest()
+    path = vnni if value in quant_gemm.INTEGER_BITS else quant_gemm.fastest()
     return None if path is None else (value, path)
 
 

@@ -6,9 +6,9 @@ One part (bf16): a weight and an activation each move by at most 2^-8 of themsel
 by at most ~2^-7 of sum |x w| (the bound below allows 1.01 x that, plus float32's rounding).
 Three products of two parts (bf16x3): each moves by at most 2^-16 of itself, an output by under
 2^-14 of sum |x w|.
-int8 (x quantized per block of 32, integer products): the exact weights times the quantized
-activations, so an output moves by at most sum over blocks of amax / 254 times sum |w|
-(`activation_bound`, quant_matmul.c's int8 bound).
+int16 and int8 (x quantized per block of 32, integer products): the exact weights times the
+quantized activations, so an output moves by at most sum over blocks of amax / (2 L) times
+sum |w| (L = 32767 or 127: `activation_bound`, quant_matmul.c's bound).
 """
 
 from __future__ import annotations
@@ -44,7 +44,7 @@ def built():
         pytest.skip("no C compiler")
     quant_gemm.library.cache_clear()
     quant_gemm.paths.cache_clear()
-    quant_gemm.int8_paths.cache_clear()
+    quant_gemm.integer_paths.cache_clear()
     assert quant_gemm.library() is not None, "quant_gemm.c did not build; see the warning"
 
 
@@ -108,12 +108,12 @@ def test_what_it_does_not_read_is_refused():
     assert lib.quant_gemm(3, *call, 7, 1, 1, out.data_ptr()) == -3  # no such path
     with pytest.raises(RuntimeError, match="does not run here"):
         quant_gemm.quant_gemm(x.reshape(1, 64), blocks, Format.Q4_1, 64, "tpu")
-    int8 = (blocks.data_ptr(), 2, 32, x.data_ptr(), 1)
-    assert lib.quant_gemm_int8(10, *int8, 0, 1, out.data_ptr()) == -1  # no such format
-    assert lib.quant_gemm_int8(12, *int8, 0, 1, out.data_ptr()) == -1  # 32 of a super-block
-    assert lib.quant_gemm_int8(3, *int8, 5, 1, out.data_ptr()) == -3  # no such path
+    assert lib.quant_gemm_int(10, *call, 16, 0, 1, out.data_ptr()) == -1  # no such format
+    assert lib.quant_gemm_int(12, *call, 8, 0, 1, out.data_ptr()) == -1  # 32 of a super-block
+    assert lib.quant_gemm_int(3, *call, 4, 0, 1, out.data_ptr()) == -1  # bits 8 or 16
+    assert lib.quant_gemm_int(3, *call, 16, 5, 1, out.data_ptr()) == -3  # no such path
     with pytest.raises(RuntimeError, match="does not run here"):
-        quant_gemm.quant_gemm_int8(x.reshape(1, 64), blocks, Format.Q4_1, 64, "amx")
+        quant_gemm.quant_gemm_int(x.reshape(1, 64), blocks, Format.Q4_1, 64, 16, "amx")
 
 
 def test_the_paths_are_those_the_cpu_has():
@@ -127,7 +127,7 @@ def test_the_paths_are_those_the_cpu_has():
         (p for p in ("amx", "avx512") if p in quant_gemm.paths()), None
     )
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
-    assert quant_gemm.int8_paths() == ({"portable", "vnni"} if vnni else {"portable"})
+    assert quant_gemm.integer_paths() == ({"portable", "vnni"} if vnni else {"portable"})
 
 
 def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
@@ -142,7 +142,7 @@ def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
     for name, argtypes in quant_gemm.SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
     assert lib.quant_gemm_paths() == 1 << quant_gemm.PATHS["portable"]
-    assert lib.quant_gemm_int8_paths() == 1 << quant_gemm.INT8_PATHS["portable"]
+    assert lib.quant_gemm_int_paths() == 1 << quant_gemm.INTEGER_PATHS["portable"]
     fmt, rows, cols = Format.Q4_K, 40, 512
     blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=6))
     weights = dequantize(blocks, fmt)
@@ -151,50 +151,61 @@ def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
     call = (fmt.ggml_type, blocks.data_ptr(), rows, cols, x.data_ptr(), 9)
     assert lib.quant_gemm(*call, 0, 3, 1, out.data_ptr()) == 0
     assert error_within(out, x, weights, 3)
-    assert lib.quant_gemm_int8(*call, 0, 1, out.data_ptr()) == 0
-    assert (out.double() - x.double() @ weights.T).abs().le(activation_bound(x, weights)).all()
+    for bits, levels in ((16, 32767), (8, 127)):
+        assert lib.quant_gemm_int(*call, bits, 0, 1, out.data_ptr()) == 0
+        error = (out.double() - x.double() @ weights.T).abs()
+        assert error.le(activation_bound(x, weights, levels)).all()
 
 
-@pytest.mark.parametrize("path", sorted(quant_gemm.INT8_PATHS))
+LEVELS = {16: 32767, 8: 127}
+
+
+@pytest.mark.parametrize("bits", sorted(LEVELS))
+@pytest.mark.parametrize("path", sorted(quant_gemm.INTEGER_PATHS))
 @pytest.mark.parametrize(("fmt", "rows", "cols"), shapes(), ids=str)
-def test_int8_within_the_activation_bound(path, fmt, rows, cols):
-    if path not in quant_gemm.int8_paths():
-        pytest.skip(f"this CPU runs no int8 {path} path")
+def test_integers_within_the_activation_bound(bits, path, fmt, rows, cols):
+    if path not in quant_gemm.integer_paths():
+        pytest.skip(f"this CPU runs no integer {path} path")
     blocks = random_blocks(fmt, rows, cols, seed=rows)
     weights = dequantize(blocks, fmt)
     for n in X_ROWS if path != "portable" else X_ROWS[:2]:
         x = with_outliers(n, cols)
-        out = quant_gemm.quant_gemm_int8(x, torch.from_numpy(blocks), fmt, cols, path)
+        out = quant_gemm.quant_gemm_int(x, torch.from_numpy(blocks), fmt, cols, bits, path)
         assert out.shape == (n, rows)
         error = (out.double() - x.double() @ weights.T).abs()
-        assert error.le(activation_bound(x, weights)).all(), (n, path)
+        assert error.le(activation_bound(x, weights, LEVELS[bits])).all(), (n, path)
 
 
+@pytest.mark.parametrize("bits", sorted(LEVELS))
 @pytest.mark.parametrize("fmt", list(Format), ids=str)
-def test_int8_paths_agree_to_the_bit(fmt):
+def test_integer_paths_agree_to_the_bit(bits, fmt):
     """VNNI's lanes take the portable code's steps (integer sums, then two fused multiply-adds a
     group, groups in order): equal outputs, partial panel and a ragged tail of rows included."""
-    if "vnni" not in quant_gemm.int8_paths():
+    if "vnni" not in quant_gemm.integer_paths():
         pytest.skip("this CPU runs no VNNI")
     rows, cols = (45, 512) if fmt.size == 256 else (45, 576)
     blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=4))
     x = with_outliers(11, cols)
-    portable = quant_gemm.quant_gemm_int8(x, blocks, fmt, cols, "portable")
-    assert torch.equal(quant_gemm.quant_gemm_int8(x, blocks, fmt, cols, "vnni"), portable)
+    portable = quant_gemm.quant_gemm_int(x, blocks, fmt, cols, bits, "portable")
+    assert torch.equal(quant_gemm.quant_gemm_int(x, blocks, fmt, cols, bits, "vnni"), portable)
 
 
-def test_int8_is_exact_on_integer_activations():
-    """Activations that are integers of at most 127 with a 127 in every block quantize exactly:
-    the output is then the float64 product up to float32's rounding."""
-    fmt, rows, cols = Format.Q6_K, 33, 512
-    blocks = random_blocks(fmt, rows, cols, seed=5)
-    weights = dequantize(blocks, fmt)
-    x = torch.randint(-127, 128, (10, cols), generator=torch.Generator().manual_seed(5)).float()
-    x[:, ::32] = 127.0
-    for path in quant_gemm.int8_paths():
-        out = quant_gemm.quant_gemm_int8(x, torch.from_numpy(blocks), fmt, cols, path)
-        error = (out.double() - x.double() @ weights.T).abs()
-        assert error.le(rounding_bound(x, weights)).all(), path
+@pytest.mark.parametrize("bits", sorted(LEVELS))
+def test_integers_are_exact_on_integer_activations(bits):
+    """Activations that are integers of at most L with an L in every block quantize exactly (L
+    the bits' largest level): the output is then the float64 product up to float32's rounding.
+    With int16, the products' sums reach 2^28 (Q8_0's 255 against 32767): exact in int32."""
+    levels = LEVELS[bits]
+    for fmt, rows, cols in ((Format.Q6_K, 33, 512), (Format.Q8_0, 40, 96)):
+        blocks = random_blocks(fmt, rows, cols, seed=5)
+        weights = dequantize(blocks, fmt)
+        generator = torch.Generator().manual_seed(5)
+        x = torch.randint(-levels, levels + 1, (10, cols), generator=generator).float()
+        x[:, ::32] = float(levels)
+        for path in quant_gemm.integer_paths():
+            out = quant_gemm.quant_gemm_int(x, torch.from_numpy(blocks), fmt, cols, bits, path)
+            error = (out.double() - x.double() @ weights.T).abs()
+            assert error.le(rounding_bound(x, weights)).all(), (fmt, path)
 
 
 @pytest.mark.parametrize(
@@ -204,6 +215,7 @@ def test_int8_is_exact_on_integer_activations():
         ("auto", "auto"),
         ("bf16x3", "bf16x3"),
         ("bf16", "bf16"),
+        ("int16", "int16"),
         ("int8", "int8"),
         ("float32", None),
     ],
@@ -212,15 +224,15 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
     """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its
     fastest path here, or the float32 tiles (exact mode's arithmetic) where float32 is asked or
     no path runs here (AVX2 alone, as Zen 3: neither bf16 nor VNNI). auto: bf16x3 on AMX, else
-    the tiles (AVX512-BF16's bf16x3 is slower than they are)."""
+    int16 on VNNI, else the tiles (AVX512-BF16's bf16x3 is slower than they are)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
-    vnni = "vnni" if "vnni" in quant_gemm.int8_paths() else None
+    vnni = "vnni" if "vnni" in quant_gemm.integer_paths() else None
     if product == "auto":
-        product = "bf16x3" if "amx" in quant_gemm.paths() else None
-    path = vnni if product == "int8" else quant_gemm.fastest()
+        product = "bf16x3" if "amx" in quant_gemm.paths() else "int16" if vnni else None
+    path = vnni if product in quant_gemm.INTEGER_BITS else quant_gemm.fastest()
     expected = None if product is None or path is None else (product, path)
     assert quant_linear.gemm_path() == expected
     fmt, rows, cols = Format.Q4_1, 100, 576
@@ -231,8 +243,9 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
     error = (out.double() - x.double() @ weights.T).abs()
     if expected is None:
         assert error.le(rounding_bound(x, weights)).all()
-    elif product == "int8":
-        assert error.le(activation_bound(x, weights)).all()
+    elif product in quant_gemm.INTEGER_BITS:
+        levels = LEVELS[quant_gemm.INTEGER_BITS[product]]
+        assert error.le(activation_bound(x, weights, levels)).all()
     else:
         assert error_within(out, x, weights, 3 if product == "bf16x3" else 1)
     if expected is not None:
@@ -242,5 +255,5 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
 
 def test_a_setting_it_does_not_know_is_refused(monkeypatch):
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "int4")
-    with pytest.raises(ValueError, match="auto, bf16x3, bf16, int8 or float32"):
+    with pytest.raises(ValueError, match="auto, bf16x3, bf16, int16, int8 or float32"):
         quant_linear.gemm_path()
