@@ -151,7 +151,8 @@ class EngineArgs:
     kv_cache_dtype: str = arg(
         "auto",
         doc="how the KV cache stores keys and values: auto in the activations' dtype (see "
-        "dtype); float16 or bfloat16 in that dtype, each element rounded once as it is cached "
+        "dtype), but float16 where float32 activations run on quantization gguf's blocks; "
+        "float16 or bfloat16 in that dtype, each element rounded once as it is cached "
         "(under a float32 model: half the memory and half the bytes decode attention reads; "
         "llama.cpp's cache is float16 by default); int8 or fp8 (float8 e4m3) as one byte an "
         "element with a float32 scale per 32 elements of a row, so the same memory holds about "

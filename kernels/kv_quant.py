@@ -39,9 +39,10 @@ from dataclasses import dataclass
 
 import torch
 
-# Engine argument values (`kv_cache_dtype`): auto stores K and V in the activations' dtype, a
-# float name in that dtype (a float32 model's keys and values rounded to it as they are cached),
-# a quantized name as above.
+# Engine argument values (`kv_cache_dtype`): auto stores K and V in the activations' dtype (in
+# float16 where float32 activations run on GGUF blocks, see `storage_dtype`), a float name in that
+# dtype (a float32 model's keys and values rounded to it as they are cached), a quantized name as
+# above.
 KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8")
 FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
@@ -93,10 +94,17 @@ class QuantizedCache:
 KVCacheTensor = torch.Tensor | QuantizedCache
 
 
-def storage_dtype(kv_cache_dtype: str, activations: torch.dtype) -> torch.dtype:
-    """The dtype a cache's elements are stored in under the engine argument."""
+def storage_dtype(
+    kv_cache_dtype: str, activations: torch.dtype, quantized_weights: bool = False
+) -> torch.dtype:
+    """The dtype a cache's elements are stored in under the engine argument. auto is the
+    activations' dtype, except float32 activations on quantized weights (quantization gguf): there
+    float16, as llama.cpp's cache and a GGUF's in vLLM (whose activations are 16-bit). Its outputs
+    are already the quantized weights' approximation and checked by quality gates, not token for
+    token, and a cache of half the bytes holds twice the tokens and halves what decode attention
+    reads: a SmolLM2 Q4_1 decode step of 128 sequences, 212 -> 185 ms on a Zen 4 EPYC."""
     if kv_cache_dtype == "auto":
-        return activations
+        return torch.float16 if quantized_weights and activations == torch.float32 else activations
     if kv_cache_dtype in FLOATS:
         return FLOATS[kv_cache_dtype]
     if kv_cache_dtype not in QUANTIZED:

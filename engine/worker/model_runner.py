@@ -229,9 +229,6 @@ class ModelRunner:
         self.tp = tp
         self.device = rank_device(args.device, tp.rank, tp.size)
         self.dtype = resolve_dtype(args.dtype, cfg, self.device)
-        # What the KV cache stores its elements in: the activations' dtype, or int8 / float8
-        # with a scale per 32 elements of a row (kv_quant), which every attention path reads.
-        self.kv_cache_dtype = kv_quant.storage_dtype(args.kv_cache_dtype, self.dtype)
         self.block_size = args.block_size
         self.num_kv_heads = cfg.num_kv_heads // tp.size  # this rank's share of the heads
         if self.device.type == "cpu":
@@ -251,6 +248,11 @@ class ModelRunner:
         )
         self.quantization = resolve_quantization(
             args.quantization, cfg, self.device, self.dtype, tp.size, self.matmul_precision
+        )
+        # What the KV cache stores its elements in: a float dtype, or int8 / float8 with a scale
+        # per 32 elements of a row (kv_quant), which every attention path reads.
+        self.kv_cache_dtype = kv_quant.storage_dtype(
+            args.kv_cache_dtype, self.dtype, quantized_weights=self.quantization == "gguf"
         )
         self.loras = self._resident_loras(args)
         self.model = self._load_model(rows, pack=self.shard_threads.count < 2)

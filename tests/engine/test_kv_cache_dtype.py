@@ -64,6 +64,17 @@ def test_the_same_memory_holds_more_blocks_and_the_stats_say_the_dtype(tiny_llam
     assert settings_in_force(plain)["kv_cache_dtype"] == "float32"
 
 
+def test_auto_is_the_activations_dtype_but_float16_for_float32_on_quantized_weights():
+    """As llama.cpp's cache, and as a GGUF's in vLLM, whose activations are 16-bit."""
+    for activations in (torch.float32, torch.bfloat16, torch.float16):
+        assert kv_quant.storage_dtype("auto", activations) == activations
+    assert kv_quant.storage_dtype("auto", torch.float32, quantized_weights=True) == torch.float16
+    assert kv_quant.storage_dtype("auto", torch.bfloat16, quantized_weights=True) == torch.bfloat16
+    assert kv_quant.storage_dtype("bfloat16", torch.float32, quantized_weights=True) == (
+        torch.bfloat16
+    )
+
+
 def test_a_float16_cache_holds_twice_a_float32_ones_blocks(tiny_llama):
     budget = 0.01  # GiB
     plain = LLMEngine(EngineArgs(model=str(tiny_llama), kv_cache_memory_gib=budget))

@@ -124,6 +124,11 @@ def test_smollm2_computes_on_its_blocks_and_agrees_with_exact_mode(real_model, c
             # Unset, quantization is what the file holds: gguf.
             llm = LLM(path, num_kv_blocks=64, quantization=None if mode == "gguf" else mode)
         assert llm.engine.runner.quantization == mode
+        # kv_cache_dtype auto: float16 on the blocks (llama.cpp's cache), the activations' float32
+        # in exact mode.
+        assert (
+            llm.engine.runner.kv_cache_dtype == {"none": torch.float32, "gguf": torch.float16}[mode]
+        )
         chats = [
             llm.tokenizer.apply_chat_template(
                 [{"role": "user", "content": p}], tokenize=False, add_generation_prompt=True
