@@ -43,8 +43,8 @@ import torch
 # float16 where float32 activations run on GGUF blocks, see `storage_dtype`), a float name in that
 # dtype (a float32 model's keys and values rounded to it as they are cached), a quantized name as
 # above.
-KV_CACHE_DTYPES = ("auto", "float16", "bfloat16", "fp8", "int8")
-FLOATS = {"float16": torch.float16, "bfloat16": torch.bfloat16}
+KV_CACHE_DTYPES = ("auto", "float32", "float16", "bfloat16", "fp8", "int8")
+FLOATS = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
 QUANTIZED = {"int8": torch.int8, "fp8": torch.float8_e4m3fn}
 # The largest magnitude each format holds: a group's scale maps its extreme onto it.
 LARGEST = {torch.int8: 127.0, torch.float8_e4m3fn: 448.0}

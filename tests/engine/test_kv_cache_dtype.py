@@ -37,7 +37,8 @@ GIB = 2**30
 
 
 def test_an_unknown_kv_cache_dtype_is_refused_naming_the_choices():
-    with pytest.raises(ValueError, match="kv_cache_dtype.*auto, float16, bfloat16, fp8, int8"):
+    choices = "auto, float32, float16, bfloat16, fp8, int8"
+    with pytest.raises(ValueError, match=f"kv_cache_dtype.*{choices}"):
         EngineArgs(model="x", kv_cache_dtype="fp16")
 
 
@@ -70,9 +71,9 @@ def test_auto_is_the_activations_dtype_but_float16_for_float32_on_quantized_weig
         assert kv_quant.storage_dtype("auto", activations) == activations
     assert kv_quant.storage_dtype("auto", torch.float32, quantized_weights=True) == torch.float16
     assert kv_quant.storage_dtype("auto", torch.bfloat16, quantized_weights=True) == torch.bfloat16
-    assert kv_quant.storage_dtype("bfloat16", torch.float32, quantized_weights=True) == (
-        torch.bfloat16
-    )
+    for name in ("float32", "bfloat16"):  # asked for: as asked
+        stored = kv_quant.storage_dtype(name, torch.float32, quantized_weights=True)
+        assert stored == getattr(torch, name)
 
 
 def test_a_float16_cache_holds_twice_a_float32_ones_blocks(tiny_llama):
