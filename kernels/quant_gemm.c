@@ -584,7 +584,8 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
  * per = 32 / bits of them in a dword (bytes for int8, int16 for int16); ps, pm[g * PANEL + r] its
  * group g's scale and offset. */
 
-#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VNNI__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
+    defined(__AVX512VNNI__)
 #define GEMM_VNNI 1
 #include <immintrin.h>
 #endif
@@ -597,7 +598,7 @@ static int group_size(int type) { return type == Q6_K ? 16 : BLOCK; }
 static inline int per_dword(int bits) { return 32 / bits; }
 static inline int element_bytes(int bits) { return bits / 8; }
 
-/* What integer_block's unsigned integers of a symmetric format are offset by (their offset is
+/* What block_integers' unsigned integers of a symmetric format are offset by (their offset is
  * -centre times the scale); 0 for the formats with a min of their own (Q4_1, Q4_K, Q5_K). */
 static inline int centre(int type) {
     switch (type) {
@@ -612,47 +613,65 @@ static inline int centre(int type) {
 /* Whether the panel holds signed integers without offsets (see above). */
 static inline int centred(int type, int bits) { return bits == 16 && centre(type) > 0; }
 
-/* One stored block as unsigned integers q (block_size(type) of them) and each group's scale s
- * and offset m: the weight k of group g is s[g] q[k] + m[g]. */
-static void integer_block(int type, const uint8_t *b, uint8_t *q, float *s, float *m) {
+/* One stored block's groups' scales s and offsets m: the weight k of group g is s[g] q[k] + m[g],
+ * q its unsigned integer (block_integers). */
+static void block_scales(int type, const uint8_t *b, float *s, float *m) {
+    switch (type) {
+    case Q4_1:
+        s[0] = half_to_float(b);
+        m[0] = half_to_float(b + 2);
+        return;
+    case Q4_0:
+    case Q5_0:
+    case Q8_0:
+        s[0] = half_to_float(b);
+        m[0] = -(float)centre(type) * s[0];
+        return;
+    case Q4_K:
+    case Q5_K: {
+        const float d = half_to_float(b), dmin = half_to_float(b + 2);
+        for (int j = 0; j < 8; ++j) {
+            int sc, mn;
+            k_scale_min(b + 4, j, &sc, &mn);
+            s[j] = d * (float)sc;
+            m[j] = -(dmin * (float)mn);
+        }
+        return;
+    }
+    default: { /* Q6_K: groups of 16 */
+        const float d = half_to_float(b + 208);
+        const int8_t *scales = (const int8_t *)(b + 192);
+        for (int g = 0; g < 16; ++g) s[g] = d * (float)scales[g], m[g] = -32.0f * s[g];
+    }
+    }
+}
+
+/* One stored block's weights as unsigned integers q (block_size(type) of them; see block_scales).
+ */
+static void block_integers(int type, const uint8_t *b, uint8_t *q) {
     switch (type) {
     case Q4_0:
     case Q4_1: {
-        const float d = half_to_float(b);
         const uint8_t *qs = b + (type == Q4_1 ? 4 : 2);
         for (int i = 0; i < 16; ++i) q[i] = qs[i] & 0x0F, q[i + 16] = qs[i] >> 4;
-        s[0] = d;
-        m[0] = type == Q4_1 ? half_to_float(b + 2) : -8.0f * d;
         return;
     }
     case Q5_0: {
-        const float d = half_to_float(b);
         const uint32_t qh = (uint32_t)b[2] | (uint32_t)b[3] << 8 | (uint32_t)b[4] << 16 |
                             (uint32_t)b[5] << 24;
         for (int i = 0; i < 16; ++i) {
             q[i] = (uint8_t)((b[6 + i] & 0x0F) | ((qh >> i) & 1u) << 4);
             q[i + 16] = (uint8_t)((b[6 + i] >> 4) | ((qh >> (i + 16)) & 1u) << 4);
         }
-        s[0] = d;
-        m[0] = -16.0f * d;
         return;
     }
-    case Q8_0: {
-        const float d = half_to_float(b);
+    case Q8_0:
         for (int i = 0; i < BLOCK; ++i) q[i] = b[2 + i] ^ 0x80; /* int8 + 128 */
-        s[0] = d;
-        m[0] = -128.0f * d;
         return;
-    }
     case Q4_K:
     case Q5_K: {
-        const float d = half_to_float(b), dmin = half_to_float(b + 2);
         const uint8_t *qh = b + 16, *qs = b + (type == Q5_K ? 48 : 16);
         for (int j = 0; j < 8; ++j) {
-            int sc, mn;
-            k_scale_min(b + 4, j, &sc, &mn);
-            s[j] = d * (float)sc;
-            m[j] = -(dmin * (float)mn);
             const uint8_t *run = qs + 32 * (j / 2);
             for (int l = 0; l < 32; ++l) {
                 int v = j % 2 ? run[l] >> 4 : run[l] & 0x0F;
@@ -662,10 +681,7 @@ static void integer_block(int type, const uint8_t *b, uint8_t *q, float *s, floa
         }
         return;
     }
-    default: { /* Q6_K: groups of 16 */
-        const float d = half_to_float(b + 208);
-        const int8_t *scales = (const int8_t *)(b + 192);
-        for (int g = 0; g < 16; ++g) s[g] = d * (float)scales[g], m[g] = -32.0f * s[g];
+    default: { /* Q6_K */
         const uint8_t *ql = b, *qh = b + 128;
         for (int half = 0; half < 2; ++half, ql += 64, qh += 32, q += 128)
             for (int k = 0; k < 4; ++k)
@@ -679,22 +695,50 @@ static void integer_block(int type, const uint8_t *b, uint8_t *q, float *s, floa
 }
 
 #ifdef GEMM_VNNI
-/* One stored block of Q4_0, Q4_1 or Q8_0 as its 32 unsigned integers (integer_block's). */
-static inline __m256i block_bytes_avx(int type, const uint8_t *b) {
+/* block_integers' 32 integers of a row's columns c .. c + 31 (c a multiple of 32) in one vector:
+ * the block's, or a K format's super-block's j-th run of 32. */
+static inline __m256i integers_avx(int type, const uint8_t *row, int64_t c) {
+    const uint8_t *b = row + c / block_size(type) * block_bytes(type);
+    const int j = (int)(c % block_size(type) / BLOCK);
+    const __m256i low4 = _mm256_set1_epi8(0x0F);
     if (type == Q8_0)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)),
                                 _mm256_set1_epi8((char)0x80));
-    const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == Q4_1 ? 4 : 2)));
-    const __m128i low = _mm_set1_epi8(0x0F);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+    if (type == Q4_0 || type == Q4_1 || type == Q5_0) { /* 16 bytes: low nibbles, then high */
+        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6)));
+        const __m128i low = _mm_set1_epi8(0x0F);
+        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        if (type != Q5_0) return q;
+        uint32_t qh;
+        memcpy(&qh, b + 2, sizeof qh); /* bit i: the fifth bit of weight i */
+        return _mm256_or_si256(q, _mm256_maskz_set1_epi8((__mmask32)qh, 0x10));
+    }
+    if (type == Q4_K || type == Q5_K) { /* 32 bytes a pair of runs: low nibbles j even, high odd */
+        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (type == Q5_K ? 48 : 16) + 32 * (j / 2)));
+        __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
+        if (type == Q5_K) { /* bit j of qh[l]: the fifth bit of weight l */
+            const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
+            const __m256i fifth = _mm256_and_si256(_mm256_srli_epi16(qh, j), _mm256_set1_epi8(1));
+            q = _mm256_or_si256(q, _mm256_slli_epi16(fifth, 4));
+        }
+        return q;
+    }
+    /* Q6_K: half j / 4 of 128 weights; its run k = j % 4 takes ql's low (k < 2) or high nibbles of
+     * 32 bytes at 32 (k % 2), and bits 2k, 2k + 1 of qh's 32 bytes above them */
+    const int half = j / 4, k = j % 4;
+    const __m256i ql = _mm256_loadu_si256((const __m256i *)(b + 64 * half + 32 * (k % 2)));
+    const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 128 + 32 * half));
+    const __m256i low = _mm256_and_si256(k < 2 ? ql : _mm256_srli_epi16(ql, 4), low4);
+    const __m256i top = _mm256_and_si256(_mm256_srli_epi16(qh, 2 * k), _mm256_set1_epi8(3));
+    return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
 }
 
-/* pack_int's integers for the formats of 32 with code of their own, 16 rows at a time: one vector
- * a row for every 64 columns (int8: two blocks' bytes) or 32 (int16: a block's widened to int16),
- * transposed in registers so that a dword of the 16 rows is one aligned store. */
+/* pack_int's integers, 16 rows at a time: one vector a row for every 64 columns (int8: two runs
+ * of 32 bytes) or 32 (int16: a run's widened to int16), transposed in registers so that a dword
+ * of the 16 rows is one aligned store. */
 static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64_t row_bytes,
                                int64_t cols, int valid, uint32_t *pq) {
-    const int64_t stride = block_bytes(type), span = bits == 8 ? 2 * BLOCK : BLOCK;
+    const int64_t span = bits == 8 ? 2 * BLOCK : BLOCK;
     const int per = per_dword(bits), centred_by = centred(type, bits) ? centre(type) : 0;
     for (int r0 = 0; r0 < PANEL; r0 += 16) {
         const int here = valid - r0 >= 16 ? 16 : valid - r0 > 0 ? valid - r0 : 0;
@@ -705,14 +749,14 @@ static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64
             for (int r = 0; r < 16; ++r) {
                 __m512i q = _mm512_setzero_si512();
                 if (r < here) {
-                    const uint8_t *b = base + r * row_bytes + c / BLOCK * stride;
-                    const __m256i bytes = block_bytes_avx(type, b);
+                    const uint8_t *row = base + r * row_bytes;
+                    const __m256i bytes = integers_avx(type, row, c);
                     if (bits == 16)
                         q = _mm512_sub_epi16(_mm512_cvtepu8_epi16(bytes),
                                              _mm512_set1_epi16((short)centred_by));
                     else {
                         q = _mm512_castsi256_si512(bytes);
-                        if (two) q = _mm512_inserti64x4(q, block_bytes_avx(type, b + stride), 1);
+                        if (two) q = _mm512_inserti64x4(q, integers_avx(type, row, c + BLOCK), 1);
                     }
                 }
                 v[r] = _mm512_castsi512_ps(q);
@@ -726,23 +770,20 @@ static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64
 #endif
 
 /* Panel p's integers (`bits` the activations'), scales and offsets (see above); rows past the
- * matrix's end are zeros. `vectors`: the AVX-512 code for the integers of Q4_0, Q4_1 and Q8_0. */
+ * matrix's end are zeros. `vectors`: the integers by the AVX-512 code. */
 static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
                      uint32_t *pq, float *ps, float *pm, int vectors) {
     const int64_t size = block_size(type), stride = block_bytes(type), group = group_size(type);
     const int64_t row_bytes = cols / size * stride, groups = size / group;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
     const int per = per_dword(bits), signed_q = centred(type, bits);
-    int dwords_done = 0;
 #ifdef GEMM_VNNI
-    if (vectors && (type == Q4_0 || type == Q4_1 || type == Q8_0)) {
-        pack_dwords_avx512(type, bits, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
-        dwords_done = 1;
-    }
+    if (vectors) pack_dwords_avx512(type, bits, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
+#else
+    vectors = 0;
 #endif
-    (void)vectors;
     if (valid < PANEL) {
-        if (!dwords_done) memset(pq, 0, sizeof *pq * (size_t)(cols / per * PANEL));
+        if (!vectors) memset(pq, 0, sizeof *pq * (size_t)(cols / per * PANEL));
         memset(ps, 0, sizeof *ps * (size_t)(cols / group * PANEL));
         memset(pm, 0, sizeof *pm * (size_t)(cols / group * PANEL));
     }
@@ -751,23 +792,20 @@ static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t
     for (int r = 0; r < valid; ++r) {
         const uint8_t *row = w + (p * PANEL + r) * row_bytes;
         for (int64_t c = 0; c < cols; c += size, row += stride) {
-            if (dwords_done) { /* the scale and offset alone */
-                s[0] = half_to_float(row);
-                m[0] = type == Q4_1 ? half_to_float(row + 2) : -(float)centre(type) * s[0];
-            } else {
-                integer_block(type, row, q, s, m);
-                for (int64_t k = 0; k < size / per; ++k) {
-                    uint32_t dword = 0;
-                    for (int j = 0; j < per; ++j) {
-                        const int v = q[per * k + j] - (signed_q ? centre(type) : 0);
-                        dword |= (uint32_t)(v & (bits == 8 ? 0xFF : 0xFFFF)) << (bits * j);
-                    }
-                    pq[(c / per + k) * PANEL + r] = dword;
-                }
-            }
+            block_scales(type, row, s, m);
             for (int64_t g = 0; g < groups; ++g) {
                 ps[(c / group + g) * PANEL + r] = s[g];
                 pm[(c / group + g) * PANEL + r] = signed_q ? 0.0f : m[g];
+            }
+            if (vectors) continue;
+            block_integers(type, row, q);
+            for (int64_t k = 0; k < size / per; ++k) {
+                uint32_t dword = 0;
+                for (int j = 0; j < per; ++j) {
+                    const int v = q[per * k + j] - (signed_q ? centre(type) : 0);
+                    dword |= (uint32_t)(v & (bits == 8 ? 0xFF : 0xFFFF)) << (bits * j);
+                }
+                pq[(c / per + k) * PANEL + r] = dword;
             }
         }
     }
