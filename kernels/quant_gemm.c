@@ -23,6 +23,10 @@
  * Rows of x go in chunks of CHUNK (256): a chunk's bf16 activations (256 x 1536 x 2 = 768 KiB)
  * stay in L2 while every panel passes over them; a longer prefill expands the weights once a
  * chunk. OpenMP splits the panels among the threads.
+ *
+ * The second half of the file takes the activations as integers instead (int16, the default on
+ * AVX512-VNNI CPUs without AMX, or int8): the panel then holds the weights' stored integers, and
+ * their sums are exact (see "Integer activations" below).
  */
 #define _GNU_SOURCE
 #include <math.h>
