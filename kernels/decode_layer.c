@@ -15,9 +15,12 @@
  * the attention's output normalised before it joins the residual stream and the MLP's output
  * too, GELU (tanh) in place of SiLU; its norms' vectors are their 1 + weight. q, k and v may be
  * in up to three runs of blocks of different formats (Gemma's v in Q8_0, q and k in Q5_0).
- * The matrix products are quant_matmul.c's streaming paths. The norms and SiLU are computed here
- * in float32, their sums in another order than torch's: results differ from the unfused layer's
- * in the last bits, as quantization gguf's products already do from exact mode's.
+ * The matrix products are quant_matmul.c's streaming paths for a few tokens, and past the step's
+ * `streamed_rows` quant_gemm.c's integer product (`gemm`, another library's function, whose
+ * address decode_layer.py hands over), so that a decode step of many sequences runs in one call
+ * a layer too, its token loops split among the threads. The norms, SiLU and GELU are computed
+ * here in float32, their sums in another order than torch's: results differ from the unfused
+ * layer's in the last bits, as quantization gguf's products already do from exact mode's.
  */
 #include <math.h>
 #include <stdint.h>
@@ -69,8 +72,13 @@ struct decode_layer {
     const float *q_norm, *k_norm, *post_attention_norm, *post_mlp_norm; /* gemma's */
 };
 
-/* What a step gives every layer: its tokens' positions and cache slots, and the decode rows of
- * attention.py's plan (sequence i's query is token token_rows[i]). */
+/* quant_gemm.c's quant_gemm_int: out[n, rows] = x @ w.T with x quantized to `bits`. */
+typedef int (*many_rows_product)(int type, const uint8_t *w, int64_t rows, int64_t cols,
+                                 const float *x, int64_t n, int bits, int path, int num_threads,
+                                 float *out);
+
+/* What a step gives every layer: its tokens' positions and cache slots, the decode rows of
+ * attention.py's plan (sequence i's query is token token_rows[i]), and how its products run. */
 struct decode_step {
     int64_t tokens;
     const int64_t *positions, *slots;
@@ -79,13 +87,25 @@ struct decode_step {
     const int64_t *token_rows, *table_rows, *first_keys, *seq_lens;
     int64_t seqs;
     int32_t threads;
+    int64_t streamed_rows;  /* tokens up to which the products stream the blocks */
+    many_rows_product gemm; /* past them (NULL: streamed whatever the tokens) */
+    int32_t gemm_bits, gemm_path;
 };
 
-static int matmul(const struct quant_linear *w, const float *x, int64_t n, int threads,
-                  float *out) {
+/* Tokens from which the layer's own loops (norms, activations, cache writes) are split among the
+ * threads: fewer take less time than starting them. */
+enum { PARALLEL_TOKENS = 16 };
+
+static int matmul(const struct quant_linear *w, const float *x, int64_t n,
+                  const struct decode_step *s, float *out) {
+    if (s->gemm && n > s->streamed_rows) {
+        const int status = s->gemm(w->type, w->blocks, w->rows, w->cols, x, n, s->gemm_bits,
+                                   s->gemm_path, s->threads, out);
+        return status == -1 || status == -3 ? -3 : status; /* -1 is the rotary table's here */
+    }
     int (*const kernels[])(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int,
                            float *) = {quant_matmul_float, quant_matmul_int8, quant_matmul_int16};
-    return kernels[w->activations](w->type, w->blocks, w->rows, w->cols, x, n, threads, out);
+    return kernels[w->activations](w->type, w->blocks, w->rows, w->cols, x, n, s->threads, out);
 }
 
 /* out = x / sqrt(mean(x^2) + eps) * weight, one row of `size`. */
@@ -100,13 +120,13 @@ static void rms_norm_row(const float *x, const float *weight, int64_t size, floa
 }
 
 /* q, k and v of n tokens, [n, qkv_size]: each run's rows into its columns. */
-static int qkv_matmul(const struct decode_layer *l, const float *h, int64_t n, int threads,
-                      int64_t qkv_size, float *part, float *qkv) {
-    if (l->qkv_runs == 1) return matmul(&l->qkv[0], h, n, threads, qkv);
+static int qkv_matmul(const struct decode_layer *l, const float *h, int64_t n,
+                      const struct decode_step *s, int64_t qkv_size, float *part, float *qkv) {
+    if (l->qkv_runs == 1) return matmul(&l->qkv[0], h, n, s, qkv);
     int64_t column = 0;
     for (int64_t j = 0; j < l->qkv_runs; column += l->qkv[j++].rows) {
         const int64_t rows = l->qkv[j].rows;
-        const int status = matmul(&l->qkv[j], h, n, threads, part);
+        const int status = matmul(&l->qkv[j], h, n, s, part);
         if (status) return status;
         for (int64_t t = 0; t < n; ++t)
             memcpy(qkv + t * qkv_size + column, part + t * rows, sizeof(float) * rows);
@@ -162,6 +182,20 @@ static void gelu_tanh_and_mul(const float *gate, const float *up, int64_t n, flo
     for (; i < n; ++i) a[i] = gelu_tanh(gate[i]) * up[i];
 }
 
+/* SiLU times up: a[i] = gate[i] / (1 + e^-gate[i]) * up[i] for n values. */
+static void silu_and_mul(const float *gate, const float *up, int64_t n, float *a) {
+    int64_t i = 0;
+#ifdef __AVX512F__
+    for (; i + 16 <= n; i += 16) {
+        const __m512 g = _mm512_loadu_ps(gate + i);
+        const __m512 e = exp_avx512(_mm512_sub_ps(_mm512_setzero_ps(), g));
+        const __m512 s = _mm512_div_ps(g, _mm512_add_ps(_mm512_set1_ps(1.0f), e));
+        _mm512_storeu_ps(a + i, _mm512_mul_ps(s, _mm512_loadu_ps(up + i)));
+    }
+#endif
+    for (; i < n; ++i) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+}
+
 /* n floats from src stored at element `at` of a cache in `format`, rounded to nearest even
  * (float16 by F16C where the CPU has it; bfloat16 by quant_formats.h's to_bf16). */
 static void store_row(void *cache, int64_t at, const float *src, int64_t n, int format) {
@@ -200,24 +234,29 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
     float *attn = k + n * kv_size, *gate_up = attn + n * q_size, *act = gate_up + n * 2 * inter;
     float *part = act + n * inter; /* a run of q, k, v where there are several */
     const int64_t head_dim = l->head_dim;
+    const int split = n >= PARALLEL_TOKENS ? (int)threads : 1;
     int status = 0;
 
+#pragma omp parallel for num_threads(split) schedule(static)
     for (int64_t t = 0; t < n; ++t) {
         float *r = residual + t * hidden;
         const float *xt = x + t * hidden;
         for (int64_t i = 0; i < hidden; ++i) r[i] = has_residual ? xt[i] + r[i] : xt[i];
         rms_norm_row(r, l->norm1, hidden, l->eps, h + t * hidden);
     }
-    if ((status = qkv_matmul(l, h, n, (int)threads, qkv_size, part, qkv))) goto done;
+    if ((status = qkv_matmul(l, h, n, s, qkv_size, part, qkv))) goto done;
     if (l->gemma) /* each head of q and of k normalised over head_dim */
+#pragma omp parallel for num_threads(split) schedule(static)
         for (int64_t t = 0; t < n; ++t)
             for (int64_t j = 0; j < l->heads + l->kv_heads; ++j) {
                 float *head = qkv + t * qkv_size + j * head_dim;
                 rms_norm_row(head, j < l->heads ? l->q_norm : l->k_norm, head_dim, l->eps, head);
             }
     status = rotary_embedding(s->positions, n, qkv, qkv_size, l->heads, qkv + q_size, qkv_size,
-                              l->kv_heads, l->head_dim, l->cos_sin, l->cos_sin_rows, 1, q, k);
+                              l->kv_heads, l->head_dim, l->cos_sin, l->cos_sin_rows, split, q,
+                              k);
     if (status) goto done;
+#pragma omp parallel for num_threads(split) schedule(static)
     for (int64_t t = 0; t < n; ++t) {
         const int64_t slot = s->slots[t] * kv_size;
         store_row(l->key_cache, slot, k + t * kv_size, kv_size, l->cache_format);
@@ -233,24 +272,27 @@ int quant_decode_layer(const struct decode_layer *l, const struct decode_step *s
         goto done;
     }
     float *o = h; /* h is read no more */
-    if ((status = matmul(&l->o, attn, n, threads, o))) goto done;
+    if ((status = matmul(&l->o, attn, n, s, o))) goto done;
+#pragma omp parallel for num_threads(split) schedule(static)
     for (int64_t t = 0; t < n; ++t) {
         float *r = residual + t * hidden, *ot = o + t * hidden;
         if (l->gemma) rms_norm_row(ot, l->post_attention_norm, hidden, l->eps, ot);
         for (int64_t i = 0; i < hidden; ++i) r[i] += ot[i];
         rms_norm_row(r, l->norm2, hidden, l->eps, h + t * hidden);
     }
-    if ((status = matmul(&l->gate_up, h, n, threads, gate_up))) goto done;
+    if ((status = matmul(&l->gate_up, h, n, s, gate_up))) goto done;
+#pragma omp parallel for num_threads(split) schedule(static)
     for (int64_t t = 0; t < n; ++t) {
         const float *gate = gate_up + t * 2 * inter, *up = gate + inter;
         float *a = act + t * inter;
         if (l->gemma)
             gelu_tanh_and_mul(gate, up, inter, a);
         else
-            for (int64_t i = 0; i < inter; ++i) a[i] = gate[i] / (1.0f + expf(-gate[i])) * up[i];
+            silu_and_mul(gate, up, inter, a);
     }
-    if ((status = matmul(&l->down, act, n, threads, out))) goto done;
+    if ((status = matmul(&l->down, act, n, s, out))) goto done;
     if (l->gemma)
+#pragma omp parallel for num_threads(split) schedule(static)
         for (int64_t t = 0; t < n; ++t)
             rms_norm_row(out + t * hidden, l->post_mlp_norm, hidden, l->eps, out + t * hidden);
 done:

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pagedbatch.kernels import native
+from pagedbatch.kernels import native, quant_gemm, quant_linear
 from pagedbatch.kernels.attention import C_FORMATS, AttentionMetadata, decode_rows
 from pagedbatch.kernels.quant_linear import ACTIVATIONS, QuantizedWeight
 
@@ -52,7 +52,28 @@ class _Step(ctypes.Structure):
         ("tables", _ptr), ("table_width", _i64),
         ("token_rows", _ptr), ("table_rows", _ptr), ("first_keys", _ptr), ("seq_lens", _ptr),
         ("seqs", _i64), ("threads", _i32),
+        ("streamed_rows", _i64), ("gemm", _ptr), ("gemm_bits", _i32), ("gemm_path", _i32),
     ]  # fmt: skip
+
+
+def many_rows_product() -> tuple[int, int, int] | None:
+    """quant_gemm.c's integer product as a decode layer calls it past `small_batch()` rows: its
+    address, bits and path, where many rows take integer activations here (`gemm_path`); None
+    elsewhere (the bf16 products and the float32 tiles are not called from C)."""
+    gemm = quant_linear.gemm_path()
+    lib = quant_gemm.library()
+    if gemm is None or gemm[0] not in quant_gemm.INTEGER_BITS or lib is None:
+        return None
+    address = ctypes.cast(lib.quant_gemm_int, ctypes.c_void_p).value
+    assert address is not None
+    product, path = gemm
+    return address, quant_gemm.INTEGER_BITS[product], quant_gemm.INTEGER_PATHS[path]
+
+
+def takes(rows: int) -> bool:
+    """Whether a decode step of `rows` one-token sequences runs its layers here: a few, whose
+    products stream the blocks; any number where many rows' products are `many_rows_product`."""
+    return rows <= quant_linear.small_batch() or many_rows_product() is not None
 
 
 def fusable(weight: object, runs: int = 1) -> bool:
@@ -143,12 +164,14 @@ class DecodeStep:
             return None
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
+        gemm, bits, path = many_rows_product() or (None, 0, 0)
         struct = _Step(
             positions.numel(), positions.data_ptr(), slots.data_ptr(),
             rows.tables.data_ptr(), rows.tables.shape[1],
             rows.token_rows.data_ptr(), rows.table_rows.data_ptr(),
             rows.first_keys.data_ptr(), rows.seq_lens.data_ptr(),
             rows.token_rows.numel(), torch.get_num_threads(),
+            quant_linear.small_batch(), gemm, bits, path,
         )  # fmt: skip
         tensors = (positions, slots, rows.tables, rows.token_rows, rows.table_rows)
         return cls(struct, (*tensors, rows.first_keys, rows.seq_lens))

@@ -19,8 +19,9 @@ from test_quant_blocks import random_blocks
 from pagedbatch.engine import LLM
 from pagedbatch.engine.worker.models import llama
 from pagedbatch.engine.worker.models.llama import decode_layers
+from pagedbatch.kernels import quant_linear
 from pagedbatch.kernels.attention import prepare_attention
-from pagedbatch.kernels.decode_layer import run_layer
+from pagedbatch.kernels.decode_layer import many_rows_product, run_layer
 from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import (
     ACTIVATIONS,
@@ -235,8 +236,45 @@ def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
         assert (got - expected).norm() <= 1e-2 * expected.norm()
 
 
+@pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @torch.inference_mode()
-def test_prefills_and_large_batches_keep_the_torch_path(tiny_llama, fused_calls):
+def test_many_sequences_run_in_one_call_a_layer_on_the_integer_product(
+    make_checkpoint, arch, fused_calls
+):
+    """Past the streamed rows, where many rows' products take integer activations (VNNI), the
+    layer calls quant_gemm_int itself, as the torch path's linears do, with the norms, rotary,
+    the cache writes and the activation in C, split among the threads. An activation that the
+    two paths' last bits put on either side of an int16 rounding step moves by a step (its
+    block's amax / 32767): the hidden states differ by far less than a thousandth of their norm.
+    Gemma 3 with its Q4_K_M file's formats (see the test above)."""
+    if many_rows_product() is None:
+        pytest.skip("many rows take no integer product here")
+    if arch == "gemma3":
+        shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
+        k_formats = {"o_proj": Format.Q4_K, "down_proj": Format.Q6_K}
+        checkpoint = make_checkpoint("gemma3", **shape)
+        llm, model = quantized_model(checkpoint, Format.Q5_0, Format.Q8_0, k_formats)
+    else:
+        llm, model = quantized_model(make_checkpoint("llama"), Format.Q4_1)
+    kv_caches = llm.engine.runner.kv_caches
+    ids, meta = decode_step(llm, list(range(9, 9 + 3 * small_batch() + 5)))
+    expected = layers_one_by_one(model, ids, meta, kv_caches)
+    slots = meta.slot_mapping
+    written = [k.view(-1, *k.shape[2:])[slots].clone() for k, _ in kv_caches]
+    got = model(ids, meta.positions, kv_caches, meta)
+    assert len(fused_calls) == len(model.layers)
+    assert (got - expected).norm() <= 1e-3 * expected.norm()
+    for (cache, _), torch_written in zip(kv_caches, written, strict=True):
+        keys = cache.view(-1, *cache.shape[2:])[slots]
+        assert (keys - torch_written).norm() <= 1e-3 * torch_written.norm()
+
+
+@torch.inference_mode()
+def test_prefills_and_large_batches_without_an_integer_product_keep_the_torch_path(
+    tiny_llama, fused_calls, monkeypatch
+):
+    monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")  # the tiles, which C does not call
+    assert many_rows_product() is None
     llm, model = quantized_model(tiny_llama, Format.Q8_0)
     kv_caches = llm.engine.runner.kv_caches
     ids, meta = decode_step(llm, list(range(9, 10 + small_batch())))

@@ -41,8 +41,9 @@ from pagedbatch.kernels.decode_layer import (
     LayerShape,
     fusable,
     run_layer,
+    takes,
 )
-from pagedbatch.kernels.quant_linear import QuantizedWeight, small_batch
+from pagedbatch.kernels.quant_linear import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
 
@@ -376,11 +377,12 @@ class LlamaForCausalLM(nn.Module):
         kv_caches: list[KVCache],
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
-        """(x, residual) after every layer, each in one C call, on a step of a few one-token
-        sequences; None where the layers take their torch path."""
+        """(x, residual) after every layer, each in one C call, on a step of one-token sequences
+        (a few, or as many as there are where their products have an integer path: see
+        `decode_layer.takes`); None where the layers take their torch path."""
         if not (
             meta.max_query_len == 1
-            and x.shape[0] <= small_batch()
+            and takes(x.shape[0])
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and positions.dim() == 1
