@@ -709,16 +709,19 @@ static inline __m256i integers_avx(int type, const uint8_t *row, int64_t c) {
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)),
                                 _mm256_set1_epi8((char)0x80));
     if (type == Q4_0 || type == Q4_1 || type == Q5_0) { /* 16 bytes: low nibbles, then high */
-        const __m128i v = _mm_loadu_si128((const __m128i *)(b + (type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6)));
+        const int64_t at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6;
+        const __m128i v = _mm_loadu_si128((const __m128i *)(b + at));
         const __m128i low = _mm_set1_epi8(0x0F);
-        const __m256i q = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
+        const __m256i q =
+            _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(v, 4), low), _mm_and_si128(v, low));
         if (type != Q5_0) return q;
         uint32_t qh;
         memcpy(&qh, b + 2, sizeof qh); /* bit i: the fifth bit of weight i */
         return _mm256_or_si256(q, _mm256_maskz_set1_epi8((__mmask32)qh, 0x10));
     }
     if (type == Q4_K || type == Q5_K) { /* 32 bytes a pair of runs: low nibbles j even, high odd */
-        const __m256i v = _mm256_loadu_si256((const __m256i *)(b + (type == Q5_K ? 48 : 16) + 32 * (j / 2)));
+        const uint8_t *qs = b + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
+        const __m256i v = _mm256_loadu_si256((const __m256i *)qs);
         __m256i q = _mm256_and_si256(j % 2 ? _mm256_srli_epi16(v, 4) : v, low4);
         if (type == Q5_K) { /* bit j of qh[l]: the fifth bit of weight l */
             const __m256i qh = _mm256_loadu_si256((const __m256i *)(b + 16));
@@ -782,7 +785,8 @@ static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
     const int per = per_dword(bits), signed_q = centred(type, bits);
 #ifdef GEMM_VNNI
-    if (vectors) pack_dwords_avx512(type, bits, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
+    if (vectors)
+        pack_dwords_avx512(type, bits, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
 #else
     vectors = 0;
 #endif
@@ -906,9 +910,9 @@ static void panel_int_portable(int bits, int offsets, const void *xq, const floa
  * 2 * mr vectors (a dword of weights a step: vpdpbusd for int8, vpdpwssd for int16), then scaled
  * into 2 * mr float32 vectors. */
 static inline __attribute__((always_inline)) void rows_vnni(
-    int bits, int offsets, int mr, const uint8_t *xq, const float *xd, const float *xs, int64_t cols,
-    int64_t group, const uint32_t *pq, const float *ps, const float *pm, __mmask16 mask0,
-    __mmask16 mask1, float *out, int64_t ldo) {
+    int bits, int offsets, int mr, const uint8_t *xq, const float *xd, const float *xs,
+    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm,
+    __mmask16 mask0, __mmask16 mask1, float *out, int64_t ldo) {
     const int64_t groups = cols / group, blocks = cols / BLOCK;
     const int per = per_dword(bits), bytes = element_bytes(bits);
     __m512 acc[ROWS_VNNI][2];
@@ -959,17 +963,17 @@ static inline __attribute__((always_inline)) void rows_vnni(
 /* The chunk's rows by the panel, ROWS_VNNI at a time; `bits` and `offsets` constants where it is
  * inlined. */
 static inline __attribute__((always_inline)) void panel_vnni_bits(
-    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, int64_t count, int64_t cols,
-    int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid, float *out,
-    int64_t ldo) {
+    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, int64_t count,
+    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid,
+    float *out, int64_t ldo) {
     const __mmask16 mask0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
     const __mmask16 mask1 =
         valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
     const int64_t blocks = cols / BLOCK, groups = cols / group, row = cols * element_bytes(bits);
     int64_t i = 0;
     for (; i + ROWS_VNNI <= count; i += ROWS_VNNI)
-        rows_vnni(bits, offsets, ROWS_VNNI, xq + i * row, xd + i * blocks, xs + i * groups, cols, group,
-                  pq, ps, pm, mask0, mask1, out + i * ldo, ldo);
+        rows_vnni(bits, offsets, ROWS_VNNI, xq + i * row, xd + i * blocks, xs + i * groups, cols,
+                  group, pq, ps, pm, mask0, mask1, out + i * ldo, ldo);
     const uint8_t *a = xq + i * row;
     const float *d = xd + i * blocks, *t = xs + i * groups;
     float *o = out + i * ldo;
