@@ -557,9 +557,10 @@ static inline fvec sixteen_times(__m128i v, int is_signed, const float *x) {
 }
 #endif
 
-/* 32 weights (the bytes of lo, then of hi) times x[0:32]. */
-static inline fvec thirty_two_times(__m128i lo, __m128i hi, int is_signed, const float *x) {
-    return fvec_add(sixteen_times(lo, is_signed, x), sixteen_times(hi, is_signed, x + 16));
+/* 32 weights (the bytes of v) times x[0:32]. */
+static inline fvec thirty_two_times(__m256i v, int is_signed, const float *x) {
+    return fvec_add(sixteen_times(_mm256_castsi256_si128(v), is_signed, x),
+                    sixteen_times(_mm256_extracti128_si256(v, 1), is_signed, x + 16));
 }
 
 /* The int16 activations' products: the weights widened to int16, multiplied with xq and summed
@@ -572,8 +573,7 @@ static inline fvec sixteen_sums(__m128i v, int is_signed, const int16_t *xq) {
     return _mm512_zextps256_ps512(_mm256_cvtepi32_ps(pairs));
 }
 
-static inline fvec thirty_two_sums(__m128i lo, __m128i hi, int is_signed, const int16_t *xq) {
-    const __m256i v = _mm256_set_m128i(hi, lo);
+static inline fvec thirty_two_sums(__m256i v, int is_signed, const int16_t *xq) {
     const __m512i w = is_signed ? _mm512_cvtepi8_epi16(v) : _mm512_cvtepu8_epi16(v);
     return _mm512_cvtepi32_ps(_mm512_madd_epi16(w, _mm512_loadu_si512((const void *)xq)));
 }
@@ -583,7 +583,8 @@ static inline fvec sixteen_sums(__m128i v, int is_signed, const int16_t *xq) {
     return _mm256_cvtepi32_ps(_mm256_madd_epi16(w, _mm256_loadu_si256((const __m256i *)xq)));
 }
 
-static inline fvec thirty_two_sums(__m128i lo, __m128i hi, int is_signed, const int16_t *xq) {
+static inline fvec thirty_two_sums(__m256i v, int is_signed, const int16_t *xq) {
+    const __m128i lo = _mm256_castsi256_si128(v), hi = _mm256_extracti128_si256(v, 1);
     const __m256i wl = is_signed ? _mm256_cvtepi8_epi16(lo) : _mm256_cvtepu8_epi16(lo);
     const __m256i wh = is_signed ? _mm256_cvtepi8_epi16(hi) : _mm256_cvtepu8_epi16(hi);
     const __m256i sums =
@@ -599,14 +600,14 @@ static inline fvec thirty_two_sums(__m128i lo, __m128i hi, int is_signed, const 
  * and multiplied with all of them (their accumulators, one vector each, in registers). */
 enum { STREAM_ROWS = 8 };
 
-/* acc + scale times the products of 32 weights (lo, hi) with the activations from column k: x's
- * floats, or (ints) xq's integers, whose block's scale then joins `scale`. */
-ALWAYS_INLINE fvec add_32(__m128i lo, __m128i hi, int is_signed, const struct activations *a,
-                          int64_t k, float scale, fvec acc, int ints) {
+/* acc + scale times the products of 32 weights (the bytes of v) with the activations from
+ * column k: x's floats, or (ints) xq's integers, whose block's scale then joins `scale`. */
+ALWAYS_INLINE fvec add_32(__m256i v, int is_signed, const struct activations *a, int64_t k,
+                          float scale, fvec acc, int ints) {
     if (ints)
-        return fvec_scaled(thirty_two_sums(lo, hi, is_signed, a->xq + k), scale * a->xd[k / BLOCK],
+        return fvec_scaled(thirty_two_sums(v, is_signed, a->xq + k), scale * a->xd[k / BLOCK],
                            acc);
-    return fvec_scaled(thirty_two_times(lo, hi, is_signed, a->x + k), scale, acc);
+    return fvec_scaled(thirty_two_times(v, is_signed, a->x + k), scale, acc);
 }
 
 /* The same for 16 weights (v) from column k. */
@@ -617,20 +618,26 @@ ALWAYS_INLINE fvec add_16(__m128i v, int is_signed, const struct activations *a,
     return fvec_scaled(sixteen_times(v, is_signed, a->x + k), scale, acc);
 }
 
-/* Byte i all ones where bit i of `bits` is set, else zero: each byte of `bits` copied into eight
- * bytes (a shuffle within each 128-bit half), each of those tested for its own bit. */
-static inline __m256i bit_bytes(uint32_t bits) {
+/* Q5_0's weights from its nibbles q (bytes, weight i in byte i): less 16 where bit i of the
+ * fifth bits qh is clear. AVX-512 takes qh as a mask; AVX2 spreads each byte of qh over eight
+ * bytes (a shuffle within each 128-bit half) and tests each of those for its own bit. */
+static inline __m256i fifth_bits(__m256i q, uint32_t qh) {
+#ifdef QUANT_AVX512
+    return _mm256_mask_sub_epi8(q, (__mmask32)~qh, q, _mm256_set1_epi8(16));
+#else
     const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)bits),
+        _mm256_set1_epi32((int)qh),
         _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
     const __m256i own = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
+    return _mm256_sub_epi8(q, _mm256_andnot_si256(set, _mm256_set1_epi8(16)));
+#endif
 }
 
 /* The formats of 32 weights a block: d times the block's integers' products with the
  * activations of nx rows of x (at most STREAM_ROWS: each block is expanded once for them all);
  * Q4_0's offset and Q4_1's minimum multiply the block's activation sum (xsum). Q5_0's q - 16 is
- * built as bytes: its nibbles, less 16 where the weight's fifth bit (bit i of qh) is clear. */
+ * built as bytes (fifth_bits). */
 ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
                                  const struct activations *a, int nx, int ints, float *result) {
     const int64_t stride = block_bytes(type);
@@ -641,30 +648,26 @@ ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
     for (int64_t b = 0; b < blocks; ++b, row += stride) {
         float d, m; /* m: Q4_1's minimum; the next two bytes of the others' blocks */
         half_pair_at(row, &d, &m);
-        __m128i lo, hi; /* the block's weights 0-15 and 16-31 as bytes */
+        __m256i q; /* the block's weights as bytes */
         if (type == Q8_0) {
-            lo = _mm_loadu_si128((const __m128i *)(row + 2));
-            hi = _mm_loadu_si128((const __m128i *)(row + 18));
+            q = _mm256_loadu_si256((const __m256i *)(row + 2));
         } else {
             /* the nibbles follow d (Q4_0), d and m (Q4_1), d and qh (Q5_0) */
             const int64_t at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6;
             const __m128i packed = _mm_loadu_si128((const __m128i *)(row + at));
-            lo = _mm_and_si128(packed, _mm_set1_epi8(0x0F));
-            hi = _mm_and_si128(_mm_srli_epi16(packed, 4), _mm_set1_epi8(0x0F));
+            q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                 _mm256_set1_epi8(0x0F));
         }
         if (type == Q5_0) {
             uint32_t qh;
             memcpy(&qh, row + 2, sizeof qh);
-            const __m256i less = _mm256_andnot_si256(bit_bytes(qh), _mm256_set1_epi8(16));
-            lo = _mm_sub_epi8(lo, _mm256_castsi256_si128(less));
-            hi = _mm_sub_epi8(hi, _mm256_extracti128_si256(less, 1));
+            q = fifth_bits(q, qh);
         }
         const float offset = type == Q4_1 ? m : -8.0f * d; /* Q4_0's and Q4_1's */
 #pragma GCC unroll 8
         for (int i = 0; i < nx; ++i) {
             if (type == Q4_0 || type == Q4_1) extra[i] += offset * a[i].xsum[b];
-            acc[i] = add_32(lo, hi, type == Q8_0 || type == Q5_0, &a[i], b * BLOCK, d, acc[i],
-                            ints);
+            acc[i] = add_32(q, type == Q8_0 || type == Q5_0, &a[i], b * BLOCK, d, acc[i], ints);
         }
     }
 #pragma GCC unroll 8
@@ -693,12 +696,10 @@ ALWAYS_INLINE void stream_q4_k(const uint8_t *row, int64_t supers, const struct 
             for (int h = 0; h < 2; ++h) {
                 const int j = 2 * g + h;
                 const int64_t k = s * SUPER_BLOCK + 32 * j;
-                const __m128i lo = _mm256_castsi256_si128(halves[h]);
-                const __m128i hi = _mm256_extracti128_si256(halves[h], 1);
                 const float minimum = dmin * (float)scales[8 + j];
 #pragma GCC unroll 8
                 for (int i = 0; i < nx; ++i) {
-                    acc[i] = add_32(lo, hi, 0, &a[i], k, d * (float)scales[j], acc[i], ints);
+                    acc[i] = add_32(halves[h], 0, &a[i], k, d * (float)scales[j], acc[i], ints);
                     extra[i] -= minimum * a[i].xsum[k / BLOCK];
                 }
             }
@@ -757,18 +758,27 @@ ALWAYS_INLINE void stream_row(int type, const uint8_t *row, int64_t blocks,
         stream_blocks(type, row, blocks, a, nx, ints, result);
 }
 
-/* stream_row with nx a constant in each case, so that its accumulators stay registers; one
- * function for each kind of activations. */
-#define STREAM_CASES(ints)                                                                      \
+/* stream_row with the format and nx constants in each case: its accumulators stay registers,
+ * and each loop holds one format's code, no branch on the format a block. */
+#define STREAM_NX(format, ints)                                                                    \
     switch (nx) {                                                                               \
-    case 1: stream_row(type, row, blocks, a, 1, ints, result); break;                           \
-    case 2: stream_row(type, row, blocks, a, 2, ints, result); break;                           \
-    case 3: stream_row(type, row, blocks, a, 3, ints, result); break;                           \
-    case 4: stream_row(type, row, blocks, a, 4, ints, result); break;                           \
-    case 5: stream_row(type, row, blocks, a, 5, ints, result); break;                           \
-    case 6: stream_row(type, row, blocks, a, 6, ints, result); break;                           \
-    case 7: stream_row(type, row, blocks, a, 7, ints, result); break;                           \
-    default: stream_row(type, row, blocks, a, STREAM_ROWS, ints, result);                       \
+    case 1: stream_row(format, row, blocks, a, 1, ints, result); return;                           \
+    case 2: stream_row(format, row, blocks, a, 2, ints, result); return;                           \
+    case 3: stream_row(format, row, blocks, a, 3, ints, result); return;                           \
+    case 4: stream_row(format, row, blocks, a, 4, ints, result); return;                           \
+    case 5: stream_row(format, row, blocks, a, 5, ints, result); return;                           \
+    case 6: stream_row(format, row, blocks, a, 6, ints, result); return;                           \
+    case 7: stream_row(format, row, blocks, a, 7, ints, result); return;                           \
+    default: stream_row(format, row, blocks, a, STREAM_ROWS, ints, result); return;                \
+    }
+#define STREAM_CASES(ints)                                                                         \
+    switch (type) {                                                                             \
+    case Q4_0: STREAM_NX(Q4_0, ints)                                                               \
+    case Q4_1: STREAM_NX(Q4_1, ints)                                                               \
+    case Q5_0: STREAM_NX(Q5_0, ints)                                                               \
+    case Q8_0: STREAM_NX(Q8_0, ints)                                                               \
+    case Q4_K: STREAM_NX(Q4_K, ints)                                                               \
+    default: STREAM_NX(Q6_K, ints) /* float_streamed's formats alone come here */                  \
     }
 
 static void stream_row_float(int type, const uint8_t *row, int64_t blocks,
@@ -781,6 +791,7 @@ static void stream_row_int16(int type, const uint8_t *row, int64_t blocks,
     STREAM_CASES(1)
 }
 #undef STREAM_CASES
+#undef STREAM_NX
 #endif
 
 #ifndef QUANT_AVX2
