@@ -634,10 +634,32 @@ static inline __m256i fifth_bits(__m256i q, uint32_t qh) {
 #endif
 }
 
-/* The formats of 32 weights a block: d times the block's integers' products with the
- * activations of nx rows of x (at most STREAM_ROWS: each block is expanded once for them all);
- * Q4_0's offset and Q4_1's minimum multiply the block's activation sum (xsum). Q5_0's q - 16 is
- * built as bytes (fifth_bits). */
+/* The formats of 32 weights a block: a block's weights as bytes, its scale d, and m (Q4_1's
+ * minimum; the next two bytes of the others' blocks). Q5_0's q - 16 is built as bytes
+ * (fifth_bits). */
+ALWAYS_INLINE __m256i block_weights(int type, const uint8_t *block, float *d, float *m) {
+    half_pair_at(block, d, m);
+    if (type == Q8_0) return _mm256_loadu_si256((const __m256i *)(block + 2));
+    /* the nibbles follow d (Q4_0), d and m (Q4_1), d and qh (Q5_0) */
+    const int64_t at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6;
+    const __m128i packed = _mm_loadu_si128((const __m128i *)(block + at));
+    const __m256i q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
+                                       _mm256_set1_epi8(0x0F));
+    if (type != Q5_0) return q;
+    uint32_t qh;
+    memcpy(&qh, block + 2, sizeof qh);
+    return fifth_bits(q, qh);
+}
+
+/* The part of a block's product that multiplies the block's activation sum: Q4_0's offset and
+ * Q4_1's minimum (none for the signed formats). */
+ALWAYS_INLINE float block_offset(int type, float d, float m) {
+    return type == Q4_1 ? m : type == Q4_0 ? -8.0f * d : 0.0f;
+}
+
+/* One row of a format of 32 weights a block: d times each block's integers' products with the
+ * activations of nx rows of x (at most STREAM_ROWS: each block is expanded once for them all),
+ * block_offset times the block's activation sum (xsum). */
 ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
                                  const struct activations *a, int nx, int ints, float *result) {
     const int64_t stride = block_bytes(type);
@@ -646,24 +668,9 @@ ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
 #pragma GCC unroll 8
     for (int i = 0; i < nx; ++i) acc[i] = fvec_zero(), extra[i] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b, row += stride) {
-        float d, m; /* m: Q4_1's minimum; the next two bytes of the others' blocks */
-        half_pair_at(row, &d, &m);
-        __m256i q; /* the block's weights as bytes */
-        if (type == Q8_0) {
-            q = _mm256_loadu_si256((const __m256i *)(row + 2));
-        } else {
-            /* the nibbles follow d (Q4_0), d and m (Q4_1), d and qh (Q5_0) */
-            const int64_t at = type == Q4_0 ? 2 : type == Q4_1 ? 4 : 6;
-            const __m128i packed = _mm_loadu_si128((const __m128i *)(row + at));
-            q = _mm256_and_si256(_mm256_set_m128i(_mm_srli_epi16(packed, 4), packed),
-                                 _mm256_set1_epi8(0x0F));
-        }
-        if (type == Q5_0) {
-            uint32_t qh;
-            memcpy(&qh, row + 2, sizeof qh);
-            q = fifth_bits(q, qh);
-        }
-        const float offset = type == Q4_1 ? m : -8.0f * d; /* Q4_0's and Q4_1's */
+        float d, m;
+        const __m256i q = block_weights(type, row, &d, &m);
+        const float offset = block_offset(type, d, m);
 #pragma GCC unroll 8
         for (int i = 0; i < nx; ++i) {
             if (type == Q4_0 || type == Q4_1) extra[i] += offset * a[i].xsum[b];
@@ -672,6 +679,33 @@ ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
     }
 #pragma GCC unroll 8
     for (int i = 0; i < nx; ++i) result[i] = fvec_sum(acc[i]) + extra[i];
+}
+
+/* Weight rows a pass takes where x is one row (a decode step of one sequence, stream_group). */
+enum { ROW_GROUP = 4 };
+
+/* ROW_GROUP consecutive rows of a format of 32 weights a block (row_bytes apart) against one row
+ * of x: each row's own accumulator, each block's activations read once for them all. A row of
+ * these formats is 18 to 20 blocks in the two real models; taken one at a time, each row's
+ * horizontal sum and dispatch took about a quarter of a one-token product's time. */
+ALWAYS_INLINE void stream_group(int type, const uint8_t *row, int64_t row_bytes, int64_t blocks,
+                                const struct activations *a, int ints, float *result) {
+    const int64_t stride = block_bytes(type);
+    fvec acc[ROW_GROUP];
+    float extra[ROW_GROUP];
+#pragma GCC unroll 4
+    for (int g = 0; g < ROW_GROUP; ++g) acc[g] = fvec_zero(), extra[g] = 0.0f;
+    for (int64_t b = 0; b < blocks; ++b, row += stride) {
+#pragma GCC unroll 4
+        for (int g = 0; g < ROW_GROUP; ++g) {
+            float d, m;
+            const __m256i q = block_weights(type, row + g * row_bytes, &d, &m);
+            if (type == Q4_0 || type == Q4_1) extra[g] += block_offset(type, d, m) * a->xsum[b];
+            acc[g] = add_32(q, type == Q8_0 || type == Q5_0, a, b * BLOCK, d, acc[g], ints);
+        }
+    }
+#pragma GCC unroll 4
+    for (int g = 0; g < ROW_GROUP; ++g) result[g] = fvec_sum(acc[g]) + extra[g];
 }
 
 /* The K formats a sub-block at a time, its sum scaled by its own scale. Q4_K: each run of 32
@@ -792,6 +826,31 @@ static void stream_row_int16(int type, const uint8_t *row, int64_t blocks,
 }
 #undef STREAM_CASES
 #undef STREAM_NX
+
+/* The formats stream_group reads. */
+static int grouped(int type) {
+    return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0;
+}
+
+/* stream_group with the format a constant in each case, for each kind of activations. */
+#define GROUP_CASES(ints)                                                                       \
+    switch (type) {                                                                             \
+    case Q4_0: stream_group(Q4_0, row, row_bytes, blocks, a, ints, result); return;             \
+    case Q4_1: stream_group(Q4_1, row, row_bytes, blocks, a, ints, result); return;             \
+    case Q5_0: stream_group(Q5_0, row, row_bytes, blocks, a, ints, result); return;             \
+    default: stream_group(Q8_0, row, row_bytes, blocks, a, ints, result); return;               \
+    }
+
+static void stream_group_float(int type, const uint8_t *row, int64_t row_bytes, int64_t blocks,
+                               const struct activations *a, float *result) {
+    GROUP_CASES(0)
+}
+
+static void stream_group_int16(int type, const uint8_t *row, int64_t row_bytes, int64_t blocks,
+                               const struct activations *a, float *result) {
+    GROUP_CASES(1)
+}
+#undef GROUP_CASES
 #endif
 
 #ifndef QUANT_AVX2
@@ -863,7 +922,8 @@ static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t co
     const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
     const int parallel = rows * cols * n >= (1 << 16);
 #ifdef QUANT_AVX2
-    /* Each row of x's activations; a pass over a weight row takes STREAM_ROWS of them. */
+    /* Each row of x's activations: a pass over a weight row takes STREAM_ROWS of them, and one
+     * row of x alone takes ROW_GROUP weight rows a pass (stream_group). */
     struct activations *acts = malloc(sizeof *acts * (size_t)n);
     if (!acts) {
         free(xsum), free(xd), free(xq);
@@ -876,15 +936,30 @@ static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t co
             .xd = ints ? xd + i * blocks : NULL,
             .xsum = xsum + i * blocks,
         };
+    if (n == 1 && grouped(type)) {
+        const int64_t groups = rows / ROW_GROUP;
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) {
-        prefetch_row(w, r, rows, row_bytes);
-        const uint8_t *row = w + r * row_bytes;
-        for (int64_t i = 0; i < n; i += STREAM_ROWS) {
-            const int nx = n - i < STREAM_ROWS ? (int)(n - i) : STREAM_ROWS;
-            float result[STREAM_ROWS];
-            (ints ? stream_row_int16 : stream_row_float)(type, row, blocks, acts + i, nx, result);
-            for (int j = 0; j < nx; ++j) out[(i + j) * rows + r] = result[j];
+        for (int64_t g = 0; g < groups; ++g) {
+            const int64_t r = g * ROW_GROUP;
+            for (int64_t k = r; k < r + ROW_GROUP; ++k) prefetch_row(w, k, rows, row_bytes);
+            (ints ? stream_group_int16 : stream_group_float)(type, w + r * row_bytes, row_bytes,
+                                                             blocks, acts, out + r);
+        }
+        for (int64_t r = groups * ROW_GROUP; r < rows; ++r)
+            (ints ? stream_row_int16 : stream_row_float)(type, w + r * row_bytes, blocks, acts, 1,
+                                                         out + r);
+    } else {
+#pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
+        for (int64_t r = 0; r < rows; ++r) {
+            prefetch_row(w, r, rows, row_bytes);
+            const uint8_t *row = w + r * row_bytes;
+            for (int64_t i = 0; i < n; i += STREAM_ROWS) {
+                const int nx = n - i < STREAM_ROWS ? (int)(n - i) : STREAM_ROWS;
+                float result[STREAM_ROWS];
+                (ints ? stream_row_int16 : stream_row_float)(type, row, blocks, acts + i, nx,
+                                                             result);
+                for (int j = 0; j < nx; ++j) out[(i + j) * rows + r] = result[j];
+            }
         }
     }
     free(acts);
