@@ -35,11 +35,14 @@
  * elsewhere the portable scalar path is, which computes the same integer sums. The float path's
  * code is one source for AVX2 and AVX-512 (F, BW, VL, with VNNI): each block's weights made
  * bytes, then widened to 8 or 16 float lanes (fvec). Q5_0's weights (Gemma 3's q, k, gate and
- * up) are their nibbles less 16 where the fifth bit is clear, that bit spread to a byte mask.
- * With AVX-512 the int8 path sums a block's products with one VNNI dot product (vpdpbusd) where
- * AVX2 takes two instructions. On an AMD EPYC (Zen 4), one thread, a Q4_1 3072 x 576 matrix:
- * float 0.211 -> 0.165 ms with 16 lanes; int8 with 512-bit vectors of two blocks (their
- * nibbles gathered by three inserts) was slower than AVX2's, 0.163 against 0.126.
+ * up) are their nibbles less 16 where the fifth bit is clear (the fifth bits a mask register
+ * with AVX-512, spread to a byte mask with AVX2). Each format and count of x's rows has a loop
+ * of its own (STREAM_CASES), and one row of x (one sequence's decode step) takes four weight rows
+ * a pass in the formats of 32 weights a block (stream_group). With AVX-512 the int8 path sums a
+ * block's products with one VNNI dot product (vpdpbusd) where AVX2 takes two instructions. On
+ * an AMD EPYC (Zen 4), one thread, a Q4_1 3072 x 576 matrix: float 0.211 -> 0.165 ms with 16
+ * lanes; int8 with 512-bit vectors of two blocks (their nibbles gathered by three inserts) was
+ * slower than AVX2's, 0.163 against 0.126.
  */
 #include <math.h>
 #include <stdint.h>
@@ -299,8 +302,8 @@ static float row_dot_q6_k(const uint8_t *row, int64_t supers, const int8_t *xq, 
     const __m512i left = _mm512_inserti64x4(_mm512_set1_epi16(4), _mm256_set1_epi16(2), 1);
     const __m512i right = _mm512_inserti64x4(_mm512_setzero_si512(), _mm256_set1_epi16(2), 1);
     for (int64_t s = 0; s < supers; ++s, row += 210, xq += SUPER_BLOCK, xd += 8) {
-        const __m512i scales =
-            _mm512_castsi256_si512(_mm256_cvtepi8_epi16(_mm_loadu_si128((const __m128i *)(row + 192)))); /* 16 x int16 */
+        const __m128i scale_bytes = _mm_loadu_si128((const __m128i *)(row + 192));
+        const __m512i scales = _mm512_castsi256_si512(_mm256_cvtepi8_epi16(scale_bytes)); /* 16 */
         const __m512 x_scales = _mm512_castps256_ps512(_mm256_loadu_ps(xd));
         __m512 super = _mm512_setzero_ps();
         for (int half = 0; half < 2; ++half) {
@@ -494,7 +497,8 @@ static int dequantized_rows_times(int type, const uint8_t *w, int64_t rows, int6
             if (!buffer) continue;
             prefetch_row(w, r, rows, row_bytes);
             dequantize_row(type, w + r * row_bytes, cols, buffer);
-            for (int64_t i = 0; i < n; ++i) out[i * rows + r] = dot_floats(buffer, x + i * cols, cols);
+            for (int64_t i = 0; i < n; ++i)
+                out[i * rows + r] = dot_floats(buffer, x + i * cols, cols);
         }
         free(buffer);
     }
@@ -1039,6 +1043,7 @@ int quant_dequantize(int type, const uint8_t *w, int64_t rows, int64_t cols, int
     const int64_t row_bytes = cols / block_size(type) * stride;
     const int parallel = rows * cols >= (1 << 16);
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
-    for (int64_t r = 0; r < rows; ++r) dequantize_row(type, w + r * row_bytes, cols, out + r * cols);
+    for (int64_t r = 0; r < rows; ++r)
+        dequantize_row(type, w + r * row_bytes, cols, out + r * cols);
     return 0;
 }
