@@ -38,7 +38,7 @@
  * up) are their nibbles less 16 where the fifth bit is clear (the fifth bits a mask register
  * with AVX-512, spread to a byte mask with AVX2). Each format and count of x's rows has a loop
  * of its own (STREAM_CASES), and one row of x (one sequence's decode step) takes four weight rows
- * a pass in the formats of 32 weights a block (stream_group). With AVX-512 the int8 path sums a
+ * a pass in the formats of 32 weights a block (stream_blocks). With AVX-512 the int8 path sums a
  * block's products with one VNNI dot product (vpdpbusd) where AVX2 takes two instructions. On
  * an AMD EPYC (Zen 4), one thread, a Q4_1 3072 x 576 matrix: float 0.211 -> 0.165 ms with 16
  * lanes; int8 with 512-bit vectors of two blocks (their nibbles gathered by three inserts) was
@@ -211,7 +211,7 @@ int quant_kernel_isa(void) {
  * LM head (Q8_0, 262,144 x 640, 170 MiB) to 11.5 GB/s on two cores of the AMX Xeon, 15.5 ms a
  * token; into L2, 18.3 GB/s, 9.8 ms (no prefetching: 13.5 ms; prefetcht0: 10.1; 16 KiB ahead
  * in place of four rows: no better). Eight rows, since one token's products take four rows a pass
- * (stream_group), are two passes ahead: on two cores of a Zen 4 EPYC, alternating runs, that
+ * (stream_blocks), are two passes ahead: on two cores of a Zen 4 EPYC, alternating runs, that
  * head 8.2-10.2 -> 6.9-7.2 ms and a Q4_1 196,608 x 576 matrix 4.4-4.9 -> 3.6-4.1 ms. */
 enum { PREFETCH_ROWS = 8, PREFETCH_LOCALITY = 2 };
 
@@ -663,55 +663,45 @@ ALWAYS_INLINE float block_offset(int type, float d, float m) {
     return type == Q4_1 ? m : type == Q4_0 ? -8.0f * d : 0.0f;
 }
 
-/* One row of a format of 32 weights a block: d times each block's integers' products with the
- * activations of nx rows of x (at most STREAM_ROWS: each block is expanded once for them all),
- * block_offset times the block's activation sum (xsum). */
-ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t blocks,
-                                 const struct activations *a, int nx, int ints, float *result) {
-    const int64_t stride = block_bytes(type);
-    fvec acc[STREAM_ROWS];
-    float extra[STREAM_ROWS];
-#pragma GCC unroll 8
-    for (int i = 0; i < nx; ++i) acc[i] = fvec_zero(), extra[i] = 0.0f;
-    for (int64_t b = 0; b < blocks; ++b, row += stride) {
-        float d, m;
-        const __m256i q = block_weights(type, row, &d, &m);
-        const float offset = block_offset(type, d, m);
-#pragma GCC unroll 8
-        for (int i = 0; i < nx; ++i) {
-            if (type == Q4_0 || type == Q4_1) extra[i] += offset * a[i].xsum[b];
-            acc[i] = add_32(q, type == Q8_0 || type == Q5_0, &a[i], b * BLOCK, d, acc[i], ints);
-        }
-    }
-#pragma GCC unroll 8
-    for (int i = 0; i < nx; ++i) result[i] = fvec_sum(acc[i]) + extra[i];
-}
-
-/* Weight rows a pass takes where x is one row (a decode step of one sequence, stream_group). */
+/* Weight rows a pass takes where x is one row (a decode step of one sequence): see
+ * stream_blocks. */
 enum { ROW_GROUP = 4 };
 
-/* ROW_GROUP consecutive rows of a format of 32 weights a block (row_bytes apart) against one row
- * of x: each row's own accumulator, each block's activations read once for them all. A row of
- * these formats is 18 to 20 blocks in the two real models; taken one at a time, each row's
- * horizontal sum and dispatch took about a quarter of a one-token product's time. */
-ALWAYS_INLINE void stream_group(int type, const uint8_t *row, int64_t row_bytes, int64_t blocks,
-                                const struct activations *a, int ints, float *result) {
+/* nw consecutive rows of a format of 32 weights a block (row_bytes apart) against nx rows of x:
+ * d times each block's integers' products with the activations, block_offset times the block's
+ * activation sum (xsum), into result[g + i * nw] for weight row g and x's row i. Each block is
+ * expanded once for all of x's rows (at most STREAM_ROWS), and one row of x takes ROW_GROUP
+ * weight rows (nx 1, nw ROW_GROUP): a row of these formats is 18 to 20 blocks in the two real
+ * models, and taken one at a time each row's horizontal sum and dispatch took about a quarter of
+ * a one-token product's time. */
+ALWAYS_INLINE void stream_blocks(int type, const uint8_t *row, int64_t row_bytes, int nw,
+                                 int64_t blocks, const struct activations *a, int nx, int ints,
+                                 float *result) {
     const int64_t stride = block_bytes(type);
-    fvec acc[ROW_GROUP];
-    float extra[ROW_GROUP];
+    fvec acc[ROW_GROUP][STREAM_ROWS];
+    float extra[ROW_GROUP][STREAM_ROWS];
 #pragma GCC unroll 4
-    for (int g = 0; g < ROW_GROUP; ++g) acc[g] = fvec_zero(), extra[g] = 0.0f;
+    for (int g = 0; g < nw; ++g)
+#pragma GCC unroll 8
+        for (int i = 0; i < nx; ++i) acc[g][i] = fvec_zero(), extra[g][i] = 0.0f;
     for (int64_t b = 0; b < blocks; ++b, row += stride) {
 #pragma GCC unroll 4
-        for (int g = 0; g < ROW_GROUP; ++g) {
+        for (int g = 0; g < nw; ++g) {
             float d, m;
             const __m256i q = block_weights(type, row + g * row_bytes, &d, &m);
-            if (type == Q4_0 || type == Q4_1) extra[g] += block_offset(type, d, m) * a->xsum[b];
-            acc[g] = add_32(q, type == Q8_0 || type == Q5_0, a, b * BLOCK, d, acc[g], ints);
+            const float offset = block_offset(type, d, m);
+#pragma GCC unroll 8
+            for (int i = 0; i < nx; ++i) {
+                if (type == Q4_0 || type == Q4_1) extra[g][i] += offset * a[i].xsum[b];
+                acc[g][i] = add_32(q, type == Q8_0 || type == Q5_0, &a[i], b * BLOCK, d,
+                                   acc[g][i], ints);
+            }
         }
     }
 #pragma GCC unroll 4
-    for (int g = 0; g < ROW_GROUP; ++g) result[g] = fvec_sum(acc[g]) + extra[g];
+    for (int g = 0; g < nw; ++g)
+#pragma GCC unroll 8
+        for (int i = 0; i < nx; ++i) result[g + i * nw] = fvec_sum(acc[g][i]) + extra[g][i];
 }
 
 /* The K formats a sub-block at a time, its sum scaled by its own scale. Q4_K: each run of 32
@@ -795,7 +785,7 @@ ALWAYS_INLINE void stream_row(int type, const uint8_t *row, int64_t blocks,
     else if (type == Q6_K)
         stream_q6_k(row, blocks / 8, a, nx, ints, result);
     else
-        stream_blocks(type, row, blocks, a, nx, ints, result);
+        stream_blocks(type, row, 0, 1, blocks, a, nx, ints, result);
 }
 
 /* stream_row with the format and nx constants in each case: its accumulators stay registers,
@@ -833,18 +823,24 @@ static void stream_row_int16(int type, const uint8_t *row, int64_t blocks,
 #undef STREAM_CASES
 #undef STREAM_NX
 
-/* The formats stream_group reads. */
+/* The formats whose one row of x takes ROW_GROUP weight rows a pass (stream_blocks). */
 static int grouped(int type) {
     return type == Q4_0 || type == Q4_1 || type == Q5_0 || type == Q8_0;
 }
 
-/* stream_group with the format a constant in each case, for each kind of activations. */
-#define GROUP_CASES(ints)                                                                       \
-    switch (type) {                                                                             \
-    case Q4_0: stream_group(Q4_0, row, row_bytes, blocks, a, ints, result); return;             \
-    case Q4_1: stream_group(Q4_1, row, row_bytes, blocks, a, ints, result); return;             \
-    case Q5_0: stream_group(Q5_0, row, row_bytes, blocks, a, ints, result); return;             \
-    default: stream_group(Q8_0, row, row_bytes, blocks, a, ints, result); return;               \
+/* stream_blocks of ROW_GROUP weight rows and one row of x, the format a constant in each case,
+ * for each kind of activations. */
+#define GROUP_CASE(format, ints)                                                                   \
+    case format:                                                                                   \
+        stream_blocks(format, row, row_bytes, ROW_GROUP, blocks, a, 1, ints, result);              \
+        return;
+#define GROUP_CASES(ints)                                                                          \
+    switch (type) {                                                                                \
+        GROUP_CASE(Q4_0, ints)                                                                     \
+        GROUP_CASE(Q4_1, ints)                                                                     \
+        GROUP_CASE(Q5_0, ints)                                                                     \
+    default: /* Q8_0, the last grouped format */                                                   \
+        GROUP_CASE(Q8_0, ints)                                                                     \
     }
 
 static void stream_group_float(int type, const uint8_t *row, int64_t row_bytes, int64_t blocks,
@@ -857,6 +853,7 @@ static void stream_group_int16(int type, const uint8_t *row, int64_t row_bytes, 
     GROUP_CASES(1)
 }
 #undef GROUP_CASES
+#undef GROUP_CASE
 #endif
 
 #ifndef QUANT_AVX2
@@ -929,7 +926,7 @@ static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t co
     const int parallel = rows * cols * n >= (1 << 16);
 #ifdef QUANT_AVX2
     /* Each row of x's activations: a pass over a weight row takes STREAM_ROWS of them, and one
-     * row of x alone takes ROW_GROUP weight rows a pass (stream_group). */
+     * row of x alone takes ROW_GROUP weight rows a pass (stream_blocks). */
     struct activations *acts = malloc(sizeof *acts * (size_t)n);
     if (!acts) {
         free(xsum), free(xd), free(xq);
