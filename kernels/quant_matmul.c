@@ -791,7 +791,7 @@ ALWAYS_INLINE void stream_row(int type, const uint8_t *row, int64_t blocks,
 /* stream_row with the format and nx constants in each case: its accumulators stay registers,
  * and each loop holds one format's code, no branch on the format a block. */
 #define STREAM_NX(format, ints)                                                                    \
-    switch (nx) {                                                                               \
+    switch (nx) {                                                                                  \
     case 1: stream_row(format, row, blocks, a, 1, ints, result); return;                           \
     case 2: stream_row(format, row, blocks, a, 2, ints, result); return;                           \
     case 3: stream_row(format, row, blocks, a, 3, ints, result); return;                           \
@@ -802,7 +802,7 @@ ALWAYS_INLINE void stream_row(int type, const uint8_t *row, int64_t blocks,
     default: stream_row(format, row, blocks, a, STREAM_ROWS, ints, result); return;                \
     }
 #define STREAM_CASES(ints)                                                                         \
-    switch (type) {                                                                             \
+    switch (type) {                                                                                \
     case Q4_0: STREAM_NX(Q4_0, ints)                                                               \
     case Q4_1: STREAM_NX(Q4_1, ints)                                                               \
     case Q5_0: STREAM_NX(Q5_0, ints)                                                               \
