@@ -581,7 +581,12 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
  * - int8 (vpdpbusd: unsigned weight bytes by signed activation bytes, four a lane), llama.cpp's
  *   arithmetic: 64 products an instruction, but SmolLM2's greedy answers with it matched exact
  *   mode's over 32 tokens in 6 chats of 16 (the gate asks 90%; perplexity +0.25%):
- *   benchmarks/README.md. Taken only where asked.
+ *   benchmarks/README.md. Taken for the layers only where asked; the LM head's screen where no
+ *   bf16 path runs (quant_linear.QuantizedWeight, whose bound takes the measured quantization
+ *   error, `quant_gemm_int_error`).
+ * Without VNNI, AVX2 takes the same steps 8 lanes at a time (INT_AVX2): int16 by vpmaddwd, int8
+ * by vpmaddubsw, whose int16 sum of two products bounds the activations against Q8_0's bytes to
+ * 63 (`levels`), then vpmaddwd by ones.
  * With int16 the formats whose offset is a fixed multiple of the scale (Q4_0, Q5_0, Q8_0, Q6_K:
  * `centre`) keep their integers signed, q - centre, and no offset: one term a group, not two.
  * The panel: pq[kd * PANEL + r] holds row r's weights at columns kd * per .. kd * per + per - 1,
@@ -591,10 +596,15 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__) && \
     defined(__AVX512VNNI__)
 #define GEMM_VNNI 1
+#endif
+#if defined(__AVX2__) && defined(__FMA__)
+#define GEMM_AVX2 1
 #include <immintrin.h>
 #endif
 
-enum { INT_PORTABLE = 0, INT_VNNI = 1, ROWS_VNNI = 6 };
+enum { INT_PORTABLE = 0, INT_VNNI = 1, INT_AVX2 = 2 };
+/* Rows of x a pass of the VNNI kernel, and of the AVX2 kernel with its vectors of 8 panel rows. */
+enum { ROWS_VNNI = 6, ROWS_AVX2 = 3, AVX2_VECTORS = 2 };
 
 static int group_size(int type) { return type == Q6_K ? 16 : BLOCK; }
 
@@ -616,6 +626,13 @@ static inline int centre(int type) {
 
 /* Whether the panel holds signed integers without offsets (see above). */
 static inline int centred(int type, int bits) { return bits == 16 && centre(type) > 0; }
+
+/* The largest integer a block of activations is quantized to: 32767 for int16, 127 for int8, but
+ * 63 for int8 against Q8_0 (whose unsigned integers reach 255): AVX2's vpmaddubsw sums two
+ * products in int16, and 2 * 255 * 63 stays within it. */
+static inline int levels(int type, int bits) {
+    return bits == 16 ? 32767 : type == Q8_0 ? 63 : 127;
+}
 
 /* One stored block's groups' scales s and offsets m: the weight k of group g is s[g] q[k] + m[g],
  * q its unsigned integer (block_integers). */
@@ -698,7 +715,21 @@ static void block_integers(int type, const uint8_t *b, uint8_t *q) {
     }
 }
 
-#ifdef GEMM_VNNI
+#ifdef GEMM_AVX2
+/* 0x10 in each byte i of 32 whose bit i of qh is set (Q5_0's fifth bits). */
+static inline __m256i fifth_bits(uint32_t qh) {
+#if defined(__AVX512BW__) && defined(__AVX512VL__)
+    return _mm256_maskz_set1_epi8((__mmask32)qh, 0x10);
+#else
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i own = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
+    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+#endif
+}
+
 /* block_integers' 32 integers of a row's columns c .. c + 31 (c a multiple of 32) in one vector:
  * the block's, or a K format's super-block's j-th run of 32. */
 static inline __m256i integers_avx(int type, const uint8_t *row, int64_t c) {
@@ -717,7 +748,7 @@ static inline __m256i integers_avx(int type, const uint8_t *row, int64_t c) {
         if (type != Q5_0) return q;
         uint32_t qh;
         memcpy(&qh, b + 2, sizeof qh); /* bit i: the fifth bit of weight i */
-        return _mm256_or_si256(q, _mm256_maskz_set1_epi8((__mmask32)qh, 0x10));
+        return _mm256_or_si256(q, fifth_bits(qh));
     }
     if (type == Q4_K || type == Q5_K) { /* 32 bytes a pair of runs: low nibbles j even, high odd */
         const uint8_t *qs = b + (type == Q5_K ? 48 : 16) + 32 * (j / 2);
@@ -740,6 +771,61 @@ static inline __m256i integers_avx(int type, const uint8_t *row, int64_t c) {
     return _mm256_or_si256(low, _mm256_slli_epi16(top, 4));
 }
 
+/* 8 vectors of 8 dwords transposed in registers: dword j of r[k] becomes dword k of r[j]. */
+static inline void transpose8(__m256i r[8]) {
+    __m256i t[8], u[8];
+    for (int k = 0; k < 8; k += 2) { /* dwords 0, 1, 4, 5 and 2, 3, 6, 7 of a pair of rows */
+        t[k] = _mm256_unpacklo_epi32(r[k], r[k + 1]);
+        t[k + 1] = _mm256_unpackhi_epi32(r[k], r[k + 1]);
+    }
+    for (int k = 0; k < 8; k += 4) { /* u[k + q]: dwords q and 4 + q of rows k .. k + 3 */
+        u[k] = _mm256_unpacklo_epi64(t[k], t[k + 2]);
+        u[k + 1] = _mm256_unpackhi_epi64(t[k], t[k + 2]);
+        u[k + 2] = _mm256_unpacklo_epi64(t[k + 1], t[k + 3]);
+        u[k + 3] = _mm256_unpackhi_epi64(t[k + 1], t[k + 3]);
+    }
+    for (int q = 0; q < 4; ++q) {
+        r[q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x20);
+        r[4 + q] = _mm256_permute2x128_si256(u[q], u[4 + q], 0x31);
+    }
+}
+
+/* pack_int's integers with AVX2, 8 rows at a time: a row's 32 columns a vector (int8) or two
+ * (int16, widened), transposed so that a dword of the 8 rows is one aligned store. */
+static void pack_dwords_avx2(int type, int bits, const uint8_t *panel_w, int64_t row_bytes,
+                             int64_t cols, int valid, uint32_t *pq) {
+    const int per = per_dword(bits), halves = bits == 8 ? 1 : 2;
+    const __m256i centred_by = _mm256_set1_epi16((short)(centred(type, bits) ? centre(type) : 0));
+    for (int r0 = 0; r0 < PANEL; r0 += 8) {
+        const int here = valid - r0 >= 8 ? 8 : valid - r0 > 0 ? valid - r0 : 0;
+        const uint8_t *base = panel_w + r0 * row_bytes;
+        for (int64_t c = 0; c < cols; c += BLOCK) {
+            __m256i v[2][8];
+            for (int r = 0; r < 8; ++r) {
+                v[0][r] = v[1][r] = _mm256_setzero_si256();
+                if (r >= here) continue;
+                const __m256i q = integers_avx(type, base + r * row_bytes, c);
+                if (bits == 8) {
+                    v[0][r] = q;
+                    continue;
+                }
+                v[0][r] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_castsi256_si128(q)),
+                                           centred_by);
+                v[1][r] = _mm256_sub_epi16(_mm256_cvtepu8_epi16(_mm256_extracti128_si256(q, 1)),
+                                           centred_by);
+            }
+            for (int h = 0; h < halves; ++h) {
+                transpose8(v[h]);
+                for (int k = 0; k < 8; ++k)
+                    _mm256_store_si256((__m256i *)(pq + (c / per + 8 * h + k) * PANEL + r0),
+                                       v[h][k]);
+            }
+        }
+    }
+}
+#endif
+
+#ifdef GEMM_VNNI
 /* pack_int's integers, 16 rows at a time: one vector a row for every 64 columns (int8: two runs
  * of 32 bytes) or 32 (int16: a run's widened to int16), transposed in registers so that a dword
  * of the 16 rows is one aligned store. */
@@ -777,19 +863,21 @@ static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64
 #endif
 
 /* Panel p's integers (`bits` the activations'), scales and offsets (see above); rows past the
- * matrix's end are zeros. `vectors`: the integers by the AVX-512 code. */
+ * matrix's end are zeros. The integers by `path`'s vector code (the portable code's for it). */
 static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
-                     uint32_t *pq, float *ps, float *pm, int vectors) {
+                     uint32_t *pq, float *ps, float *pm, int path) {
     const int64_t size = block_size(type), stride = block_bytes(type), group = group_size(type);
     const int64_t row_bytes = cols / size * stride, groups = size / group;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
-    const int per = per_dword(bits), signed_q = centred(type, bits);
+    const int per = per_dword(bits), signed_q = centred(type, bits), vectors = path != INT_PORTABLE;
+    const uint8_t *panel_w = w + p * PANEL * row_bytes;
 #ifdef GEMM_VNNI
-    if (vectors)
-        pack_dwords_avx512(type, bits, w + p * PANEL * row_bytes, row_bytes, cols, valid, pq);
-#else
-    vectors = 0;
+    if (path == INT_VNNI) pack_dwords_avx512(type, bits, panel_w, row_bytes, cols, valid, pq);
 #endif
+#ifdef GEMM_AVX2
+    if (path == INT_AVX2) pack_dwords_avx2(type, bits, panel_w, row_bytes, cols, valid, pq);
+#endif
+    (void)panel_w; /* unused where neither is compiled */
     if (valid < PANEL) {
         if (!vectors) memset(pq, 0, sizeof *pq * (size_t)(cols / per * PANEL));
         memset(ps, 0, sizeof *ps * (size_t)(cols / group * PANEL));
@@ -819,11 +907,11 @@ static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t
     }
 }
 
-/* One block of 32 activations quantized to `bits`: its integers q (returned in `q`), scale d
- * (returned) and the sums of q over each group (`sums`, one or two). */
-static inline float quantize_block(const float *x, int bits, int64_t group, int32_t *q,
+/* One block of 32 activations quantized to -top .. top (`levels`): its integers q (returned in
+ * `q`), scale d (returned) and the sums of q over each group (`sums`, one or two). */
+static inline float quantize_block(const float *x, int top, int64_t group, int32_t *q,
                                    int32_t *sums) {
-    const float levels = bits == 8 ? 127.0f : 32767.0f;
+    const float levels = (float)top;
 #ifdef GEMM_VNNI
     const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -854,13 +942,13 @@ static inline float quantize_block(const float *x, int bits, int64_t group, int3
 /* x's rows [start, start + count) quantized per 32 to `bits`: xq (cols elements a row), xd (a
  * scale a block) and xs (d times the sum of the group's quants, a group's). */
 static void quantize_rows(const float *x, int64_t start, int64_t count, int64_t cols,
-                          int64_t group, int bits, void *xq, float *xd, float *xs) {
+                          int64_t group, int bits, int top, void *xq, float *xd, float *xs) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; ++i) {
         const float *row = x + (start + i) * cols;
         for (int64_t c = 0; c < cols; c += BLOCK) {
             int32_t q[BLOCK], sums[2];
-            const float d = quantize_block(row + c, bits, group, q, sums);
+            const float d = quantize_block(row + c, top, group, q, sums);
             if (bits == 8)
                 for (int k = 0; k < BLOCK; ++k) ((int8_t *)xq)[i * cols + c + k] = (int8_t)q[k];
             else
@@ -1003,13 +1091,166 @@ static void panel_int_vnni(int bits, int offsets, const void *xq, const float *x
 }
 #endif
 
+#ifdef GEMM_AVX2
+/* `mr` (at most ROWS_AVX2) rows of x by AVX2_VECTORS vectors of 8 of the panel's rows from
+ * vector v0 on: per group, the integer sums (int8: vpmaddubsw's pairs of unsigned weight and
+ * signed activation bytes, within int16 by `levels`, then vpmaddwd's by ones; int16: vpmaddwd),
+ * then scaled into float32 vectors, the portable code's steps lane by lane. A part of the panel
+ * a pass, so that the sums, weights and activations stay in AVX2's 16 registers. */
+static inline __attribute__((always_inline)) void rows_avx2(
+    int bits, int offsets, int mr, int v0, const uint8_t *xq, const float *xd, const float *xs,
+    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid,
+    float *out, int64_t ldo) {
+    const int64_t groups = cols / group, blocks = cols / BLOCK;
+    const int per = per_dword(bits), bytes = element_bytes(bits);
+    const __m256i ones = _mm256_set1_epi16(1);
+    __m256 acc[ROWS_AVX2][AVX2_VECTORS];
+#pragma GCC unroll 8
+    for (int m = 0; m < mr; ++m)
+        for (int v = 0; v < AVX2_VECTORS; ++v) acc[m][v] = _mm256_setzero_ps();
+    for (int64_t g = 0; g < groups; ++g) {
+        __m256i sum[ROWS_AVX2][AVX2_VECTORS];
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; ++m)
+            for (int v = 0; v < AVX2_VECTORS; ++v) sum[m][v] = _mm256_setzero_si256();
+        for (int64_t k = g * group; k < (g + 1) * group; k += per) {
+            const uint32_t *at = pq + k / per * PANEL + 8 * v0;
+            __m256i b[AVX2_VECTORS];
+            for (int v = 0; v < AVX2_VECTORS; ++v)
+                b[v] = _mm256_load_si256((const __m256i *)(at + 8 * v));
+#pragma GCC unroll 8
+            for (int m = 0; m < mr; ++m) {
+                int32_t dword;
+                memcpy(&dword, xq + (m * cols + k) * bytes, sizeof dword);
+                const __m256i a = _mm256_set1_epi32(dword);
+                for (int v = 0; v < AVX2_VECTORS; ++v) {
+                    const __m256i pairs = bits == 8 ? _mm256_maddubs_epi16(b[v], a) : b[v];
+                    sum[m][v] = _mm256_add_epi32(
+                        sum[m][v], _mm256_madd_epi16(pairs, bits == 8 ? ones : a));
+                }
+            }
+        }
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; ++m) {
+            const __m256 d = _mm256_set1_ps(xd[m * blocks + g * group / BLOCK]);
+            const __m256 t = _mm256_set1_ps(xs[m * groups + g]);
+            for (int v = 0; v < AVX2_VECTORS; ++v) {
+                const int64_t at = g * PANEL + 8 * (v0 + v);
+                const __m256 scale = _mm256_mul_ps(_mm256_load_ps(ps + at), d);
+                acc[m][v] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum[m][v]), scale, acc[m][v]);
+                if (offsets) acc[m][v] = _mm256_fmadd_ps(_mm256_load_ps(pm + at), t, acc[m][v]);
+            }
+        }
+    }
+    for (int v = 0; v < AVX2_VECTORS; ++v) {
+        const int first = 8 * (v0 + v);
+        const int lanes = valid - first >= 8 ? 8 : valid - first > 0 ? valid - first : 0;
+        const __m256i mask = _mm256_cmpgt_epi32(_mm256_set1_epi32(lanes),
+                                                _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7));
+#pragma GCC unroll 8
+        for (int m = 0; m < mr; ++m) _mm256_maskstore_ps(out + m * ldo + first, mask, acc[m][v]);
+    }
+}
+
+/* The chunk's rows by the panel, ROWS_AVX2 at a time; `bits` and `offsets` constants where it is
+ * inlined. */
+static inline __attribute__((always_inline)) void panel_avx2_bits(
+    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, int64_t count,
+    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid,
+    float *out, int64_t ldo) {
+    const int64_t blocks = cols / BLOCK, groups = cols / group, row = cols * element_bytes(bits);
+    for (int v0 = 0; v0 < PANEL / 8; v0 += AVX2_VECTORS) {
+        int64_t i = 0;
+        for (; i + ROWS_AVX2 <= count; i += ROWS_AVX2)
+            rows_avx2(bits, offsets, ROWS_AVX2, v0, xq + i * row, xd + i * blocks,
+                      xs + i * groups, cols, group, pq, ps, pm, valid, out + i * ldo, ldo);
+        const uint8_t *a = xq + i * row;
+        const float *d = xd + i * blocks, *t = xs + i * groups;
+        float *o = out + i * ldo;
+        switch (count - i) { /* the tail, its row count a constant in each case */
+#define TAIL(n) \
+    case n: rows_avx2(bits, offsets, n, v0, a, d, t, cols, group, pq, ps, pm, valid, o, ldo); \
+        break;
+            TAIL(1) TAIL(2)
+#undef TAIL
+        default: break;
+        }
+    }
+}
+
+static void panel_int_avx2(int bits, int offsets, const void *xq, const float *xd,
+                           const float *xs, int64_t count, int64_t cols, int64_t group,
+                           const uint32_t *pq, const float *ps, const float *pm, int valid,
+                           float *out, int64_t ldo) {
+#define PANEL_AVX2(b, o) \
+    panel_avx2_bits(b, o, xq, xd, xs, count, cols, group, pq, ps, pm, valid, out, ldo)
+    if (bits == 8)
+        PANEL_AVX2(8, 1);
+    else if (offsets)
+        PANEL_AVX2(16, 1);
+    else
+        PANEL_AVX2(16, 0);
+#undef PANEL_AVX2
+}
+#endif
+
 /* Which integer paths were compiled here: bit INT_x set for each (the portable one always). */
 int quant_gemm_int_paths(void) {
     int paths = 1 << INT_PORTABLE;
 #ifdef GEMM_VNNI
     paths |= 1 << INT_VNNI;
 #endif
+#ifdef GEMM_AVX2
+    paths |= 1 << INT_AVX2;
+#endif
     return paths;
+}
+
+/* The largest integer quant_gemm_int quantizes activations to, for weights of `type` and `bits`
+ * (see levels). */
+int quant_gemm_int_levels(int type, int bits) { return levels(type, bits); }
+
+/* err[i] = || x_i - x'_i ||, the 2-norm of row i's quantization error (x' the activations that
+ * quant_gemm_int multiplies for `type` and `bits`: each block's scale times its integers),
+ * computed in double and rounded up. Returns 0, or -1 as quant_gemm_int does. */
+int quant_gemm_int_error(int type, int bits, const float *x, int64_t n, int64_t cols, float *err) {
+    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
+    if (bits != 8 && bits != 16) return -1;
+    const int64_t group = group_size(type);
+    for (int64_t i = 0; i < n; ++i) {
+        double squares = 0.0;
+        for (int64_t c = 0; c < cols; c += BLOCK) {
+            int32_t q[BLOCK], sums[2];
+            const float d = quantize_block(x + i * cols + c, levels(type, bits), group, q, sums);
+            for (int k = 0; k < BLOCK; ++k) {
+                const double e = (double)x[i * cols + c + k] - (double)d * q[k];
+                squares += e * e;
+            }
+        }
+        err[i] = (float)(sqrt(squares) * (1.0 + 0x1p-20));
+    }
+    return 0;
+}
+
+/* norms[r] = the 2-norm of row r's offsets as quant_gemm_int takes them for `bits` (each weight's
+ * group offset m; 0 where the panel is centred), rounded up: the float32 roundings of an
+ * output's two terms a group grow with them. Returns 0, or -1 as quant_gemm_int does. */
+int quant_gemm_int_offset_norms(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols,
+                                float *norms) {
+    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
+    if (bits != 8 && bits != 16) return -1;
+    const int64_t size = block_size(type), group = group_size(type);
+    const int64_t row_bytes = cols / size * block_bytes(type);
+    for (int64_t r = 0; r < rows; ++r) {
+        double squares = 0.0;
+        for (int64_t c = 0; c < cols && !centred(type, bits); c += size) {
+            float s[16], m[16];
+            block_scales(type, w + r * row_bytes + c / size * block_bytes(type), s, m);
+            for (int64_t g = 0; g < size / group; ++g) squares += (double)group * m[g] * m[g];
+        }
+        norms[r] = (float)(sqrt(squares) * (1.0 + 0x1p-20));
+    }
+    return 0;
 }
 
 /* out[n, rows] = x[n, cols] @ dequantized(w).T with x quantized per 32 to `bits` (8 or 16; see
@@ -1020,7 +1261,7 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
                    int64_t n, int bits, int path, int num_threads, float *out) {
     if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
     if (bits != 8 && bits != 16) return -1;
-    if (path < 0 || path > INT_VNNI || !(quant_gemm_int_paths() & (1 << path))) return -3;
+    if (path < 0 || path > INT_AVX2 || !(quant_gemm_int_paths() & (1 << path))) return -3;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
@@ -1044,7 +1285,8 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
         }
         for (int64_t start = 0; start < n; start += chunk) {
             const int64_t count = n - start < chunk ? n - start : chunk;
-            quantize_rows(x, start, count, cols, group, bits, xq, xd, xs); /* ends in a barrier */
+            /* ends in a barrier */
+            quantize_rows(x, start, count, cols, group, bits, levels(type, bits), xq, xd, xs);
             int stop;
 #pragma omp atomic read
             stop = failed;
@@ -1053,10 +1295,17 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
             for (int64_t p = 0; p < panels; ++p) {
                 const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
                 float *o = out + start * rows + p * PANEL;
-                pack_int(type, bits, w, rows, cols, p, pq, ps, pm, path == INT_VNNI);
+                pack_int(type, bits, w, rows, cols, p, pq, ps, pm, path);
 #ifdef GEMM_VNNI
                 if (path == INT_VNNI) {
                     panel_int_vnni(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
+                                   valid, o, rows);
+                    continue;
+                }
+#endif
+#ifdef GEMM_AVX2
+                if (path == INT_AVX2) {
+                    panel_int_avx2(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
                                    valid, o, rows);
                     continue;
                 }

@@ -16,11 +16,13 @@ accuracy near enough) or one (bf16); the bounds are in quant_gemm.c.
 And integer activations (`quant_gemm_int`): x quantized per block of 32 to int16 or int8, each
 weight its stored integer with its group's scale and offset, integer sums (`integer_paths()`):
 - vnni: AVX512-VNNI's vpdpwssd (int16) and vpdpbusd (int8) (Zen 4, Ice Lake and later);
+- avx2: vpmaddwd (int16), vpmaddubsw then vpmaddwd (int8), on any AVX2 CPU;
 - portable: plain C, the same arithmetic to the bit.
 int16 (32 products an instruction, each activation within 2^-16 of its block's largest) is
-quant_linear's default on VNNI CPUs without AMX; int8 (llama.cpp's arithmetic) only where
-`PAGEDBATCH_QUANT_GEMM=int8` asks: SmolLM2's greedy answers with it failed the quality gate
-(benchmarks/README.md).
+quant_linear's default on VNNI CPUs without AMX; int8 (llama.cpp's arithmetic; 63 levels against
+Q8_0, `levels`) the LM head's screen where no bf16 path runs (`QuantizedWeight`), and for the
+layers only where `PAGEDBATCH_QUANT_GEMM=int8` asks: SmolLM2's greedy answers with it failed the
+quality gate (benchmarks/README.md).
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from pagedbatch.kernels.quant_blocks import Format
 SOURCE = Path(__file__).with_name("quant_gemm.c")
 # The paths by the number quant_gemm.c knows them by, fastest last.
 PATHS = {"portable": 0, "avx512": 1, "amx": 2}
-INTEGER_PATHS = {"portable": 0, "vnni": 1}
+INTEGER_PATHS = {"portable": 0, "vnni": 1, "avx2": 2}
 # The products a setting names: bf16 products a weight (3 or 1), or integer activations of as
 # many bits (`INTEGER_BITS`).
 PRODUCTS = ("bf16x3", "bf16", "int16", "int8")
@@ -55,6 +57,11 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _i64, _i32, _i32, _i32, _ptr,  # x, its rows, bits, path, threads, out
     ],
     "quant_gemm_int_paths": [],
+    "quant_gemm_int_levels": [_i32, _i32],  # ggml type, bits
+    "quant_gemm_int_error": [_i32, _i32, _ptr, _i64, _i64, _ptr],  # type, bits, x, n, cols, out
+    "quant_gemm_int_offset_norms": [
+        _i32, _i32, _ptr, _i64, _i64, _ptr,  # ggml type, bits, blocks, rows, cols, out
+    ],
 }  # fmt: skip
 
 
@@ -92,6 +99,11 @@ def fastest() -> str | None:
     return next((p for p in ("amx", "avx512") if p in paths()), None)
 
 
+def fastest_integer() -> str | None:
+    """vnni, else avx2, where one is compiled here: the integer products' path."""
+    return next((p for p in ("vnni", "avx2") if p in integer_paths()), None)
+
+
 def quant_gemm(
     x: torch.Tensor,
     blocks: torch.Tensor,
@@ -108,11 +120,7 @@ def quant_gemm(
     lib = library()
     if lib is None or path not in paths():
         raise RuntimeError(f"quant_gemm's {path} path does not run here")
-    shape = (x.shape[0], blocks.shape[0])
-    if out is None:
-        out = torch.empty(shape)
-    elif out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
-        raise ValueError(f"out must be contiguous float32 {list(shape)}, not {out.shape}")
+    out = _output(x, blocks, out)
     status = lib.quant_gemm(
         fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], cols,
         x.data_ptr(), x.shape[0], PATHS[path], passes, torch.get_num_threads(), out.data_ptr(),
@@ -124,15 +132,32 @@ def quant_gemm(
     return out
 
 
+def _output(x: torch.Tensor, blocks: torch.Tensor, out: torch.Tensor | None) -> torch.Tensor:
+    """The product's `[n, rows]` float32 output: `out` where given, checked, else a new one."""
+    shape = (x.shape[0], blocks.shape[0])
+    if out is None:
+        return torch.empty(shape)
+    if out.shape != shape or out.dtype != torch.float32 or not out.is_contiguous():
+        raise ValueError(f"out must be contiguous float32 {list(shape)}, not {out.shape}")
+    return out
+
+
 def quant_gemm_int(
-    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, bits: int, path: str
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    fmt: Format,
+    cols: int,
+    bits: int,
+    path: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
-    """As `quant_gemm`, with x quantized per block of 32 to `bits` (16 or 8) and integer products
-    by `path` (an `INTEGER_PATHS` name): `[n, rows]` float32."""
+    """As `quant_gemm`, with x quantized per block of 32 to `bits` (16 or 8; at most `levels`)
+    and integer products by `path` (an `INTEGER_PATHS` name): `[n, rows]` float32, written into
+    `out` where given."""
     lib = library()
     if lib is None or path not in integer_paths():
         raise RuntimeError(f"quant_gemm's integer {path} path does not run here")
-    out = torch.empty(x.shape[0], blocks.shape[0])
+    out = _output(x, blocks, out)
     status = lib.quant_gemm_int(
         fmt.ggml_type, blocks.data_ptr(), blocks.shape[0], cols,
         x.data_ptr(), x.shape[0], bits, INTEGER_PATHS[path], torch.get_num_threads(),
@@ -147,11 +172,57 @@ def quant_gemm_int(
     return out
 
 
+def levels(fmt: Format, bits: int) -> int:
+    """The largest integer `quant_gemm_int` quantizes activations to against `fmt` (127 for int8,
+    63 against Q8_0; 32767 for int16)."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("quant_gemm.c is not built here")
+    return int(lib.quant_gemm_int_levels(fmt.ggml_type, bits))
+
+
+def quantization_error(x: torch.Tensor, fmt: Format, bits: int) -> torch.Tensor:
+    """Each row's ||x - x'|| (`[n]` float32, rounded up), x' the activations `quant_gemm_int`
+    multiplies in place of x (float32, contiguous) against `fmt` with `bits`."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("quant_gemm.c is not built here")
+    out = torch.empty(x.shape[0])
+    status = lib.quant_gemm_int_error(
+        fmt.ggml_type, bits, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()
+    )
+    if status != 0:
+        raise ValueError(f"quant_gemm_int does not read {fmt.name} rows of {x.shape[1]}")
+    return out
+
+
+def offset_norms(blocks: torch.Tensor, fmt: Format, cols: int, bits: int) -> torch.Tensor:
+    """Each weight row's offsets' 2-norm as `quant_gemm_int` takes them (`[rows]` float32,
+    rounded up; zeros where it keeps signed integers): the float32 roundings of its outputs are
+    bounded by these as well as by the weights' norms."""
+    lib = library()
+    if lib is None:
+        raise RuntimeError("quant_gemm.c is not built here")
+    out = torch.empty(blocks.shape[0])
+    status = lib.quant_gemm_int_offset_norms(
+        fmt.ggml_type, bits, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr()
+    )
+    if status != 0:
+        raise ValueError(f"quant_gemm_int does not read {fmt.name} rows of {cols}")
+    return out
+
+
 def multiply(
-    x: torch.Tensor, blocks: torch.Tensor, fmt: Format, cols: int, product: str, path: str
+    x: torch.Tensor,
+    blocks: torch.Tensor,
+    fmt: Format,
+    cols: int,
+    product: str,
+    path: str,
+    out: torch.Tensor | None = None,
 ) -> torch.Tensor:
     """x @ W.T by `product` (see `PRODUCTS`) on `path` (one of `paths()` for the bf16 products,
-    of `integer_paths()` for int16 and int8)."""
+    of `integer_paths()` for int16 and int8), written into `out` where given."""
     if product in INTEGER_BITS:
-        return quant_gemm_int(x, blocks, fmt, cols, INTEGER_BITS[product], path)
-    return quant_gemm(x, blocks, fmt, cols, path, 3 if product == "bf16x3" else 1)
+        return quant_gemm_int(x, blocks, fmt, cols, INTEGER_BITS[product], path, out)
+    return quant_gemm(x, blocks, fmt, cols, path, 3 if product == "bf16x3" else 1, out)

@@ -14,9 +14,11 @@ Two paths, chosen by how many rows x has:
   accuracy near enough: greedy answers follow exact mode's, where one bf16 product
   (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16); or with x quantized per 32
   to int16 (the few-row kernels' int16) or int8 (llama.cpp's arithmetic) and VNNI's integer
-  products, the weights their stored integers (see quant_gemm.c).
+  products (AVX2's where asked on CPUs without VNNI), the weights their stored integers (see
+  quant_gemm.c).
   `gemm_path` says which: by default bf16x3 on AMX, int16 on other VNNI CPUs, the tiles below
-  elsewhere.
+  elsewhere. A greedy step's LM head is screened by a cheaper product with a bound on its error
+  (`QuantizedWeight.approximate`: bf16, else int8), and only its candidates are exact.
   Where the CPU has neither, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's arithmetic),
   tiles of W dequantized to float32 by the C kernel
   `quant_dequantize`, each multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
@@ -75,6 +77,11 @@ INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
 # against 270; int16, 2 threads of a Zen 3 EPYC).
 SMALL_BATCH = 8
 STREAMED_BATCH = 64
+# Rows past which the LM head's screen (`QuantizedWeight.approximate`) pays where few-row products
+# stream up to STREAMED_BATCH: on a Zen 3 EPYC, Gemma 3's Q8_0 head at 32 rows took 163-191 ms
+# by int8 against streaming's 167-186, at 48 rows 247-255 against 297-319, at 64 278-305 against
+# 413-444.
+SCREEN_BATCH = 32
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
 # oneDNN compiles a primitive for each shape it multiplies and keeps it (about half a MiB each, not
@@ -120,7 +127,7 @@ def gemm_path() -> tuple[str, str] | None:
       on AVX512-VNNI, else None (bf16x3 on AVX512-BF16 took 2.8x the float32 tiles' time:
       benchmarks/README.md);
     - `bf16x3` or `bf16` (one product): on the fastest bf16 path (AMX, else AVX512-BF16);
-    - `int16` or `int8`: integer activations on VNNI;
+    - `int16` or `int8`: integer activations on VNNI, else AVX2;
     - `float32`: None.
     None: the float32 tiles (exact mode's arithmetic), also where the asked product has no fast
     path here or no compiler."""
@@ -129,14 +136,14 @@ def gemm_path() -> tuple[str, str] | None:
         raise ValueError(
             f"{GEMM_SETTING} is auto, bf16x3, bf16, int16, int8 or float32, not {value!r}"
         )
-    vnni = "vnni" if "vnni" in quant_gemm.integer_paths() else None
     if value == "auto" and "amx" in quant_gemm.paths():
         return ("bf16x3", "amx")
     if value == "auto":
-        return None if vnni is None else ("int16", vnni)
+        return ("int16", "vnni") if "vnni" in quant_gemm.integer_paths() else None
     if value == "float32":
         return None
-    path = vnni if value in quant_gemm.INTEGER_BITS else quant_gemm.fastest()
+    integer = value in quant_gemm.INTEGER_BITS
+    path = quant_gemm.fastest_integer() if integer else quant_gemm.fastest()
     return None if path is None else (value, path)
 
 
@@ -151,6 +158,18 @@ def _small_batch_for(lib: ctypes.CDLL | None) -> int:
     if lib is None or lib.quant_kernel_isa() < 2 or quant_gemm.fastest() is not None:
         return SMALL_BATCH
     return STREAMED_BATCH
+
+
+def screen_product() -> tuple[str, str] | None:
+    """The product `QuantizedWeight.approximate` takes and its path: one bf16 product where
+    quant_gemm has a bf16 path here, else int8 activations on its fastest integer path (VNNI,
+    else AVX2: on a Zen 3 EPYC, Gemma 3's Q8_0 head at 128 rows in about half the float32
+    tiles' time); None where neither is compiled."""
+    if (path := quant_gemm.fastest()) is not None:
+        return ("bf16", path)
+    if (path := quant_gemm.fastest_integer()) is not None:
+        return ("int8", path)
+    return None
 
 
 def quant_matmul(
@@ -351,6 +370,7 @@ class QuantizedWeight:
         self.cols = cols
         self.activations = {fmt: activations_for(fmt) for _, fmt in self.runs}
         self._row_norms: torch.Tensor | None = None  # see `error_bound`
+        self._int8_row_norms: torch.Tensor | None = None
 
     @classmethod
     def join(cls, parts: list[QuantizedTensor]) -> QuantizedWeight | None:
@@ -383,7 +403,7 @@ class QuantizedWeight:
             first += blocks.shape[0]
         sliced = copy.copy(self)
         sliced.runs = runs
-        sliced._row_norms = None
+        sliced._row_norms = sliced._int8_row_norms = None
         return sliced
 
     @property
@@ -408,42 +428,59 @@ class QuantizedWeight:
 
     def approximates(self, x: torch.Tensor) -> bool:
         """Whether `approximate` runs here for x and costs less than the product: one run of
-        blocks, x on the C kernels' path with more rows than `small_batch()` (fewer stream the
-        blocks once, bound by reading them, whatever the arithmetic), a bf16 path of quant_gemm."""
+        blocks, x on the C kernels' path with more rows than `small_batch()` or `SCREEN_BATCH`
+        (fewer stream the blocks once, bound by reading them), a `screen_product`."""
         return (
             len(self.runs) == 1
-            and x.shape[0] > small_batch()
+            and x.shape[0] > min(small_batch(), SCREEN_BATCH)
             and x.dtype == torch.float32
             and not on_triton(x)
-            and quant_gemm.fastest() is not None
+            and screen_product() is not None
         )
 
     def approximate(
         self, x: torch.Tensor, part: slice, out: torch.Tensor | None = None
     ) -> torch.Tensor:
-        """The outputs `part` selects of x @ W.T (x float32 `[n, cols]` on the CPU) by one
-        bfloat16 product (quant_gemm's `bf16`: a half or less of the float32 GEMM's time on
-        AVX512-BF16, a third of bf16x3's on AMX), `[n, width]` (written into `out` where given,
-        contiguous float32 of that shape); within `error_bound` of any float32 product's."""
+        """The outputs `part` selects of x @ W.T (x float32 `[n, cols]` on the CPU) by the
+        `screen_product` (one bf16 product: a half or less of the float32 GEMM's time on
+        AVX512-BF16, a third of bf16x3's on AMX; else int8 activations), `[n, width]` (written
+        into `out` where given, contiguous float32 of that shape); within `error_bound` of any
+        float32 product's."""
         ((blocks, fmt),) = self.runs
         start, stop, _ = part.indices(self.rows)
-        gemm_path = quant_gemm.fastest()
-        assert gemm_path is not None, "approximate where approximates() says it runs"
-        return quant_gemm.quant_gemm(
-            x.contiguous(), blocks[start:stop], fmt, self.cols, gemm_path, passes=1, out=out
-        )
+        screen = screen_product()
+        assert screen is not None, "approximate where approximates() says it runs"
+        return quant_gemm.multiply(x.contiguous(), blocks[start:stop], fmt, self.cols, *screen, out)
 
     def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """(margin `[n]`, norms `[rows]`): |approximate(x)[i, j] - (x @ W.T)[i, j]| is at most
-        margin[i] * norms[j], where x @ W.T is any float32 product's.
+        margin[i] * norms[j], where x @ W.T is any float32 product's, whose float32 sums in
+        any order err by at most 2 cols 2^-24 of sum |x w| <= ||x|| ||w|| (Cauchy-Schwarz; each
+        weight row's norm computed once, rounded up).
 
-        Each product of bf16-rounded x and w is within 2^-7 + 2^-16 of x w, and the float32
-        sums (ours, and the exact path's, in any order) add at most 2 cols 2^-24 of sum |x w|,
-        which is at most ||x|| ||w|| (Cauchy-Schwarz; each weight row's norm computed once,
-        rounded up). The small constant added covers bf16's flush of subnormals."""
-        relative = (2**-7 + 2**-16 + 2 * self.cols * 2**-24) * (1 + 2**-10)
-        margin = torch.linalg.vector_norm(x, dim=1).mul_(relative).add_(SUBNORMAL_SLACK)
-        return margin, self._norms()
+        bf16: each product of bf16-rounded x and w is within 2^-7 + 2^-16 of x w, and its float32
+        sums err as the exact path's. The small constant added covers bf16's flush of
+        subnormals.
+
+        int8: the approximation is the exact weights times x', x quantized per block (its error
+        e = ||x - x'|| measured, at most ||w|| e), then float32's roundings: each output a sum
+        of 2 G terms (G groups: an integer sum times a scale, an offset times the activations'
+        sum), each within 2^-23 of itself, together at most (||w|| + 2 ||m||) ||x'|| (w = s q + m
+        for each weight, so |s q| <= |w| + |m|; m the offsets, `quant_gemm.offset_norms`), and
+        summed in order: (2 G + 3) 2^-24 of that. With norms max(||w||, (||w|| + 2 ||m||) / 64)
+        the whole is within margin times norms."""
+        x_norms = torch.linalg.vector_norm(x, dim=1).mul_(1 + 2**-10)
+        exact_sums = 2 * self.cols * 2**-24
+        screen = screen_product()
+        if screen is None or screen[0] == "bf16":
+            margin = x_norms.mul_((2**-7 + 2**-16 + exact_sums) * (1 + 2**-10))
+            return margin.add_(SUBNORMAL_SLACK), self._norms()
+        ((_, fmt),) = self.runs
+        error = quant_gemm.quantization_error(x.contiguous(), fmt, 8)
+        terms = 2 * (self.cols // 16) + 3  # G at most cols / 16 (Q6_K's groups)
+        roundings = 64 * terms * 2**-24 * (1 + 2**-10)
+        margin = error + exact_sums * x_norms + roundings * (x_norms + error)
+        return margin.mul_(1 + 2**-10).add_(SUBNORMAL_SLACK), self._int8_norms()
 
     def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         """x @ W[ids].T in float32 (`[n, len(ids)]`), the rows `ids` (int64) dequantized a tile
@@ -467,3 +504,13 @@ class QuantizedWeight:
                 norms[start : start + weights.shape[0]] = torch.linalg.vector_norm(weights, dim=1)
             self._row_norms = norms.mul_(1 + 2**-10).add_(SUBNORMAL_SLACK)
         return self._row_norms
+
+    def _int8_norms(self) -> torch.Tensor:
+        """max(||w||, (||w|| + 2 ||m||) / 64) for each output row, rounded up (see
+        `error_bound`), computed on first use."""
+        if self._int8_row_norms is None:
+            ((blocks, fmt),) = self.runs
+            offsets = quant_gemm.offset_norms(blocks, fmt, self.cols, 8)
+            split = offsets.mul_(2).add_(self._norms()).mul_((1 + 2**-10) / 64)
+            self._int8_row_norms = torch.maximum(self._norms(), split)
+        return self._int8_row_norms

@@ -8,7 +8,8 @@ Three products of two parts (bf16x3): each moves by at most 2^-16 of itself, an 
 2^-14 of sum |x w|.
 int16 and int8 (x quantized per block of 32, integer products): the exact weights times the
 quantized activations, so an output moves by at most sum over blocks of amax / (2 L) times
-sum |w| (L = 32767 or 127: `activation_bound`, quant_matmul.c's bound).
+sum |w| (L = `quant_gemm.levels`: 32767, or 127 and 63 against Q8_0: `activation_bound`,
+quant_matmul.c's bound).
 """
 
 from __future__ import annotations
@@ -127,13 +128,16 @@ def test_the_paths_are_those_the_cpu_has():
         (p for p in ("amx", "avx512") if p in quant_gemm.paths()), None
     )
     vnni = {"avx512f", "avx512bw", "avx512_vnni"} <= flags
-    assert quant_gemm.integer_paths() == ({"portable", "vnni"} if vnni else {"portable"})
+    avx2 = {"avx2", "fma"} <= flags
+    expected = {"portable"} | ({"vnni"} if vnni else set()) | ({"avx2"} if avx2 else set())
+    assert quant_gemm.integer_paths() == expected
+    assert quant_gemm.fastest_integer() == ("vnni" if vnni else "avx2" if avx2 else None)
 
 
-def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
-    """Built for Zen 3 (AVX2, no AVX-512): neither bf16 path nor VNNI is compiled, so
-    quant_linear's many rows keep the float32 tiles, as before quant_gemm.c; its portable paths
-    still answer within their bounds."""
+def test_an_avx2_cpu_has_the_avx2_integers_alone(tmp_path):
+    """Built for Zen 3 (AVX2, no AVX-512): neither bf16 path nor VNNI is compiled (quant_linear's
+    many rows keep the float32 tiles, as before quant_gemm.c), the AVX2 integer path is; the
+    portable paths answer within their bounds, and the AVX2 path as the portable one."""
     compiler = shutil.which("cc") or shutil.which("gcc")
     flags = [f for f in native.FLAGS if f != "-march=native"] + ["-march=znver3"]
     target = tmp_path / "quant_gemm_znver3.so"
@@ -142,7 +146,9 @@ def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
     for name, argtypes in quant_gemm.SIGNATURES.items():
         getattr(lib, name).argtypes = argtypes
     assert lib.quant_gemm_paths() == 1 << quant_gemm.PATHS["portable"]
-    assert lib.quant_gemm_int_paths() == 1 << quant_gemm.INTEGER_PATHS["portable"]
+    assert lib.quant_gemm_int_paths() == sum(
+        1 << quant_gemm.INTEGER_PATHS[path] for path in ("portable", "avx2")
+    )
     fmt, rows, cols = Format.Q4_K, 40, 512
     blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=6))
     weights = dequantize(blocks, fmt)
@@ -151,16 +157,20 @@ def test_an_avx2_cpu_keeps_the_tiles(tmp_path):
     call = (fmt.ggml_type, blocks.data_ptr(), rows, cols, x.data_ptr(), 9)
     assert lib.quant_gemm(*call, 0, 3, 1, out.data_ptr()) == 0
     assert error_within(out, x, weights, 3)
-    for bits, levels in ((16, 32767), (8, 127)):
+    avx2 = torch.empty(9, rows)
+    for bits in BITS:
         assert lib.quant_gemm_int(*call, bits, 0, 1, out.data_ptr()) == 0
         error = (out.double() - x.double() @ weights.T).abs()
-        assert error.le(activation_bound(x, weights, levels)).all()
+        assert error.le(activation_bound(x, weights, quant_gemm.levels(fmt, bits))).all()
+        path = quant_gemm.INTEGER_PATHS["avx2"]
+        assert lib.quant_gemm_int(*call, bits, path, 1, avx2.data_ptr()) == 0
+        assert torch.equal(avx2, out)
 
 
-LEVELS = {16: 32767, 8: 127}
+BITS = [8, 16]
 
 
-@pytest.mark.parametrize("bits", sorted(LEVELS))
+@pytest.mark.parametrize("bits", BITS)
 @pytest.mark.parametrize("path", sorted(quant_gemm.INTEGER_PATHS))
 @pytest.mark.parametrize(("fmt", "rows", "cols"), shapes(), ids=str)
 def test_integers_within_the_activation_bound(bits, path, fmt, rows, cols):
@@ -173,30 +183,33 @@ def test_integers_within_the_activation_bound(bits, path, fmt, rows, cols):
         out = quant_gemm.quant_gemm_int(x, torch.from_numpy(blocks), fmt, cols, bits, path)
         assert out.shape == (n, rows)
         error = (out.double() - x.double() @ weights.T).abs()
-        assert error.le(activation_bound(x, weights, LEVELS[bits])).all(), (n, path)
+        bound = activation_bound(x, weights, quant_gemm.levels(fmt, bits))
+        assert error.le(bound).all(), (n, path)
 
 
-@pytest.mark.parametrize("bits", sorted(LEVELS))
+@pytest.mark.parametrize("bits", BITS)
+@pytest.mark.parametrize("path", ["vnni", "avx2"])
 @pytest.mark.parametrize("fmt", list(Format), ids=str)
-def test_integer_paths_agree_to_the_bit(bits, fmt):
-    """VNNI's lanes take the portable code's steps (integer sums, then two fused multiply-adds a
-    group, groups in order): equal outputs, partial panel and a ragged tail of rows included."""
-    if "vnni" not in quant_gemm.integer_paths():
-        pytest.skip("this CPU runs no VNNI")
+def test_integer_paths_agree_to_the_bit(bits, path, fmt):
+    """VNNI's and AVX2's lanes take the portable code's steps (integer sums, then two fused
+    multiply-adds a group, groups in order): equal outputs, partial panel and a ragged tail of
+    rows included."""
+    if path not in quant_gemm.integer_paths():
+        pytest.skip(f"this CPU runs no {path}")
     rows, cols = (45, 512) if fmt.size == 256 else (45, 576)
     blocks = torch.from_numpy(random_blocks(fmt, rows, cols, seed=4))
     x = with_outliers(11, cols)
     portable = quant_gemm.quant_gemm_int(x, blocks, fmt, cols, bits, "portable")
-    assert torch.equal(quant_gemm.quant_gemm_int(x, blocks, fmt, cols, bits, "vnni"), portable)
+    assert torch.equal(quant_gemm.quant_gemm_int(x, blocks, fmt, cols, bits, path), portable)
 
 
-@pytest.mark.parametrize("bits", sorted(LEVELS))
+@pytest.mark.parametrize("bits", BITS)
 def test_integers_are_exact_on_integer_activations(bits):
     """Activations that are integers of at most L with an L in every block quantize exactly (L
     the bits' largest level): the output is then the float64 product up to float32's rounding.
     With int16, the products' sums reach 2^28 (Q8_0's 255 against 32767): exact in int32."""
-    levels = LEVELS[bits]
     for fmt, rows, cols in ((Format.Q6_K, 33, 512), (Format.Q8_0, 40, 96)):
+        levels = quant_gemm.levels(fmt, bits)
         blocks = random_blocks(fmt, rows, cols, seed=5)
         weights = dequantize(blocks, fmt)
         generator = torch.Generator().manual_seed(5)
@@ -222,17 +235,19 @@ def test_integers_are_exact_on_integer_activations(bits):
 )
 def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
     """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its
-    fastest path here, or the float32 tiles (exact mode's arithmetic) where float32 is asked or
-    no path runs here (AVX2 alone, as Zen 3: neither bf16 nor VNNI). auto: bf16x3 on AMX, else
-    int16 on VNNI, else the tiles (AVX512-BF16's bf16x3 is slower than they are)."""
+    fastest path here (the integers on VNNI, else AVX2), or the float32 tiles (exact mode's
+    arithmetic) where float32 is asked or no path runs here (bf16 on AVX2 alone, as Zen 3).
+    auto: bf16x3 on AMX, else int16 on VNNI, else the tiles (AVX512-BF16's bf16x3 is slower
+    than they are)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
-    vnni = "vnni" if "vnni" in quant_gemm.integer_paths() else None
+    vnni = "vnni" in quant_gemm.integer_paths()
     if product == "auto":
         product = "bf16x3" if "amx" in quant_gemm.paths() else "int16" if vnni else None
-    path = vnni if product in quant_gemm.INTEGER_BITS else quant_gemm.fastest()
+    integer = product in quant_gemm.INTEGER_BITS
+    path = quant_gemm.fastest_integer() if integer else quant_gemm.fastest()
     expected = None if product is None or path is None else (product, path)
     assert quant_linear.gemm_path() == expected
     fmt, rows, cols = Format.Q4_1, 100, 576
@@ -244,7 +259,7 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
     if expected is None:
         assert error.le(rounding_bound(x, weights)).all()
     elif product in quant_gemm.INTEGER_BITS:
-        levels = LEVELS[quant_gemm.INTEGER_BITS[product]]
+        levels = quant_gemm.levels(fmt, quant_gemm.INTEGER_BITS[product])
         assert error.le(activation_bound(x, weights, levels)).all()
     else:
         assert error_within(out, x, weights, 3 if product == "bf16x3" else 1)

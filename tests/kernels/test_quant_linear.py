@@ -5,13 +5,24 @@ import pytest
 import torch
 from test_quant_blocks import random_blocks
 
-from pagedbatch.kernels import quant_gemm
+from pagedbatch.kernels import quant_gemm, quant_linear
 from pagedbatch.kernels.quant_blocks import Format, dequantize
 from pagedbatch.kernels.quant_linear import QuantizedWeight, small_batch
 
-pytestmark = pytest.mark.skipif(
-    quant_gemm.fastest() is None, reason="no bf16 path of quant_gemm on this CPU"
-)
+# The screens this CPU runs: one bf16 product, int8 activations.
+SCREENS = [
+    screen
+    for screen in (("bf16", quant_gemm.fastest()), ("int8", quant_gemm.fastest_integer()))
+    if screen[1] is not None
+]
+pytestmark = pytest.mark.skipif(not SCREENS, reason="neither screen runs on this CPU")
+
+
+@pytest.fixture(params=SCREENS, ids=lambda screen: screen[0])
+def screen(request, monkeypatch):
+    """Each screen this CPU runs, as the one QuantizedWeight takes."""
+    monkeypatch.setattr(quant_linear, "screen_product", lambda: request.param)
+    return request.param
 
 
 def weight(fmt: Format, rows: int, cols: int, seed: int) -> tuple[QuantizedWeight, torch.Tensor]:
@@ -19,8 +30,17 @@ def weight(fmt: Format, rows: int, cols: int, seed: int) -> tuple[QuantizedWeigh
     return QuantizedWeight([(blocks, fmt)], cols), dequantize(blocks, fmt, torch.float64)
 
 
+def equal_rows(rows: int, cols: int, scale: float, quant: int) -> QuantizedWeight:
+    """A Q8_0 weight whose every weight is scale (a half) times quant."""
+    fmt = Format.Q8_0
+    block = np.zeros(fmt.block_bytes, dtype=np.uint8)
+    block[:2] = np.array([scale], dtype=np.float16).view(np.uint8)
+    block[2:] = quant
+    return QuantizedWeight([(torch.from_numpy(np.tile(block, (rows, cols // 32))), fmt)], cols)
+
+
 @pytest.mark.parametrize("fmt", list(Format), ids=lambda f: f.name)
-def test_the_approximate_product_is_within_its_bound_of_the_exact_one(fmt):
+def test_the_approximate_product_is_within_its_bound_of_the_exact_one(screen, fmt):
     w, exact_w = weight(fmt, 300, 512, seed=fmt.ggml_type)
     generator = torch.Generator().manual_seed(0)
     x = torch.randn(small_batch() + 8, 512, generator=generator)
@@ -34,22 +54,49 @@ def test_the_approximate_product_is_within_its_bound_of_the_exact_one(fmt):
     assert bool((error <= margin[:, None] * norms[40:290]).all())
 
 
-def test_the_bound_is_half_reached_where_every_rounding_errs_the_same_way():
-    """Every weight 1 + 3/512 (a Q8_0 scale, its quants 1) and every activation the same:
-    bf16 rounds both up by 2^-9, so every product errs by 2^-8 of itself, and Cauchy-Schwarz
-    is an equality: the error is half the bound's 2^-7."""
+def test_the_bound_is_tight_where_every_rounding_errs_the_same_way(screen):
+    """Every weight equal, and every activation's rounding erring the same way, Cauchy-Schwarz
+    is an equality. bf16: every weight and activation 1 + 3/512, both rounded up by 2^-9, each
+    product errs by 2^-8 of itself, half the bound's 2^-7. int8: every weight 1 (64 / 64), and
+    in each block of 32 one activation 63 (its block's scale 1) and 31 of 0.4 (each quantized to
+    0): the error is sqrt(31 / 32) of the bound's ||w|| ||x - x'||."""
     rows, cols = 16, 256
-    block = np.zeros(34, dtype=np.uint8)
-    block[:2] = np.array([1 + 3 / 512], dtype=np.float16).view(np.uint8)
-    block[2:] = 1
-    blocks = torch.from_numpy(np.tile(block, (rows, cols // 32)))
-    w = QuantizedWeight([(blocks, Format.Q8_0)], cols)
-    x = torch.full((small_batch() + 1, cols), 1 + 3 / 512)
+    if screen[0] == "bf16":
+        value = 1 + 3 / 512
+        w = equal_rows(rows, cols, value, 1)
+        x = torch.full((small_batch() + 1, cols), value)
+        least = 1 / 2.2
+    else:
+        value = 1.0
+        w = equal_rows(rows, cols, 1 / 64, 64)
+        x = torch.full((small_batch() + 1, cols), 0.4)
+        x[:, ::32] = 63.0
+        least = 0.9
     approx = w.approximate(x, slice(None))
     margin, norms = w.error_bound(x)
     bound = margin[:, None] * norms
-    error = approx - (1 + 3 / 512) ** 2 * cols
-    assert bool((error <= bound).all()) and bool((error > bound / 2.2).all())
+    error = (approx.double() - x.double().sum(1, keepdim=True) * value).abs()
+    assert bool((error <= bound).all()) and bool((error > bound * least).all())
+
+
+def test_the_int8_norms_are_the_weights_unless_the_offsets_dwarf_them(monkeypatch):
+    """int8 takes Q8_0's quants unsigned, offset by -128 times the scale: the float32 roundings
+    grow with the offsets too. Where the weights' norm is most of theirs (random quants), the
+    norms are the weights'; a row of zero quants (weights 0, offsets not) takes 2 / 64 of its
+    offsets' norm."""
+    path = quant_gemm.fastest_integer()
+    if path is None:
+        pytest.skip("no integer path of quant_gemm on this CPU")
+    monkeypatch.setattr(quant_linear, "screen_product", lambda: ("int8", path))
+    w, exact_w = weight(Format.Q8_0, 64, 256, seed=8)
+    blocks = w.runs[0][0].view(64, 8, 34)
+    blocks[5, :, 2:] = 0
+    _, norms = w.error_bound(torch.randn(small_batch() + 1, 256))
+    plain = torch.linalg.vector_norm(exact_w, dim=1).float()
+    torch.testing.assert_close(norms[6:], plain[6:], rtol=2e-3, atol=0)
+    blocks[5, :, 2:] = 1  # each weight its block's scale
+    offsets = 128 * torch.linalg.vector_norm(dequantize(w.runs[0][0][5:6], Format.Q8_0)).float()
+    torch.testing.assert_close(norms[5], 2 * offsets / 64, rtol=2e-3, atol=0)
 
 
 def test_rows_product_is_the_float32_product_of_the_rows_asked():
@@ -60,9 +107,13 @@ def test_rows_product_is_the_float32_product_of_the_rows_asked():
 
 
 def test_few_rows_several_runs_and_other_dtypes_are_not_approximated():
+    """Up to the small batch, or SCREEN_BATCH where more rows stream (AVX2), the product streams
+    the blocks once and no screen pays."""
     w, _ = weight(Format.Q4_0, 64, 256, seed=3)
-    assert not w.approximates(torch.zeros(small_batch(), 256))
-    assert not w.approximates(torch.zeros(small_batch() + 1, 256, dtype=torch.bfloat16))
+    few = min(small_batch(), quant_linear.SCREEN_BATCH)
+    assert not w.approximates(torch.zeros(few, 256))
+    assert w.approximates(torch.zeros(few + 1, 256))
+    assert not w.approximates(torch.zeros(few + 1, 256, dtype=torch.bfloat16))
     two, _ = weight(Format.Q8_0, 64, 256, seed=4)
     joined = QuantizedWeight([*w.runs, *two.runs], 256)
-    assert not joined.approximates(torch.zeros(small_batch() + 1, 256))
+    assert not joined.approximates(torch.zeros(few + 1, 256))

@@ -20,7 +20,7 @@ from pagedbatch.engine.worker.parallel_layers import (
     RowParallelLinear,
     quantize_linears,
 )
-from pagedbatch.kernels import quant_gemm
+from pagedbatch.kernels import quant_linear
 from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import (
     ACTIVATIONS_SETTING,
@@ -217,14 +217,15 @@ def test_greedy_steps_never_hold_gemmas_whole_logits_and_choose_as_sampling_does
     real_model, screened, monkeypatch
 ):
     """Rows wanting their argmax alone never hold the whole logits (sample/greedy): Gemma 3's
-    262,144 tokens of its tied Q8_0 head screened by bf16 products, a slice at a time, where a
-    bf16 path runs (and `screened`), else in exact slices; the tokens are the sampler's path's,
-    which logprobs take."""
+    262,144 tokens of its tied Q8_0 head screened by a cheaper product (bf16, else int8), a
+    slice at a time, where one runs (and `screened`), else in exact slices; the tokens are the
+    sampler's path's, which logprobs take. 40 prompts: more rows than any CPU streams the head
+    for."""
     if not screened:
-        monkeypatch.setattr(quant_gemm, "fastest", lambda: None)
-    elif quant_gemm.fastest() is None:
-        pytest.skip("no bf16 path of quant_gemm on this CPU")
-    llm = LLM(real_model("gemma-3-270m"), num_kv_blocks=128, quantization="gguf")
+        monkeypatch.setattr(quant_linear, "screen_product", lambda: None)
+    elif quant_linear.screen_product() is None:
+        pytest.skip("no screen runs on this CPU")
+    llm = LLM(real_model("gemma-3-270m"), num_kv_blocks=256, quantization="gguf")
     model = llm.engine.runner.model
     asked: list[slice] = []
     whole_head = model.compute_logits
@@ -243,16 +244,22 @@ def test_greedy_steps_never_hold_gemmas_whole_logits_and_choose_as_sampling_does
         return approximate(x, part, out)
 
     monkeypatch.setattr(screen, "approximate", counted)
-    prompts = [f"Fact {i}: the number {i} squared is" for i in range(12)]
-    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6))
+    prompts = [f"Fact {i}: the number {i} squared is" for i in range(40)]
+    # Every step 40 rows: none ends early.
+    plain = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True))
     sliced = [v for v in asked if v != slice(None)]
-    if screened:  # 12 rows of 8 MiB slices: 174,592 tokens a slice, the last one short
+    # 40 rows of float32 logits take slices of 8 MiB: 52,224 tokens (a multiple of 256)
+    starts = range(0, 262144, 52224)
+    if screened:  # the last slice cut at the vocabulary's end
         assert not asked and approximated
-        assert {(v.start, v.stop) for v in approximated} == {(0, 174592), (174592, 262144)}
-    else:  # 12 rows of 262,144 float32 logits are 12 MiB: two slices of at most 8 MiB
+        assert {(v.start, v.stop) for v in approximated} == {
+            (a, min(a + 52224, 262144)) for a in starts
+        }
+    else:
         assert not approximated
-        assert sliced and {(v.start, v.stop) for v in sliced} == {(0, 174592), (174592, 349184)}
+        assert sliced and {(v.start, v.stop) for v in sliced} == {(a, a + 52224) for a in starts}
     asked.clear()
-    scored = llm.generate(prompts, SamplingParams(temperature=0.0, max_tokens=6, logprobs=1))
+    params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True, logprobs=1)
+    scored = llm.generate(prompts, params)
     assert asked and all(v == slice(None) for v in asked)
     assert [o.outputs[0].token_ids for o in plain] == [o.outputs[0].token_ids for o in scored]
