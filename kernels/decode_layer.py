@@ -11,12 +11,14 @@ into alive. The caller checks that the layer is one this computes (see models/ll
 from __future__ import annotations
 
 import ctypes
+from collections.abc import Iterable
 from dataclasses import dataclass
 
 import torch
 
 from pagedbatch.kernels import native, quant_gemm, quant_linear
 from pagedbatch.kernels.attention import C_FORMATS, AttentionMetadata, decode_rows
+from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import ACTIVATIONS, QuantizedWeight
 
 _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.c_void_p
@@ -56,13 +58,16 @@ class _Step(ctypes.Structure):
     ]  # fmt: skip
 
 
-def many_rows_product() -> tuple[int, int, int] | None:
+def many_rows_product(formats: Iterable[Format] = ()) -> tuple[int, int, int] | None:
     """quant_gemm.c's integer product as a decode layer calls it past `small_batch()` rows: its
-    address, bits and path, where many rows take integer activations here (`gemm_path`); None
-    elsewhere (the bf16 products and the float32 tiles are not called from C)."""
+    address, bits and path, where many rows of every one of `formats` take integer activations
+    here, on one path (`gemm_path`); None elsewhere (the bf16 products and the float32 tiles are
+    not called from C)."""
     gemm = quant_linear.gemm_path()
     lib = quant_gemm.library()
     if gemm is None or gemm[0] not in quant_gemm.INTEGER_BITS or lib is None:
+        return None
+    if any(quant_linear.gemm_path(fmt) != gemm for fmt in formats):
         return None
     address = ctypes.cast(lib.quant_gemm_int, ctypes.c_void_p).value
     assert address is not None
@@ -70,10 +75,11 @@ def many_rows_product() -> tuple[int, int, int] | None:
     return address, quant_gemm.INTEGER_BITS[product], quant_gemm.INTEGER_PATHS[path]
 
 
-def takes(rows: int) -> bool:
-    """Whether a decode step of `rows` one-token sequences runs its layers here: a few, whose
-    products stream the blocks; any number where many rows' products are `many_rows_product`."""
-    return rows <= quant_linear.small_batch() or many_rows_product() is not None
+def takes(rows: int, formats: Iterable[Format] = ()) -> bool:
+    """Whether a decode step of `rows` one-token sequences, its weights in `formats`, runs its
+    layers here: a few, whose products stream the blocks; any number where many rows' products
+    are `many_rows_product`."""
+    return rows <= quant_linear.small_batch() or many_rows_product(formats) is not None
 
 
 def fusable(weight: object, runs: int = 1) -> bool:

@@ -14,14 +14,15 @@ Two paths, chosen by how many rows x has:
   accuracy near enough: greedy answers follow exact mode's, where one bf16 product
   (`PAGEDBATCH_QUANT_GEMM=bf16`) parted from them in 3 chats of 16); or with x quantized per 32
   to int16 (the few-row kernels' int16) or int8 (llama.cpp's arithmetic) and VNNI's integer
-  products (AVX2's where asked on CPUs without VNNI), the weights their stored integers (see
+  products (AVX2's on CPUs without VNNI), the weights their stored integers (see
   quant_gemm.c).
-  `gemm_path` says which: by default bf16x3 on AMX, int16 on other VNNI CPUs, the tiles below
-  elsewhere. A greedy step's LM head is screened by a cheaper product with a bound on its error
-  (`QuantizedWeight.approximate`: bf16, else int8), and only its candidates are exact.
-  Where the CPU has neither, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's arithmetic),
-  tiles of W dequantized to float32 by the C kernel
-  `quant_dequantize`, each multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
+  `gemm_path` says which: by default bf16x3 on AMX, int16 on other VNNI or AVX2 CPUs, the
+  tiles below elsewhere. A greedy step's LM head is screened by a cheaper product with a bound
+  on its error (`QuantizedWeight.approximate`: bf16, else int8), and only its candidates are
+  exact.
+  Where the CPU has none of these, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's
+  arithmetic), tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
+  multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
 
 Where quant_matmul.c streams a format's blocks (AVX2 and AVX-512) models take int16 activations
 or float32, whichever is the faster on this CPU (`few_row_activations`: int16 on AVX2 cores, float
@@ -82,6 +83,12 @@ STREAMED_BATCH = 64
 # by int8 against streaming's 167-186, at 48 rows 247-255 against 297-319, at 64 278-305 against
 # 413-444.
 SCREEN_BATCH = 32
+# The formats whose many rows keep the float32 tiles by default where the integer products are
+# AVX2's (no VNNI): their dequantization is cheap, and vpmaddwd retires no more products than FMA.
+# A Zen 3 EPYC, decode steps of 128 rows: SmolLM2 (Q4_1) 698-716 ms on int16 against the tiles'
+# 531-647; Gemma 3's Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K) 674-849 on int16, its layers one C call
+# each, against 1015-1047.
+TILES_ON_AVX2 = frozenset({Format.Q4_0, Format.Q4_1})
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
 # oneDNN compiles a primitive for each shape it multiplies and keeps it (about half a MiB each, not
@@ -121,11 +128,12 @@ def activations_for(fmt: Format) -> str:
     return "int8" if value == "auto" and fmt in INT8_BY_DEFAULT else "float32"
 
 
-def gemm_path() -> tuple[str, str] | None:
-    """The product many rows take and its `quant_gemm` path, as `PAGEDBATCH_QUANT_GEMM` says:
+def gemm_path(fmt: Format | None = None) -> tuple[str, str] | None:
+    """The product many rows of `fmt` take and its `quant_gemm` path, as `PAGEDBATCH_QUANT_GEMM`
+    says:
     - `auto` (the default): bf16x3 on AMX tiles where the CPU has them, else int16 activations
-      on AVX512-VNNI, else None (bf16x3 on AVX512-BF16 took 2.8x the float32 tiles' time:
-      benchmarks/README.md);
+      on AVX512-VNNI, else on AVX2 but for the formats of `TILES_ON_AVX2` (bf16x3 on
+      AVX512-BF16 took 2.8x the float32 tiles' time: benchmarks/README.md);
     - `bf16x3` or `bf16` (one product): on the fastest bf16 path (AMX, else AVX512-BF16);
     - `int16` or `int8`: integer activations on VNNI, else AVX2;
     - `float32`: None.
@@ -139,7 +147,10 @@ def gemm_path() -> tuple[str, str] | None:
     if value == "auto" and "amx" in quant_gemm.paths():
         return ("bf16x3", "amx")
     if value == "auto":
-        return ("int16", "vnni") if "vnni" in quant_gemm.integer_paths() else None
+        integer = quant_gemm.fastest_integer()
+        if integer is None or integer == "avx2" and fmt in TILES_ON_AVX2:
+            return None
+        return ("int16", integer)
     if value == "float32":
         return None
     integer = value in quant_gemm.INTEGER_BITS
@@ -183,7 +194,7 @@ def quant_matmul(
     lib = native.library()
     if lib is not None and x2.shape[0] <= small_batch():
         out = _small_batch(lib, x2, blocks, fmt, cols, activations)
-    elif lib is not None and (gemm := gemm_path()) is not None:
+    elif lib is not None and (gemm := gemm_path(fmt)) is not None:
         out = quant_gemm.multiply(x2, blocks, fmt, cols, *gemm)
     else:
         out = _tiles(lib, x2, blocks, fmt, cols)

@@ -233,24 +233,28 @@ def test_integers_are_exact_on_integer_activations(bits):
         ("float32", None),
     ],
 )
-def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product):
+@pytest.mark.parametrize("fmt", [Format.Q4_1, Format.Q6_K], ids=str)
+def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product, fmt):
     """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its
     fastest path here (the integers on VNNI, else AVX2), or the float32 tiles (exact mode's
     arithmetic) where float32 is asked or no path runs here (bf16 on AVX2 alone, as Zen 3).
-    auto: bf16x3 on AMX, else int16 on VNNI, else the tiles (AVX512-BF16's bf16x3 is slower
-    than they are)."""
+    auto: bf16x3 on AMX, else int16 on VNNI, or on AVX2 but for Q4_0 and Q4_1, else the tiles
+    (AVX512-BF16's bf16x3 is slower than they are)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
-    vnni = "vnni" in quant_gemm.integer_paths()
-    if product == "auto":
-        product = "bf16x3" if "amx" in quant_gemm.paths() else "int16" if vnni else None
+    integers = quant_gemm.fastest_integer()
+    if product == "auto" and "amx" in quant_gemm.paths():
+        product = "bf16x3"
+    elif product == "auto":
+        tiles = integers is None or integers == "avx2" and fmt in quant_linear.TILES_ON_AVX2
+        product = None if tiles else "int16"
     integer = product in quant_gemm.INTEGER_BITS
-    path = quant_gemm.fastest_integer() if integer else quant_gemm.fastest()
+    path = integers if integer else quant_gemm.fastest()
     expected = None if product is None or path is None else (product, path)
-    assert quant_linear.gemm_path() == expected
-    fmt, rows, cols = Format.Q4_1, 100, 576
+    assert quant_linear.gemm_path(fmt) == expected
+    rows, cols = 100, 576 if fmt.size == 32 else 512
     blocks = random_blocks(fmt, rows, cols, seed=1)
     x = with_outliers(quant_linear.small_batch() + 32, cols)
     weights = dequantize(blocks, fmt)

@@ -43,6 +43,7 @@ from pagedbatch.kernels.decode_layer import (
     run_layer,
     takes,
 )
+from pagedbatch.kernels.quant_blocks import Format
 from pagedbatch.kernels.quant_linear import QuantizedWeight
 
 KVCache = tuple[torch.Tensor, torch.Tensor]
@@ -366,6 +367,13 @@ class LlamaForCausalLM(nn.Module):
     def _rotaries(self) -> list[RotaryEmbedding]:
         return [m for m in self.modules() if isinstance(m, RotaryEmbedding)]
 
+    @functools.cached_property
+    def _layer_formats(self) -> frozenset[Format]:
+        """The block formats the layers' weights are held in (made on the first decode step,
+        after loading)."""
+        packed = (getattr(m, "packed", None) for m in self.layers.modules())
+        return frozenset(f for p in packed if isinstance(p, QuantizedWeight) for f in p.formats)
+
     # The layers as decode_layer.c runs them ([] where it cannot: see `decode_layers`), made on
     # the first decode step, once the KV caches exist; and the key cache they were made with.
     _decode_layers: tuple[torch.Tensor, list[DecodeLayer]] | None = None
@@ -382,7 +390,7 @@ class LlamaForCausalLM(nn.Module):
         `decode_layer.takes`); None where the layers take their torch path."""
         if not (
             meta.max_query_len == 1
-            and takes(x.shape[0])
+            and takes(x.shape[0], self._layer_formats)
             and x.dtype == torch.float32
             and x.device.type == "cpu"
             and positions.dim() == 1
