@@ -14,7 +14,7 @@
 #include <stdint.h>
 #include <string.h>
 
-#if defined(__F16C__)
+#if defined(__F16C__) || defined(__AVX2__)
 #include <immintrin.h>
 #endif
 
@@ -62,6 +62,17 @@ static inline float half_to_float(const uint8_t *p) {
     return f;
 #endif
 }
+
+#if defined(__AVX2__)
+/* 0xFF in each byte i of 32 whose bit i of qh is set, 0 in the others: Q5_0's fifth bits. */
+static inline __m256i set_bit_bytes(uint32_t qh) {
+    const __m256i spread = _mm256_shuffle_epi8(
+        _mm256_set1_epi32((int)qh),
+        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
+    const __m256i own = _mm256_set1_epi64x((int64_t)0x8040201008040201);
+    return _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
+}
+#endif
 
 /* f rounded to the nearest bfloat16, ties to even (the hardware's rounding for finite values;
  * a NaN stays a NaN). */

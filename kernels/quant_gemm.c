@@ -721,12 +721,7 @@ static inline __m256i fifth_bits(uint32_t qh) {
 #if defined(__AVX512BW__) && defined(__AVX512VL__)
     return _mm256_maskz_set1_epi8((__mmask32)qh, 0x10);
 #else
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)qh),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i own = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
-    return _mm256_and_si256(set, _mm256_set1_epi8(0x10));
+    return _mm256_and_si256(set_bit_bytes(qh), _mm256_set1_epi8(0x10));
 #endif
 }
 
@@ -1074,21 +1069,6 @@ static inline __attribute__((always_inline)) void panel_vnni_bits(
     default: break;
     }
 }
-
-static void panel_int_vnni(int bits, int offsets, const void *xq, const float *xd,
-                           const float *xs, int64_t count, int64_t cols, int64_t group,
-                           const uint32_t *pq, const float *ps, const float *pm, int valid,
-                           float *out, int64_t ldo) {
-#define PANEL_VNNI(b, o) \
-    panel_vnni_bits(b, o, xq, xd, xs, count, cols, group, pq, ps, pm, valid, out, ldo)
-    if (bits == 8)
-        PANEL_VNNI(8, 1);
-    else if (offsets)
-        PANEL_VNNI(16, 1);
-    else
-        PANEL_VNNI(16, 0);
-#undef PANEL_VNNI
-}
 #endif
 
 #ifdef GEMM_AVX2
@@ -1177,22 +1157,34 @@ static inline __attribute__((always_inline)) void panel_avx2_bits(
         }
     }
 }
-
-static void panel_int_avx2(int bits, int offsets, const void *xq, const float *xd,
-                           const float *xs, int64_t count, int64_t cols, int64_t group,
-                           const uint32_t *pq, const float *ps, const float *pm, int valid,
-                           float *out, int64_t ldo) {
-#define PANEL_AVX2(b, o) \
-    panel_avx2_bits(b, o, xq, xd, xs, count, cols, group, pq, ps, pm, valid, out, ldo)
-    if (bits == 8)
-        PANEL_AVX2(8, 1);
-    else if (offsets)
-        PANEL_AVX2(16, 1);
-    else
-        PANEL_AVX2(16, 0);
-#undef PANEL_AVX2
-}
 #endif
+
+/* The chunk's rows by the panel on `path`'s vector code, `bits` and `offsets` made constants of
+ * its kernel; 0 where `path` has none here (the portable code's then). */
+static int panel_int_vectors(int path, int bits, int offsets, const void *xq, const float *xd,
+                             const float *xs, int64_t count, int64_t cols, int64_t group,
+                             const uint32_t *pq, const float *ps, const float *pm, int valid,
+                             float *out, int64_t ldo) {
+#define PANEL(kernel, b, o) \
+    kernel(b, o, xq, xd, xs, count, cols, group, pq, ps, pm, valid, out, ldo)
+#define PANELS(kernel)        \
+    if (bits == 8)            \
+        PANEL(kernel, 8, 1);  \
+    else if (offsets)         \
+        PANEL(kernel, 16, 1); \
+    else                      \
+        PANEL(kernel, 16, 0); \
+    return 1;
+#ifdef GEMM_VNNI
+    if (path == INT_VNNI) { PANELS(panel_vnni_bits) }
+#endif
+#ifdef GEMM_AVX2
+    if (path == INT_AVX2) { PANELS(panel_avx2_bits) }
+#endif
+#undef PANELS
+#undef PANEL
+    return 0;
+}
 
 /* Which integer paths were compiled here: bit INT_x set for each (the portable one always). */
 int quant_gemm_int_paths(void) {
@@ -1296,20 +1288,9 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
                 const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
                 float *o = out + start * rows + p * PANEL;
                 pack_int(type, bits, w, rows, cols, p, pq, ps, pm, path);
-#ifdef GEMM_VNNI
-                if (path == INT_VNNI) {
-                    panel_int_vnni(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
-                                   valid, o, rows);
+                if (panel_int_vectors(path, bits, offsets, xq, xd, xs, count, cols, group, pq, ps,
+                                      pm, valid, o, rows))
                     continue;
-                }
-#endif
-#ifdef GEMM_AVX2
-                if (path == INT_AVX2) {
-                    panel_int_avx2(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
-                                   valid, o, rows);
-                    continue;
-                }
-#endif
                 panel_int_portable(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
                                    valid, o, rows);
             } /* a barrier before the next chunk's quantization */

@@ -631,12 +631,7 @@ static inline __m256i fifth_bits(__m256i q, uint32_t qh) {
 #ifdef QUANT_AVX512
     return _mm256_mask_sub_epi8(q, (__mmask32)~qh, q, _mm256_set1_epi8(16));
 #else
-    const __m256i spread = _mm256_shuffle_epi8(
-        _mm256_set1_epi32((int)qh),
-        _mm256_set_epi64x(0x0303030303030303, 0x0202020202020202, 0x0101010101010101, 0));
-    const __m256i own = _mm256_set1_epi64x((int64_t)0x8040201008040201);
-    const __m256i set = _mm256_cmpeq_epi8(_mm256_and_si256(spread, own), own);
-    return _mm256_sub_epi8(q, _mm256_andnot_si256(set, _mm256_set1_epi8(16)));
+    return _mm256_sub_epi8(q, _mm256_andnot_si256(set_bit_bytes(qh), _mm256_set1_epi8(16)));
 #endif
 }
 
