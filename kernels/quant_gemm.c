@@ -627,6 +627,13 @@ static inline int centre(int type) {
 /* Whether the panel holds signed integers without offsets (see above). */
 static inline int centred(int type, int bits) { return bits == 16 && centre(type) > 0; }
 
+/* Whether the integer products read rows of `cols` of `type` with activations of `bits`: a type
+ * these kernels read, whole blocks, 8 or 16 bits. */
+static int int_reads(int type, int64_t cols, int bits) {
+    return block_bytes(type) != 0 && cols > 0 && cols % block_size(type) == 0 &&
+           (bits == 8 || bits == 16);
+}
+
 /* The largest integer a block of activations is quantized to: 32767 for int16, 127 for int8, but
  * 63 for int8 against Q8_0 (whose unsigned integers reach 255): AVX2's vpmaddubsw sums two
  * products in int16, and 2 * 255 * 63 stays within it. */
@@ -906,7 +913,6 @@ static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t
  * `q`), scale d (returned) and the sums of q over each group (`sums`, one or two). */
 static inline float quantize_block(const float *x, int top, int64_t group, int32_t *q,
                                    int32_t *sums) {
-    const float levels = (float)top;
 #ifdef GEMM_VNNI
     const __m512 lo = _mm512_loadu_ps(x), hi = _mm512_loadu_ps(x + 16);
     const float amax = _mm512_reduce_max_ps(_mm512_max_ps(_mm512_abs_ps(lo), _mm512_abs_ps(hi)));
@@ -914,7 +920,7 @@ static inline float quantize_block(const float *x, int top, int64_t group, int32
     float amax = 0.0f;
     for (int k = 0; k < BLOCK; ++k) amax = fmaxf(amax, fabsf(x[k]));
 #endif
-    const float d = amax / levels, id = d > 0.0f ? 1.0f / d : 0.0f;
+    const float d = amax / (float)top, id = d > 0.0f ? 1.0f / d : 0.0f;
 #ifdef GEMM_VNNI /* the rounding mode's nearest, as lrintf's */
     const __m512i qlo = _mm512_cvtps_epi32(_mm512_mul_ps(lo, _mm512_set1_ps(id)));
     const __m512i qhi = _mm512_cvtps_epi32(_mm512_mul_ps(hi, _mm512_set1_ps(id)));
@@ -1206,8 +1212,7 @@ int quant_gemm_int_levels(int type, int bits) { return levels(type, bits); }
  * quant_gemm_int multiplies for `type` and `bits`: each block's scale times its integers),
  * computed in double and rounded up. Returns 0, or -1 as quant_gemm_int does. */
 int quant_gemm_int_error(int type, int bits, const float *x, int64_t n, int64_t cols, float *err) {
-    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
-    if (bits != 8 && bits != 16) return -1;
+    if (!int_reads(type, cols, bits)) return -1;
     const int64_t group = group_size(type);
     for (int64_t i = 0; i < n; ++i) {
         double squares = 0.0;
@@ -1229,8 +1234,7 @@ int quant_gemm_int_error(int type, int bits, const float *x, int64_t n, int64_t 
  * output's two terms a group grow with them. Returns 0, or -1 as quant_gemm_int does. */
 int quant_gemm_int_offset_norms(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols,
                                 float *norms) {
-    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
-    if (bits != 8 && bits != 16) return -1;
+    if (!int_reads(type, cols, bits)) return -1;
     const int64_t size = block_size(type), group = group_size(type);
     const int64_t row_bytes = cols / size * block_bytes(type);
     for (int64_t r = 0; r < rows; ++r) {
@@ -1251,8 +1255,7 @@ int quant_gemm_int_offset_norms(int type, int bits, const uint8_t *w, int64_t ro
  * for a path not compiled. */
 int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                    int64_t n, int bits, int path, int num_threads, float *out) {
-    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
-    if (bits != 8 && bits != 16) return -1;
+    if (!int_reads(type, cols, bits)) return -1;
     if (path < 0 || path > INT_AVX2 || !(quant_gemm_int_paths() & (1 << path))) return -3;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);

@@ -172,23 +172,25 @@ def quant_gemm_int(
     return out
 
 
-def levels(fmt: Format, bits: int) -> int:
-    """The largest integer `quant_gemm_int` quantizes activations to against `fmt` (127 for int8,
-    63 against Q8_0; 32767 for int16)."""
+def _built() -> ctypes.CDLL:
+    """The library, for the calls that every build has; raises where it is not built."""
     lib = library()
     if lib is None:
         raise RuntimeError("quant_gemm.c is not built here")
-    return int(lib.quant_gemm_int_levels(fmt.ggml_type, bits))
+    return lib
+
+
+def levels(fmt: Format, bits: int) -> int:
+    """The largest integer `quant_gemm_int` quantizes activations to against `fmt` (127 for int8,
+    63 against Q8_0; 32767 for int16)."""
+    return int(_built().quant_gemm_int_levels(fmt.ggml_type, bits))
 
 
 def quantization_error(x: torch.Tensor, fmt: Format, bits: int) -> torch.Tensor:
     """Each row's ||x - x'|| (`[n]` float32, rounded up), x' the activations `quant_gemm_int`
     multiplies in place of x (float32, contiguous) against `fmt` with `bits`."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("quant_gemm.c is not built here")
     out = torch.empty(x.shape[0])
-    status = lib.quant_gemm_int_error(
+    status = _built().quant_gemm_int_error(
         fmt.ggml_type, bits, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()
     )
     if status != 0:
@@ -200,11 +202,8 @@ def offset_norms(blocks: torch.Tensor, fmt: Format, cols: int, bits: int) -> tor
     """Each weight row's offsets' 2-norm as `quant_gemm_int` takes them (`[rows]` float32,
     rounded up; zeros where it keeps signed integers): the float32 roundings of its outputs are
     bounded by these as well as by the weights' norms."""
-    lib = library()
-    if lib is None:
-        raise RuntimeError("quant_gemm.c is not built here")
     out = torch.empty(blocks.shape[0])
-    status = lib.quant_gemm_int_offset_norms(
+    status = _built().quant_gemm_int_offset_norms(
         fmt.ggml_type, bits, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr()
     )
     if status != 0:
