@@ -16,9 +16,10 @@
  * too, GELU (tanh) in place of SiLU; its norms' vectors are their 1 + weight. q, k and v may be
  * in up to three runs of blocks of different formats (Gemma's v in Q8_0, q and k in Q5_0).
  * The matrix products are quant_matmul.c's streaming paths for a few tokens, and past the step's
- * `streamed_rows` quant_gemm.c's integer product (`gemm`, another library's function, whose
- * address decode_layer.py hands over), so that a decode step of many sequences runs in one call
- * a layer too, its token loops split among the threads. The norms, SiLU and GELU are computed
+ * `streamed_rows` quant_gemm.c's many-row product (`gemm`, another library's function, whose
+ * address and settings decode_layer.py hands over: quant_gemm's bf16 products on AMX, else
+ * quant_gemm_int's integer ones), so that a decode step of many sequences runs in one call a
+ * layer too, its token loops split among the threads. The norms, SiLU and GELU are computed
  * here in float32, their sums in another order than torch's: results differ from the unfused
  * layer's in the last bits, as quantization gguf's products already do from exact mode's.
  */
@@ -72,10 +73,11 @@ struct decode_layer {
     const float *q_norm, *k_norm, *post_attention_norm, *post_mlp_norm; /* gemma's */
 };
 
-/* quant_gemm.c's quant_gemm_int: out[n, rows] = x @ w.T with x quantized to `bits`. */
+/* quant_gemm.c's quant_gemm (settings: path, passes) or quant_gemm_int (bits, path): out[n, rows]
+ * = x @ w.T, both of this shape. */
 typedef int (*many_rows_product)(int type, const uint8_t *w, int64_t rows, int64_t cols,
-                                 const float *x, int64_t n, int bits, int path, int num_threads,
-                                 float *out);
+                                 const float *x, int64_t n, int setting1, int setting2,
+                                 int num_threads, float *out);
 
 /* What a step gives every layer: its tokens' positions and cache slots, the decode rows of
  * attention.py's plan (sequence i's query is token token_rows[i]), and how its products run. */
@@ -89,7 +91,7 @@ struct decode_step {
     int32_t threads;
     int64_t streamed_rows;  /* tokens up to which the products stream the blocks */
     many_rows_product gemm; /* past them (NULL: streamed whatever the tokens) */
-    int32_t gemm_bits, gemm_path;
+    int32_t gemm_settings[2];
 };
 
 /* Tokens from which the layer's own loops (norms, activations, cache writes) are split among the
@@ -99,8 +101,8 @@ enum { PARALLEL_TOKENS = 16 };
 static int matmul(const struct quant_linear *w, const float *x, int64_t n,
                   const struct decode_step *s, float *out) {
     if (s->gemm && n > s->streamed_rows) {
-        const int status = s->gemm(w->type, w->blocks, w->rows, w->cols, x, n, s->gemm_bits,
-                                   s->gemm_path, s->threads, out);
+        const int status = s->gemm(w->type, w->blocks, w->rows, w->cols, x, n,
+                                   s->gemm_settings[0], s->gemm_settings[1], s->threads, out);
         return status == -1 || status == -3 ? -3 : status; /* -1 is the rotary table's here */
     }
     int (*const kernels[])(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int,

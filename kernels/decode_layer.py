@@ -54,25 +54,19 @@ class _Step(ctypes.Structure):
         ("tables", _ptr), ("table_width", _i64),
         ("token_rows", _ptr), ("table_rows", _ptr), ("first_keys", _ptr), ("seq_lens", _ptr),
         ("seqs", _i64), ("threads", _i32),
-        ("streamed_rows", _i64), ("gemm", _ptr), ("gemm_bits", _i32), ("gemm_path", _i32),
+        ("streamed_rows", _i64), ("gemm", _ptr), ("gemm_settings", _i32 * 2),
     ]  # fmt: skip
 
 
 def many_rows_product(formats: Iterable[Format] = ()) -> tuple[int, int, int] | None:
-    """quant_gemm.c's integer product as a decode layer calls it past `small_batch()` rows: its
-    address, bits and path, where many rows of every one of `formats` take integer activations
-    here, on one path (`gemm_path`); None elsewhere (the bf16 products and the float32 tiles are
-    not called from C)."""
+    """quant_gemm.c's product as a decode layer calls it past `small_batch()` rows (its address
+    and two settings: `quant_gemm.entry`), where many rows of every one of `formats` take one
+    product on one path here (`gemm_path`); None where they take the float32 tiles, which C
+    does not call."""
     gemm = quant_linear.gemm_path()
-    lib = quant_gemm.library()
-    if gemm is None or gemm[0] not in quant_gemm.INTEGER_BITS or lib is None:
+    if gemm is None or any(quant_linear.gemm_path(fmt) != gemm for fmt in formats):
         return None
-    if any(quant_linear.gemm_path(fmt) != gemm for fmt in formats):
-        return None
-    address = ctypes.cast(lib.quant_gemm_int, ctypes.c_void_p).value
-    assert address is not None
-    product, path = gemm
-    return address, quant_gemm.INTEGER_BITS[product], quant_gemm.INTEGER_PATHS[path]
+    return quant_gemm.entry(*gemm)
 
 
 def takes(rows: int, formats: Iterable[Format] = ()) -> bool:
@@ -170,14 +164,14 @@ class DecodeStep:
             return None
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        gemm, bits, path = many_rows_product() or (None, 0, 0)
+        gemm, *settings = many_rows_product() or (None, 0, 0)
         struct = _Step(
             positions.numel(), positions.data_ptr(), slots.data_ptr(),
             rows.tables.data_ptr(), rows.tables.shape[1],
             rows.token_rows.data_ptr(), rows.table_rows.data_ptr(),
             rows.first_keys.data_ptr(), rows.seq_lens.data_ptr(),
             rows.token_rows.numel(), torch.get_num_threads(),
-            quant_linear.small_batch(), gemm, bits, path,
+            quant_linear.small_batch(), gemm, (_i32 * 2)(*settings),
         )  # fmt: skip
         tensors = (positions, slots, rows.tables, rows.token_rows, rows.table_rows)
         return cls(struct, (*tensors, rows.first_keys, rows.seq_lens))

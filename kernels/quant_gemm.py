@@ -43,6 +43,7 @@ INTEGER_PATHS = {"portable": 0, "vnni": 1, "avx2": 2}
 # The products a setting names: bf16 products a weight (3 or 1), or integer activations of as
 # many bits (`INTEGER_BITS`).
 PRODUCTS = ("bf16x3", "bf16", "int16", "int8")
+PASSES = {"bf16x3": 3, "bf16": 1}
 INTEGER_BITS = {"int16": 16, "int8": 8}
 
 _i64, _i32, _ptr = ctypes.c_int64, ctypes.c_int32, ctypes.c_void_p
@@ -224,4 +225,18 @@ def multiply(
     of `integer_paths()` for int16 and int8), written into `out` where given."""
     if product in INTEGER_BITS:
         return quant_gemm_int(x, blocks, fmt, cols, INTEGER_BITS[product], path, out)
-    return quant_gemm(x, blocks, fmt, cols, path, 3 if product == "bf16x3" else 1, out)
+    return quant_gemm(x, blocks, fmt, cols, path, PASSES[product], out)
+
+
+def entry(product: str, path: str) -> tuple[int, int, int]:
+    """`multiply`'s C function for `product` on `path`, as C calls it: its address and its two
+    settings (quant_gemm's path and passes, quant_gemm_int's bits and path), which the two
+    functions take in the same place."""
+    lib = _built()
+    if product in INTEGER_BITS:
+        function, settings = lib.quant_gemm_int, (INTEGER_BITS[product], INTEGER_PATHS[path])
+    else:
+        function, settings = lib.quant_gemm, (PATHS[path], PASSES[product])
+    address = ctypes.cast(function, ctypes.c_void_p).value
+    assert address is not None
+    return address, *settings

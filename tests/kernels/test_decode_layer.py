@@ -236,21 +236,24 @@ def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
         assert (got - expected).norm() <= 1e-2 * expected.norm()
 
 
+@pytest.mark.parametrize("product", ["int16", "bf16x3"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @torch.inference_mode()
-def test_many_sequences_run_in_one_call_a_layer_on_the_integer_product(
-    make_checkpoint, arch, fused_calls
+def test_many_sequences_run_in_one_call_a_layer_on_quant_gemms_product(
+    make_checkpoint, arch, product, fused_calls, monkeypatch
 ):
-    """Past the streamed rows, where many rows' products take integer activations, the
-    layer calls quant_gemm_int itself, as the torch path's linears do, with the norms, rotary,
-    the cache writes and the activation in C, split among the threads. An activation that the
-    two paths' last bits put on either side of an int16 rounding step moves by a step (its
-    block's amax / 32767): the hidden states differ by far less than a thousandth of their norm.
-    Gemma 3 with its Q4_K_M file's formats (see the test above)."""
+    """Past the streamed rows, where many rows' products are quant_gemm.c's (int16 activations,
+    or bf16x3 where the CPU has a bf16 path), the layer calls that product itself, as the torch
+    path's linears do, with the norms, rotary, the cache writes and the activation in C, split
+    among the threads. The two paths' last bits differ (an activation on either side of an
+    int16 rounding step moves by its block's amax / 32767; a bf16 split's low part by a bit):
+    the hidden states differ by far less than a thousandth of their norm. Gemma 3 with its
+    Q4_K_M file's formats (see the test above)."""
+    monkeypatch.setenv(quant_linear.GEMM_SETTING, product)
     k_formats = {"o_proj": Format.Q4_K, "down_proj": Format.Q6_K}
     formats = {Format.Q5_0, Format.Q8_0, *k_formats.values()} if arch == "gemma3" else {Format.Q8_0}
     if many_rows_product(formats) is None:
-        pytest.skip("many rows take no integer product here")
+        pytest.skip(f"many rows take no {product} product here")
     if arch == "gemma3":
         shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
         checkpoint = make_checkpoint("gemma3", **shape)
@@ -272,7 +275,7 @@ def test_many_sequences_run_in_one_call_a_layer_on_the_integer_product(
 
 
 @torch.inference_mode()
-def test_prefills_and_large_batches_without_an_integer_product_keep_the_torch_path(
+def test_prefills_and_large_batches_on_the_float32_tiles_keep_the_torch_path(
     tiny_llama, fused_calls, monkeypatch
 ):
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")  # the tiles, which C does not call

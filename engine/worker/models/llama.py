@@ -386,7 +386,7 @@ class LlamaForCausalLM(nn.Module):
         meta: AttentionMetadata,
     ) -> tuple[torch.Tensor, torch.Tensor] | None:
         """(x, residual) after every layer, each in one C call, on a step of one-token sequences
-        (a few, or as many as there are where their products have an integer path: see
+        (a few, or as many as there are where their products run in quant_gemm.c: see
         `decode_layer.takes`); None where the layers take their torch path."""
         if not (
             meta.max_query_len == 1
