@@ -329,8 +329,16 @@ def kill(process: Process) -> None:
 
 
 def peak_rss_mib() -> float:
-    """This process's own peak RSS (ru_maxrss is in KiB on Linux)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """This process's own peak RSS: VmHWM, its memory map's high-water mark, where Linux has it.
+    Not ru_maxrss: a worker started by fork and exec inherits its parent's RSS there (quantized.py,
+    1.7 GiB after writing Gemma 3's float32 copy, gave its engine's worker a peak of 1.7 GiB).
+    (host_memory.peak_rss_mib's, here where pagedbatch may not be importable: vllm's python.)"""
+    try:
+        status = Path("/proc/self/status").read_text()
+    except OSError:
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    kib = next(int(line.split()[1]) for line in status.splitlines() if line.startswith("VmHWM:"))
+    return kib / 1024
 
 
 def vllm_cpu_env() -> dict[str, str]:

@@ -31,9 +31,9 @@ DEFAULT_CONTEXTS = {"tiny": [4096, 16384, 65536, 131072], "small": [4096, 16384,
 
 # Run in a child: the model, the context, the output length.
 _POINT = r"""
-import json, re, sys, time
-from pathlib import Path
+import json, sys, time
 from pagedbatch.engine import LLM, SamplingParams
+from pagedbatch.engine.worker.host_memory import peak_rss_mib
 model, context, output = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(model, num_kv_blocks=-(-context // 16), max_model_len=context)
 ids = [(i * 7919) % 16_000 + 10 for i in range(context - output)]
@@ -45,9 +45,7 @@ print(json.dumps({
     "prefill_tok_s": round(len(ids) / ttft, 1),
     "decode_tok_s": round((output - 1) / (out.metrics.e2e - ttft), 1),
     "wall_s": round(wall, 2),
-    # VmHWM, not ru_maxrss, which a child inherits from the process that started it.
-    "peak_rss_mib": int(re.search(r"VmHWM:\s*(\d+)", Path("/proc/self/status").read_text())[1])
-    // 1024,
+    "peak_rss_mib": int(peak_rss_mib()),
     "kv_mib": sum(k.nbytes + v.nbytes for k, v in llm.engine.runner.kv_caches) // 2**20,
 }))
 """

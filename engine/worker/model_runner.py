@@ -10,7 +10,6 @@ one rank, `ranks.RankProcesses` hands the same input to every other rank, and al
 from __future__ import annotations
 
 import logging
-import resource
 import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
@@ -36,6 +35,7 @@ from pagedbatch.engine.worker.host_memory import (
     FreedMemory,
     cpu_kv_budget_bytes,
     keep_freed_memory,
+    peak_rss_mib,
     release_freed_memory,
 )
 from pagedbatch.engine.worker.loader import iterate_weights
@@ -268,8 +268,7 @@ class ModelRunner:
                 str(self.dtype).removeprefix("torch."),
                 self.matmul_precision,
                 self.load_seconds,
-                # ru_maxrss is in KiB on Linux.
-                resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024,
+                peak_rss_mib(),
             )
         if self.device.type == "cpu":
             native.library()  # built (once per machine) or loaded now, not on the first request

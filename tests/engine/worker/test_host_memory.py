@@ -129,3 +129,30 @@ def test_steps_release_freed_memory_after_a_long_prompt_or_once_a_while(monkeypa
     time.sleep(0.06)
     assert freed.after_step(0)  # the decode steps' pages, once the interval has passed
     assert not freed.after_step(0)
+
+
+# A parent of 400 MB starts a child that touches 50 MB: its own peak, then ru_maxrss's.
+INHERITED_PROBE = """
+import json, resource, subprocess, sys
+if sys.argv[1:] == ["child"]:
+    from pagedbatch.engine.worker.host_memory import peak_rss_mib
+    touched = bytearray(50 * 2**20)
+    print(json.dumps([peak_rss_mib(), resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024]))
+else:
+    held = bytearray(400 * 2**20)
+    print(subprocess.run([sys.executable, "-c", sys.argv[1], "child"], capture_output=True,
+                         text=True, check=True).stdout)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="VmHWM and ru_maxrss are Linux's")
+def test_a_processs_peak_rss_is_its_own_not_its_parents():
+    """A worker started by a large parent (a benchmark's, a server's) reports its own peak: where
+    ru_maxrss carries the parent's RSS over the fork, `peak_rss_mib` is under it."""
+    probe = subprocess.run(
+        [sys.executable, "-c", INHERITED_PROBE, INHERITED_PROBE],
+        capture_output=True, text=True, check=True,
+    )  # fmt: skip
+    own, inherited = json.loads(probe.stdout)
+    assert inherited >= 400
+    assert 50 <= own < 300
