@@ -16,10 +16,10 @@
  * too, GELU (tanh) in place of SiLU; its norms' vectors are their 1 + weight. q, k and v may be
  * in up to three runs of blocks of different formats (Gemma's v in Q8_0, q and k in Q5_0).
  * The matrix products are quant_matmul.c's streaming paths for a few tokens, and past the step's
- * `streamed_rows` quant_gemm.c's many-row product (`gemm`, another library's function, whose
- * address and settings decode_layer.py hands over: quant_gemm's bf16 products on AMX, else
- * quant_gemm_int's integer ones), so that a decode step of many sequences runs in one call a
- * layer too, its token loops split among the threads. The norms, SiLU and GELU are computed
+ * `streamed_rows` quant_gemm.c's many-row product each linear's format takes (its `gemm`,
+ * another library's function, whose address and settings decode_layer.py hands over:
+ * quant_gemm's bf16 products or quant_gemm_int's integer ones), so that a decode step of many
+ * sequences runs in one call a layer too, its token loops split among the threads. The norms, SiLU and GELU are computed
  * here in float32, their sums in another order than torch's: results differ from the unfused
  * layer's in the last bits, as quantization gguf's products already do from exact mode's.
  */
@@ -46,12 +46,20 @@ int rotary_embedding(const int64_t *positions, int64_t num_tokens, const float *
                      int64_t k_heads, int64_t head_dim, const float *cos_sin, int64_t rows,
                      int num_threads, float *q_out, float *k_out);
 
+/* quant_gemm.c's quant_gemm (settings: path, passes) or quant_gemm_int (bits, path): out[n, rows]
+ * = x @ w.T, both of this shape. */
+typedef int (*many_rows_product)(int type, const uint8_t *w, int64_t rows, int64_t cols,
+                                 const float *x, int64_t n, int setting1, int setting2,
+                                 int num_threads, float *out);
+
 /* A linear's weight in one run of blocks (quant_linear.QuantizedWeight). */
 struct quant_linear {
     int32_t type;  /* ggml type */
     int32_t activations; /* 0 float32, 1 int8, 2 int16 (quant_linear.ACTIVATIONS) */
     const uint8_t *blocks;
     int64_t rows, cols;
+    many_rows_product gemm; /* past the step's streamed rows (NULL: streamed whatever the rows) */
+    int32_t gemm_settings[2];
 };
 
 enum { QKV_RUNS = 3 };
@@ -73,12 +81,6 @@ struct decode_layer {
     const float *q_norm, *k_norm, *post_attention_norm, *post_mlp_norm; /* gemma's */
 };
 
-/* quant_gemm.c's quant_gemm (settings: path, passes) or quant_gemm_int (bits, path): out[n, rows]
- * = x @ w.T, both of this shape. */
-typedef int (*many_rows_product)(int type, const uint8_t *w, int64_t rows, int64_t cols,
-                                 const float *x, int64_t n, int setting1, int setting2,
-                                 int num_threads, float *out);
-
 /* What a step gives every layer: its tokens' positions and cache slots, the decode rows of
  * attention.py's plan (sequence i's query is token token_rows[i]), and how its products run. */
 struct decode_step {
@@ -89,9 +91,7 @@ struct decode_step {
     const int64_t *token_rows, *table_rows, *first_keys, *seq_lens;
     int64_t seqs;
     int32_t threads;
-    int64_t streamed_rows;  /* tokens up to which the products stream the blocks */
-    many_rows_product gemm; /* past them (NULL: streamed whatever the tokens) */
-    int32_t gemm_settings[2];
+    int64_t streamed_rows; /* tokens up to which the products stream the blocks */
 };
 
 /* Tokens from which the layer's own loops (norms, activations, cache writes) are split among the
@@ -100,9 +100,9 @@ enum { PARALLEL_TOKENS = 16 };
 
 static int matmul(const struct quant_linear *w, const float *x, int64_t n,
                   const struct decode_step *s, float *out) {
-    if (s->gemm && n > s->streamed_rows) {
-        const int status = s->gemm(w->type, w->blocks, w->rows, w->cols, x, n,
-                                   s->gemm_settings[0], s->gemm_settings[1], s->threads, out);
+    if (w->gemm && n > s->streamed_rows) {
+        const int status = w->gemm(w->type, w->blocks, w->rows, w->cols, x, n,
+                                   w->gemm_settings[0], w->gemm_settings[1], s->threads, out);
         return status == -1 || status == -3 ? -3 : status; /* -1 is the rotary table's here */
     }
     int (*const kernels[])(int, const uint8_t *, int64_t, int64_t, const float *, int64_t, int,

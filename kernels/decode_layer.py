@@ -27,6 +27,7 @@ _i32, _i64, _f32, _ptr = ctypes.c_int32, ctypes.c_int64, ctypes.c_float, ctypes.
 class _Linear(ctypes.Structure):
     _fields_ = [
         ("type", _i32), ("activations", _i32), ("blocks", _ptr), ("rows", _i64), ("cols", _i64),
+        ("gemm", _ptr), ("gemm_settings", _i32 * 2),
     ]  # fmt: skip
 
 
@@ -53,27 +54,27 @@ class _Step(ctypes.Structure):
         ("tokens", _i64), ("positions", _ptr), ("slots", _ptr),
         ("tables", _ptr), ("table_width", _i64),
         ("token_rows", _ptr), ("table_rows", _ptr), ("first_keys", _ptr), ("seq_lens", _ptr),
-        ("seqs", _i64), ("threads", _i32),
-        ("streamed_rows", _i64), ("gemm", _ptr), ("gemm_settings", _i32 * 2),
+        ("seqs", _i64), ("threads", _i32), ("streamed_rows", _i64),
     ]  # fmt: skip
 
 
-def many_rows_product(formats: Iterable[Format] = ()) -> tuple[int, int, int] | None:
-    """quant_gemm.c's product as a decode layer calls it past `small_batch()` rows (its address
-    and two settings: `quant_gemm.entry`), where many rows of every one of `formats` take one
-    product on one path here (`gemm_path`); None where they take the float32 tiles, which C
+def many_rows_product(fmt: Format, rows: int | None = None) -> tuple[int, int, int] | None:
+    """quant_gemm.c's product as a decode layer calls it past `small_batch()` rows of x for a
+    weight of `rows` rows (None: any) in `fmt`: the address and two settings (`quant_gemm.entry`)
+    of the product they take here (`gemm_path`); None where they take the float32 tiles, which C
     does not call."""
-    gemm = quant_linear.gemm_path()
-    if gemm is None or any(quant_linear.gemm_path(fmt) != gemm for fmt in formats):
-        return None
-    return quant_gemm.entry(*gemm)
+    gemm = quant_linear.gemm_path(fmt, rows)
+    return None if gemm is None else quant_gemm.entry(*gemm)
 
 
-def takes(rows: int, formats: Iterable[Format] = ()) -> bool:
+def takes(rows: int, formats: Iterable[Format]) -> bool:
     """Whether a decode step of `rows` one-token sequences, its weights in `formats`, runs its
-    layers here: a few, whose products stream the blocks; any number where many rows' products
-    are `many_rows_product`."""
-    return rows <= quant_linear.small_batch() or many_rows_product(formats) is not None
+    layers here: a few, whose products stream the blocks; any number where many rows of each
+    format have a `many_rows_product`."""
+    if rows <= quant_linear.small_batch():
+        return True
+    formats = tuple(formats)
+    return bool(formats) and all(many_rows_product(fmt) is not None for fmt in formats)
 
 
 def fusable(weight: object, runs: int = 1) -> bool:
@@ -83,16 +84,21 @@ def fusable(weight: object, runs: int = 1) -> bool:
 
 
 def _linears(weight: QuantizedWeight) -> list[_Linear]:
-    return [
-        _Linear(
-            fmt.ggml_type,
-            ACTIVATIONS[weight.activations[fmt]],
-            blocks.data_ptr(),
-            blocks.shape[0],
-            weight.cols,
+    linears = []
+    for blocks, fmt in weight.runs:
+        gemm, *settings = many_rows_product(fmt, blocks.shape[0]) or (None, 0, 0)
+        linears.append(
+            _Linear(
+                fmt.ggml_type,
+                ACTIVATIONS[weight.activations[fmt]],
+                blocks.data_ptr(),
+                blocks.shape[0],
+                weight.cols,
+                gemm,
+                (_i32 * 2)(*settings),
+            )
         )
-        for blocks, fmt in weight.runs
-    ]
+    return linears
 
 
 @dataclass(frozen=True)
@@ -164,14 +170,13 @@ class DecodeStep:
             return None
         positions = positions.to(torch.int64).contiguous()
         slots = meta.slot_mapping.to(torch.int64).contiguous()
-        gemm, *settings = many_rows_product() or (None, 0, 0)
         struct = _Step(
             positions.numel(), positions.data_ptr(), slots.data_ptr(),
             rows.tables.data_ptr(), rows.tables.shape[1],
             rows.token_rows.data_ptr(), rows.table_rows.data_ptr(),
             rows.first_keys.data_ptr(), rows.seq_lens.data_ptr(),
             rows.token_rows.numel(), torch.get_num_threads(),
-            quant_linear.small_batch(), gemm, (_i32 * 2)(*settings),
+            quant_linear.small_batch(),
         )  # fmt: skip
         tensors = (positions, slots, rows.tables, rows.token_rows, rows.table_rows)
         return cls(struct, (*tensors, rows.first_keys, rows.seq_lens))

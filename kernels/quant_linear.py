@@ -16,10 +16,10 @@ Two paths, chosen by how many rows x has:
   to int16 (the few-row kernels' int16) or int8 (llama.cpp's arithmetic) and VNNI's integer
   products (AVX2's on CPUs without VNNI), the weights their stored integers (see
   quant_gemm.c).
-  `gemm_path` says which: by default bf16x3 on AMX, int16 on other VNNI or AVX2 CPUs, the
-  tiles below elsewhere. A greedy step's LM head is screened by a cheaper product with a bound
-  on its error (`QuantizedWeight.approximate`: bf16, else int8), and only its candidates are
-  exact.
+  `gemm_path` says which: by default bf16x3 on AMX for the formats it expands fastest, int16
+  on VNNI or AVX2 CPUs, the tiles below elsewhere. A greedy step's LM head is screened by a
+  cheaper product with a bound on its error (`QuantizedWeight.approximate`: bf16, else int8),
+  and only its candidates are exact.
   Where the CPU has none of these, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's
   arithmetic), tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
   multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
@@ -89,6 +89,15 @@ SCREEN_BATCH = 32
 # 531-647; Gemma 3's Q4_K_M (Q5_0, Q8_0, Q4_K, Q6_K) 674-849 on int16, its layers one C call
 # each, against 1015-1047.
 TILES_ON_AVX2 = frozenset({Format.Q4_0, Format.Q4_1})
+# Where the CPU has VNNI's int16 too, AMX's bf16x3 takes a weight by default only in a format that
+# quant_gemm.c expands to bf16 by vector code of its own (the others go through the scalar
+# dequantizer) and of at least AMX_MIN_ROWS rows (it converts x to bf16 parts once a call, by
+# scatters, which fewer rows do not pay for). 128 rows of x, 2 threads of an AMX Xeon, ms,
+# bf16x3 against int16: Q4_1 3072 x 576 0.92/1.31, 2048 x 640 0.77/1.02, 1024 x 640 0.49/0.54,
+# 960 x 576 0.43/0.44, 576 x 1536 0.83/0.74, 256 x 640 0.30/0.16; Q8_0 alike; Q5_0 3072 x 576
+# 1.33/1.30, 640 x 2048 1.73/1.02; Q4_K 640 x 2048 1.43/1.04; Q6_K 640 x 2048 2.42/1.11.
+AMX_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0})
+AMX_MIN_ROWS = 2048
 # Weights dequantized a tile: 4 MiB of float32, which stays in a core's L2 while multiplied.
 TILE_ELEMENTS = 1 << 20
 # oneDNN compiles a primitive for each shape it multiplies and keeps it (about half a MiB each, not
@@ -128,12 +137,13 @@ def activations_for(fmt: Format) -> str:
     return "int8" if value == "auto" and fmt in INT8_BY_DEFAULT else "float32"
 
 
-def gemm_path(fmt: Format | None = None) -> tuple[str, str] | None:
-    """The product many rows of `fmt` take and its `quant_gemm` path, as `PAGEDBATCH_QUANT_GEMM`
-    says:
-    - `auto` (the default): bf16x3 on AMX tiles where the CPU has them, else int16 activations
-      on AVX512-VNNI, else on AVX2 but for the formats of `TILES_ON_AVX2` (bf16x3 on
-      AVX512-BF16 took 2.8x the float32 tiles' time: benchmarks/README.md);
+def gemm_path(fmt: Format, rows: int | None = None) -> tuple[str, str] | None:
+    """The product many rows of x take with a weight of `rows` rows (None: any) in `fmt`, and
+    its `quant_gemm` path, as `PAGEDBATCH_QUANT_GEMM` says:
+    - `auto` (the default): bf16x3 on AMX tiles where the CPU has them (where it has VNNI too,
+      for a weight in a format of `AMX_FORMATS` of at least `AMX_MIN_ROWS` rows alone); else
+      int16 activations on AVX512-VNNI, else on AVX2 but for the formats of `TILES_ON_AVX2`
+      (bf16x3 on AVX512-BF16 took 2.8x the float32 tiles' time: benchmarks/README.md);
     - `bf16x3` or `bf16` (one product): on the fastest bf16 path (AMX, else AVX512-BF16);
     - `int16` or `int8`: integer activations on VNNI, else AVX2;
     - `float32`: None.
@@ -144,10 +154,11 @@ def gemm_path(fmt: Format | None = None) -> tuple[str, str] | None:
         raise ValueError(
             f"{GEMM_SETTING} is auto, bf16x3, bf16, int16, int8 or float32, not {value!r}"
         )
-    if value == "auto" and "amx" in quant_gemm.paths():
-        return ("bf16x3", "amx")
     if value == "auto":
         integer = quant_gemm.fastest_integer()
+        large = fmt in AMX_FORMATS and (rows is None or rows >= AMX_MIN_ROWS)
+        if "amx" in quant_gemm.paths() and (large or integer != "vnni"):
+            return ("bf16x3", "amx")
         if integer is None or integer == "avx2" and fmt in TILES_ON_AVX2:
             return None
         return ("int16", integer)
@@ -194,7 +205,7 @@ def quant_matmul(
     lib = native.library()
     if lib is not None and x2.shape[0] <= small_batch():
         out = _small_batch(lib, x2, blocks, fmt, cols, activations)
-    elif lib is not None and (gemm := gemm_path(fmt)) is not None:
+    elif lib is not None and (gemm := gemm_path(fmt, blocks.shape[0])) is not None:
         out = quant_gemm.multiply(x2, blocks, fmt, cols, *gemm)
     else:
         out = _tiles(lib, x2, blocks, fmt, cols)

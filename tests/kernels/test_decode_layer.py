@@ -236,7 +236,7 @@ def test_gemma3s_q4_k_m_formats_on_the_activations_the_setting_chooses(
         assert (got - expected).norm() <= 1e-2 * expected.norm()
 
 
-@pytest.mark.parametrize("product", ["int16", "bf16x3"])
+@pytest.mark.parametrize("product", ["int16", "bf16x3", "auto"])
 @pytest.mark.parametrize("arch", ["llama", "gemma3"])
 @torch.inference_mode()
 def test_many_sequences_run_in_one_call_a_layer_on_quant_gemms_product(
@@ -248,11 +248,12 @@ def test_many_sequences_run_in_one_call_a_layer_on_quant_gemms_product(
     among the threads. The two paths' last bits differ (an activation on either side of an
     int16 rounding step moves by its block's amax / 32767; a bf16 split's low part by a bit):
     the hidden states differ by far less than a thousandth of their norm. Gemma 3 with its
-    Q4_K_M file's formats (see the test above)."""
+    Q4_K_M file's formats (see the test above); with auto each linear takes its format's
+    product (on AMX with VNNI, v's Q8_0 bf16x3, the others int16)."""
     monkeypatch.setenv(quant_linear.GEMM_SETTING, product)
     k_formats = {"o_proj": Format.Q4_K, "down_proj": Format.Q6_K}
     formats = {Format.Q5_0, Format.Q8_0, *k_formats.values()} if arch == "gemma3" else {Format.Q8_0}
-    if many_rows_product(formats) is None:
+    if any(many_rows_product(fmt) is None for fmt in formats):
         pytest.skip(f"many rows take no {product} product here")
     if arch == "gemma3":
         shape = {"hidden_size": 256, "intermediate_size": 512, "head_dim": 64}
@@ -279,7 +280,7 @@ def test_prefills_and_large_batches_on_the_float32_tiles_keep_the_torch_path(
     tiny_llama, fused_calls, monkeypatch
 ):
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "float32")  # the tiles, which C does not call
-    assert many_rows_product() is None
+    assert many_rows_product(Format.Q8_0) is None
     llm, model = quantized_model(tiny_llama, Format.Q8_0)
     kv_caches = llm.engine.runner.kv_caches
     ids, meta = decode_step(llm, list(range(9, 10 + small_batch())))

@@ -233,28 +233,31 @@ def test_integers_are_exact_on_integer_activations(bits):
         ("float32", None),
     ],
 )
-@pytest.mark.parametrize("fmt", [Format.Q4_1, Format.Q6_K], ids=str)
-def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product, fmt):
+@pytest.mark.parametrize("fmt", [Format.Q4_1, Format.Q8_0, Format.Q6_K], ids=str)
+@pytest.mark.parametrize("rows", [100, quant_linear.AMX_MIN_ROWS])
+def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product, fmt, rows):
     """`quant_matmul` past a few rows (its small batch and 32): the setting's product on its
     fastest path here (the integers on VNNI, else AVX2), or the float32 tiles (exact mode's
     arithmetic) where float32 is asked or no path runs here (bf16 on AVX2 alone, as Zen 3).
-    auto: bf16x3 on AMX, else int16 on VNNI, or on AVX2 but for Q4_0 and Q4_1, else the tiles
+    auto: bf16x3 on AMX (where VNNI's int16 runs too, for weights of 2048 rows or more in Q4_0,
+    Q4_1 and Q8_0 alone), else int16 on VNNI, or on AVX2 but for Q4_0 and Q4_1, else the tiles
     (AVX512-BF16's bf16x3 is slower than they are)."""
     if setting is None:
         monkeypatch.delenv(quant_linear.GEMM_SETTING, raising=False)
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
     integers = quant_gemm.fastest_integer()
+    large = fmt in (Format.Q4_0, Format.Q4_1, Format.Q8_0) and rows >= 2048
     if product == "auto" and "amx" in quant_gemm.paths():
-        product = "bf16x3"
+        product = "bf16x3" if large or integers != "vnni" else "int16"
     elif product == "auto":
         tiles = integers is None or integers == "avx2" and fmt in quant_linear.TILES_ON_AVX2
         product = None if tiles else "int16"
     integer = product in quant_gemm.INTEGER_BITS
     path = integers if integer else quant_gemm.fastest()
     expected = None if product is None or path is None else (product, path)
-    assert quant_linear.gemm_path(fmt) == expected
-    rows, cols = 100, 576 if fmt.size == 32 else 512
+    assert quant_linear.gemm_path(fmt, rows) == expected
+    cols = 576 if fmt.size == 32 else 512
     blocks = random_blocks(fmt, rows, cols, seed=1)
     x = with_outliers(quant_linear.small_batch() + 32, cols)
     weights = dequantize(blocks, fmt)
@@ -275,4 +278,4 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product, fm
 def test_a_setting_it_does_not_know_is_refused(monkeypatch):
     monkeypatch.setenv(quant_linear.GEMM_SETTING, "int4")
     with pytest.raises(ValueError, match="auto, bf16x3, bf16, int16, int8 or float32"):
-        quant_linear.gemm_path()
+        quant_linear.gemm_path(Format.Q8_0)
