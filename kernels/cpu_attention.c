@@ -1,5 +1,5 @@
-/* Paged decode attention on the CPU, float32 queries: each sequence has one query token, and its keys and
- * values are read in place from their cache blocks, never gathered into a copy.
+/* Paged decode attention on the CPU, float32 queries: each sequence has one query token, and its
+ * keys and values are read in place from their cache blocks, never gathered into a copy.
  *
  * Layouts (all contiguous, row-major):
  *   query, out       [num_tokens, num_heads, head_dim]

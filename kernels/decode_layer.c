@@ -19,9 +19,10 @@
  * `streamed_rows` quant_gemm.c's many-row product each linear's format takes (its `gemm`,
  * another library's function, whose address and settings decode_layer.py hands over:
  * quant_gemm's bf16 products or quant_gemm_int's integer ones), so that a decode step of many
- * sequences runs in one call a layer too, its token loops split among the threads. The norms, SiLU and GELU are computed
- * here in float32, their sums in another order than torch's: results differ from the unfused
- * layer's in the last bits, as quantization gguf's products already do from exact mode's.
+ * sequences runs in one call a layer too, its token loops split among the threads. The norms,
+ * SiLU and GELU are computed here in float32, their sums in another order than torch's: results
+ * differ from the unfused layer's in the last bits, as quantization gguf's products already do
+ * from exact mode's.
  */
 #include <math.h>
 #include <stdint.h>

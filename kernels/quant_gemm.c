@@ -25,8 +25,8 @@
  * chunk. OpenMP splits the panels among the threads.
  *
  * The second half of the file takes the activations as integers instead (int16, the default on
- * AVX512-VNNI CPUs without AMX, or int8): the panel then holds the weights' stored integers, and
- * their sums are exact (see "Integer activations" below).
+ * AVX512-VNNI CPUs for most weights, or int8): the panel then holds the weights' stored
+ * integers, and their sums are exact (see "Integer activations" below).
  */
 #define _GNU_SOURCE
 #include <math.h>
@@ -358,7 +358,9 @@ static inline __attribute__((always_inline)) void rows_avx512(int mr, const uint
 static void panel_avx512(const uint16_t *xb, int64_t count, int64_t cols, const uint32_t *panel,
                          int valid, float *out, int64_t ldo) {
     const __mmask16 mask0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
-    const __mmask16 mask1 = valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
+    const __mmask16 mask1 = valid >= 32   ? 0xffff
+                            : valid <= 16 ? 0
+                                          : (__mmask16)((1u << (valid - 16)) - 1);
     int64_t i = 0;
     for (; i + ROWS_AVX512 <= count; i += ROWS_AVX512)
         rows_avx512(ROWS_AVX512, xb + i * cols, cols, panel, mask0, mask1, out + i * ldo, ldo);
@@ -577,7 +579,8 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
  * - int16 (vpdpwssd: two products of int16 a lane, at most 2 * 255 * 32767 a pair and 16 pairs a
  *   group, under 2^29): 32 products an instruction, twice float32's FMA, each activation within
  *   2^-16 of its block's largest, as the few-row int16 kernels of quant_matmul.c, whose greedy
- *   answers follow exact mode's. The default on AVX512-VNNI CPUs without AMX (quant_linear).
+ *   answers follow exact mode's. The default on AVX512-VNNI CPUs, AMX's too but for large
+ *   weights in Q4_0, Q4_1 and Q8_0 (quant_linear.gemm_path).
  * - int8 (vpdpbusd: unsigned weight bytes by signed activation bytes, four a lane), llama.cpp's
  *   arithmetic: 64 products an instruction, but SmolLM2's greedy answers with it matched exact
  *   mode's over 32 tokens in 6 chats of 16 (the gate asks 90%; perplexity +0.25%):
@@ -1034,8 +1037,10 @@ static inline __attribute__((always_inline)) void rows_vnni(
         for (int m = 0; m < mr; ++m) {
             const __m512 d = _mm512_set1_ps(xd[m * blocks + g * group / BLOCK]);
             const __m512 t = _mm512_set1_ps(xs[m * groups + g]);
-            acc[m][0] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][0]), _mm512_mul_ps(s0, d), acc[m][0]);
-            acc[m][1] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][1]), _mm512_mul_ps(s1, d), acc[m][1]);
+            acc[m][0] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][0]), _mm512_mul_ps(s0, d), acc[m][0]);
+            acc[m][1] =
+                _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum[m][1]), _mm512_mul_ps(s1, d), acc[m][1]);
             if (offsets) {
                 acc[m][0] = _mm512_fmadd_ps(m0, t, acc[m][0]);
                 acc[m][1] = _mm512_fmadd_ps(m1, t, acc[m][1]);

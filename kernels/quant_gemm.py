@@ -19,10 +19,10 @@ weight its stored integer with its group's scale and offset, integer sums (`inte
 - avx2: vpmaddwd (int16), vpmaddubsw then vpmaddwd (int8), on any AVX2 CPU;
 - portable: plain C, the same arithmetic to the bit.
 int16 (32 products an instruction, each activation within 2^-16 of its block's largest) is
-quant_linear's default on VNNI CPUs without AMX; int8 (llama.cpp's arithmetic; 63 levels against
-Q8_0, `levels`) the LM head's screen where no bf16 path runs (`QuantizedWeight`), and for the
-layers only where `PAGEDBATCH_QUANT_GEMM=int8` asks: SmolLM2's greedy answers with it failed the
-quality gate (benchmarks/README.md).
+quant_linear's default on VNNI CPUs (with AMX too, but for large Q4/Q8 weights: `gemm_path`);
+int8 (llama.cpp's arithmetic; 63 levels against Q8_0, `levels`) the LM head's screen where no
+bf16 path runs (`QuantizedWeight`), and for the layers only where `PAGEDBATCH_QUANT_GEMM=int8`
+asks: SmolLM2's greedy answers with it failed the quality gate (benchmarks/README.md).
 """
 
 from __future__ import annotations

@@ -16,10 +16,10 @@ Two paths, chosen by how many rows x has:
   to int16 (the few-row kernels' int16) or int8 (llama.cpp's arithmetic) and VNNI's integer
   products (AVX2's on CPUs without VNNI), the weights their stored integers (see
   quant_gemm.c).
-  `gemm_path` says which: by default bf16x3 on AMX for the formats it expands fastest, int16
-  on VNNI or AVX2 CPUs, the tiles below elsewhere. A greedy step's LM head is screened by a
-  cheaper product with a bound on its error (`QuantizedWeight.approximate`: bf16, else int8),
-  and only its candidates are exact.
+  `gemm_path` says which: by default bf16x3 on AMX for large weights in the formats it expands
+  fastest, else int16 on VNNI or AVX2 CPUs, else the tiles below. A greedy step's LM head is
+  screened by a cheaper product with a bound on its error (`QuantizedWeight.approximate`: bf16,
+  else int8), and only its candidates are exact.
   Where the CPU has none of these, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's
   arithmetic), tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
   multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
