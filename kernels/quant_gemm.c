@@ -50,6 +50,11 @@
 enum { PANEL = 32, CHUNK = 256, ROWS_AVX512 = 12, AMX_ROWS = 32 };
 enum { PATH_PORTABLE = 0, PATH_AVX512 = 1, PATH_AMX = 2 };
 
+/* Whether both products read rows of `cols` of `type`: a type they read, whole blocks. */
+static int reads(int type, int64_t cols) {
+    return block_bytes(type) != 0 && cols > 0 && cols % block_size(type) == 0;
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* 16 vectors of 16 lanes transposed in registers: lane j of r[k] becomes lane k of r[j]. */
@@ -500,8 +505,7 @@ int quant_gemm_paths(void) {
  * permitted here. */
 int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x, int64_t n,
                int path, int passes, int num_threads, float *out) {
-    if (block_bytes(type) == 0 || cols <= 0 || cols % block_size(type) != 0) return -1;
-    if (passes != 1 && passes != 3) return -1;
+    if (!reads(type, cols) || (passes != 1 && passes != 3)) return -1;
     if (path < 0 || path > PATH_AMX || !(quant_gemm_paths() & (1 << path))) return -3;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, kcols = passes * cols;
@@ -630,11 +634,10 @@ static inline int centre(int type) {
 /* Whether the panel holds signed integers without offsets (see above). */
 static inline int centred(int type, int bits) { return bits == 16 && centre(type) > 0; }
 
-/* Whether the integer products read rows of `cols` of `type` with activations of `bits`: a type
- * these kernels read, whole blocks, 8 or 16 bits. */
+/* Whether the integer products read rows of `cols` of `type` with activations of `bits` (8 or
+ * 16). */
 static int int_reads(int type, int64_t cols, int bits) {
-    return block_bytes(type) != 0 && cols > 0 && cols % block_size(type) == 0 &&
-           (bits == 8 || bits == 16);
+    return reads(type, cols) && (bits == 8 || bits == 16);
 }
 
 /* The largest integer a block of activations is quantized to: 32767 for int16, 127 for int8, but

@@ -104,9 +104,9 @@ def test_a_long_prefill_holds_up_neither_decodes_nor_a_new_request(narrow_long):
 
 # A 128K prompt in a process of its own, so that its peak RSS is its own.
 _RUN_128K = r"""
-import json, re, sys
-from pathlib import Path
+import json, sys
 from pagedbatch.engine import LLM, SamplingParams
+from pagedbatch.engine.worker.host_memory import peak_rss_mib
 model, length, blocks = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
 llm = LLM(model, num_kv_blocks=blocks)
 ids = [(i * 7919) % 16_000 + 10 for i in range(length)]
@@ -116,8 +116,7 @@ print(json.dumps({
     "generated": len(out.outputs[0].token_ids),
     "max_model_len": llm.engine.max_model_len,
     "kv_bytes": sum(k.nbytes + v.nbytes for k, v in llm.engine.runner.kv_caches),
-    # VmHWM, not ru_maxrss, which a child inherits from the process that started it.
-    "peak_rss": int(re.search(r"VmHWM:\s*(\d+)", Path("/proc/self/status").read_text())[1]) * 1024,
+    "peak_rss": int(peak_rss_mib() * 2**20),
 }))
 """
 
