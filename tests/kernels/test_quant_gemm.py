@@ -247,7 +247,7 @@ def test_quant_linear_takes_it_past_a_few_rows(monkeypatch, setting, product, fm
     else:
         monkeypatch.setenv(quant_linear.GEMM_SETTING, setting)
     integers = quant_gemm.fastest_integer()
-    large = fmt in (Format.Q4_0, Format.Q4_1, Format.Q8_0) and rows >= 2048
+    large = fmt in quant_linear.AMX_FORMATS and rows >= quant_linear.AMX_MIN_ROWS
     if product == "auto" and "amx" in quant_gemm.paths():
         product = "bf16x3" if large or integers != "vnni" else "int16"
     elif product == "auto":
