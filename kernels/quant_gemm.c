@@ -55,6 +55,16 @@ static int reads(int type, int64_t cols) {
     return block_bytes(type) != 0 && cols > 0 && cols % block_size(type) == 0;
 }
 
+/* Brings panel p's stored rows (none past the matrix's end) towards the cache while the panel
+ * before it is multiplied: packing reads them PANEL rows abreast, streams that the hardware's
+ * prefetchers do not follow, and waited on memory for most of its time. */
+static void prefetch_panel(const uint8_t *w, int64_t rows, int64_t row_bytes, int64_t p) {
+    if (p * PANEL >= rows) return;
+    const int64_t count = rows - p * PANEL < PANEL ? rows - p * PANEL : PANEL;
+    const uint8_t *start = w + p * PANEL * row_bytes;
+    for (int64_t at = 0; at < count * row_bytes; at += 64) __builtin_prefetch(start + at, 0, 2);
+}
+
 #ifdef __AVX512F__
 #include <immintrin.h>
 /* 16 vectors of 16 lanes transposed in registers: lane j of r[k] becomes lane k of r[j]. */
@@ -509,6 +519,7 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
     if (path < 0 || path > PATH_AMX || !(quant_gemm_paths() & (1 << path))) return -3;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, kcols = passes * cols;
+    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
     const int64_t padded = (chunk + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     uint16_t *xb = aligned_alloc(64, sizeof *xb * (size_t)(padded * kcols));
     if (!xb) return -2;
@@ -545,6 +556,7 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
                 float *o = out + start * rows + p * PANEL;
                 pack_panel(type, w, rows, cols, p, passes, panel, amx ? (uint16_t *)panel : NULL,
                            scratch, vectors);
+                prefetch_panel(w, rows, row_bytes, p + 1);
                 switch (path) {
 #ifdef GEMM_AMX
                 case PATH_AMX:
@@ -738,11 +750,24 @@ static inline __m256i fifth_bits(uint32_t qh) {
 #endif
 }
 
-/* block_integers' 32 integers of a row's columns c .. c + 31 (c a multiple of 32) in one vector:
- * the block's, or a K format's super-block's j-th run of 32. */
-static inline __m256i integers_avx(int type, const uint8_t *row, int64_t c) {
-    const uint8_t *b = row + c / block_size(type) * block_bytes(type);
-    const int j = (int)(c % block_size(type) / BLOCK);
+/* Where a row's columns c .. c + 31 (c a multiple of 32) are stored: the offset of their block in
+ * the row, and which run of 32 of it they are (0 but in a K format's super-block). The same for
+ * every row of a matrix, so taken once for all the rows a pack reads. */
+typedef struct {
+    int64_t offset;
+    int run;
+} columns_at;
+
+static inline columns_at columns(int type, int64_t c) {
+    const int64_t size = block_size(type);
+    return (columns_at){c / size * block_bytes(type), (int)(c % size / BLOCK)};
+}
+
+/* block_integers' 32 integers of a row's columns `at` in one vector: the block's, or a K format's
+ * super-block's run at.run of 32. */
+static inline __m256i integers_avx(int type, const uint8_t *row, columns_at at) {
+    const uint8_t *b = row + at.offset;
+    const int j = at.run;
     const __m256i low4 = _mm256_set1_epi8(0x0F);
     if (type == Q8_0)
         return _mm256_xor_si256(_mm256_loadu_si256((const __m256i *)(b + 2)),
@@ -808,11 +833,12 @@ static void pack_dwords_avx2(int type, int bits, const uint8_t *panel_w, int64_t
         const int here = valid - r0 >= 8 ? 8 : valid - r0 > 0 ? valid - r0 : 0;
         const uint8_t *base = panel_w + r0 * row_bytes;
         for (int64_t c = 0; c < cols; c += BLOCK) {
+            const columns_at at = columns(type, c);
             __m256i v[2][8];
             for (int r = 0; r < 8; ++r) {
                 v[0][r] = v[1][r] = _mm256_setzero_si256();
                 if (r >= here) continue;
-                const __m256i q = integers_avx(type, base + r * row_bytes, c);
+                const __m256i q = integers_avx(type, base + r * row_bytes, at);
                 if (bits == 8) {
                     v[0][r] = q;
                     continue;
@@ -846,18 +872,19 @@ static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64
         const uint8_t *base = panel_w + r0 * row_bytes;
         for (int64_t c = 0; c < cols; c += span) {
             const int two = bits == 8 && c + BLOCK < cols;
+            const columns_at at = columns(type, c), next = columns(type, c + BLOCK);
             __m512 v[16];
             for (int r = 0; r < 16; ++r) {
                 __m512i q = _mm512_setzero_si512();
                 if (r < here) {
                     const uint8_t *row = base + r * row_bytes;
-                    const __m256i bytes = integers_avx(type, row, c);
+                    const __m256i bytes = integers_avx(type, row, at);
                     if (bits == 16)
                         q = _mm512_sub_epi16(_mm512_cvtepu8_epi16(bytes),
                                              _mm512_set1_epi16((short)centred_by));
                     else {
                         q = _mm512_castsi256_si512(bytes);
-                        if (two) q = _mm512_inserti64x4(q, integers_avx(type, row, c + BLOCK), 1);
+                        if (two) q = _mm512_inserti64x4(q, integers_avx(type, row, next), 1);
                     }
                 }
                 v[r] = _mm512_castsi512_ps(q);
@@ -865,6 +892,33 @@ static void pack_dwords_avx512(int type, int bits, const uint8_t *panel_w, int64
             transpose16(v);
             for (int k = 0; k < (bits == 8 && !two ? 8 : 16); ++k)
                 _mm512_store_ps((float *)(pq + (c / per + k) * PANEL + r0), v[k]);
+        }
+    }
+}
+#endif
+
+#ifdef GEMM_VNNI
+/* pack_int's scales and offsets for a format of 32 weights a block, 16 rows at a time: a block's
+ * leading half (its scale; Q4_1's min the half after it) of each row gathered in one dword. */
+static void scales_avx512(int type, int signed_q, const uint8_t *panel_w, int64_t row_bytes,
+                          int64_t cols, int valid, float *ps, float *pm) {
+    const __m512i rows = _mm512_mullo_epi32(
+        _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15),
+        _mm512_set1_epi32((int)row_bytes));
+    const __m512 offset_per_scale = _mm512_set1_ps(signed_q ? 0.0f : -(float)centre(type));
+    for (int r0 = 0; r0 < PANEL; r0 += 16) {
+        const int here = valid - r0 >= 16 ? 16 : valid - r0 > 0 ? valid - r0 : 0;
+        const __mmask16 mask = (__mmask16)((1u << here) - 1);
+        const uint8_t *base = panel_w + r0 * row_bytes;
+        for (int64_t b = 0; b < cols / BLOCK; ++b) {
+            const __m512i fields = _mm512_mask_i32gather_epi32(
+                _mm512_setzero_si512(), mask, rows, base + b * block_bytes(type), 1);
+            const __m512 s = _mm512_cvtph_ps(_mm512_cvtepi32_epi16(fields));
+            const __m256i mins = _mm512_cvtepi32_epi16(_mm512_srli_epi32(fields, 16));
+            const __m512 m =
+                type == Q4_1 ? _mm512_cvtph_ps(mins) : _mm512_mul_ps(s, offset_per_scale);
+            _mm512_store_ps(ps + b * PANEL + r0, s);
+            _mm512_store_ps(pm + b * PANEL + r0, m);
         }
     }
 }
@@ -880,7 +934,13 @@ static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t
     const int per = per_dword(bits), signed_q = centred(type, bits), vectors = path != INT_PORTABLE;
     const uint8_t *panel_w = w + p * PANEL * row_bytes;
 #ifdef GEMM_VNNI
-    if (path == INT_VNNI) pack_dwords_avx512(type, bits, panel_w, row_bytes, cols, valid, pq);
+    if (path == INT_VNNI) {
+        pack_dwords_avx512(type, bits, panel_w, row_bytes, cols, valid, pq);
+        if (size == BLOCK) {
+            scales_avx512(type, signed_q, panel_w, row_bytes, cols, valid, ps, pm);
+            return;
+        }
+    }
 #endif
 #ifdef GEMM_AVX2
     if (path == INT_AVX2) pack_dwords_avx2(type, bits, panel_w, row_bytes, cols, valid, pq);
@@ -1269,6 +1329,7 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
     const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
     const int per = per_dword(bits), offsets = !centred(type, bits);
+    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
     void *xq = aligned_alloc(64, (size_t)(chunk * cols * element_bytes(bits)));
     float *xd = aligned_alloc(64, sizeof *xd * (size_t)(chunk * (cols / BLOCK)));
     float *xs = aligned_alloc(64, sizeof *xs * (size_t)(chunk * (cols / group)));
@@ -1299,6 +1360,7 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
                 const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
                 float *o = out + start * rows + p * PANEL;
                 pack_int(type, bits, w, rows, cols, p, pq, ps, pm, path);
+                prefetch_panel(w, rows, row_bytes, p + 1);
                 if (panel_int_vectors(path, bits, offsets, xq, xd, xs, count, cols, group, pq, ps,
                                       pm, valid, o, rows))
                     continue;
