@@ -652,11 +652,11 @@ static int int_reads(int type, int64_t cols, int bits) {
     return reads(type, cols) && (bits == 8 || bits == 16);
 }
 
-/* The largest integer a block of activations is quantized to: 32767 for int16, 127 for int8, but
- * 63 for int8 against Q8_0 (whose unsigned integers reach 255): AVX2's vpmaddubsw sums two
- * products in int16, and 2 * 255 * 63 stays within it. */
-static inline int levels(int type, int bits) {
-    return bits == 16 ? 32767 : type == Q8_0 ? 63 : 127;
+/* The largest integer a block of activations is quantized to by `path`: 32767 for int16, 127 for
+ * int8, but 63 for int8 against Q8_0 (whose unsigned integers reach 255) on AVX2: vpmaddubsw sums
+ * two products in int16, and 2 * 255 * 63 stays within it (VNNI's vpdpbusd sums in int32). */
+static inline int levels(int type, int bits, int path) {
+    return bits == 16 ? 32767 : type == Q8_0 && path == INT_AVX2 ? 63 : 127;
 }
 
 /* One stored block's groups' scales s and offsets m: the weight k of group g is s[g] q[k] + m[g],
@@ -1272,21 +1272,23 @@ int quant_gemm_int_paths(void) {
     return paths;
 }
 
-/* The largest integer quant_gemm_int quantizes activations to, for weights of `type` and `bits`
- * (see levels). */
-int quant_gemm_int_levels(int type, int bits) { return levels(type, bits); }
+/* The largest integer quant_gemm_int quantizes activations to, for weights of `type`, `bits` and
+ * `path` (see levels). */
+int quant_gemm_int_levels(int type, int bits, int path) { return levels(type, bits, path); }
 
 /* err[i] = || x_i - x'_i ||, the 2-norm of row i's quantization error (x' the activations that
- * quant_gemm_int multiplies for `type` and `bits`: each block's scale times its integers),
+ * quant_gemm_int multiplies for `type`, `bits` and `path`: each block's scale times its integers),
  * computed in double and rounded up. Returns 0, or -1 as quant_gemm_int does. */
-int quant_gemm_int_error(int type, int bits, const float *x, int64_t n, int64_t cols, float *err) {
-    if (!int_reads(type, cols, bits)) return -1;
+int quant_gemm_int_error(int type, int bits, int path, const float *x, int64_t n, int64_t cols,
+                         float *err) {
+    if (!int_reads(type, cols, bits) || path < 0 || path > INT_AVX2) return -1;
     const int64_t group = group_size(type);
     for (int64_t i = 0; i < n; ++i) {
         double squares = 0.0;
         for (int64_t c = 0; c < cols; c += BLOCK) {
             int32_t q[BLOCK], sums[2];
-            const float d = quantize_block(x + i * cols + c, levels(type, bits), group, q, sums);
+            const float d =
+                quantize_block(x + i * cols + c, levels(type, bits, path), group, q, sums);
             for (int k = 0; k < BLOCK; ++k) {
                 const double e = (double)x[i * cols + c + k] - (double)d * q[k];
                 squares += e * e;
@@ -1350,7 +1352,7 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
         for (int64_t start = 0; start < n; start += chunk) {
             const int64_t count = n - start < chunk ? n - start : chunk;
             /* ends in a barrier */
-            quantize_rows(x, start, count, cols, group, bits, levels(type, bits), xq, xd, xs);
+            quantize_rows(x, start, count, cols, group, bits, levels(type, bits, path), xq, xd, xs);
             int stop;
 #pragma omp atomic read
             stop = failed;

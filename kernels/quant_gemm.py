@@ -58,8 +58,9 @@ SIGNATURES: dict[str, list[type]] = {
         _ptr, _i64, _i32, _i32, _i32, _ptr,  # x, its rows, bits, path, threads, out
     ],
     "quant_gemm_int_paths": [],
-    "quant_gemm_int_levels": [_i32, _i32],  # ggml type, bits
-    "quant_gemm_int_error": [_i32, _i32, _ptr, _i64, _i64, _ptr],  # type, bits, x, n, cols, out
+    "quant_gemm_int_levels": [_i32, _i32, _i32],  # ggml type, bits, path
+    # type, bits, path, x, n, cols, out
+    "quant_gemm_int_error": [_i32, _i32, _i32, _ptr, _i64, _i64, _ptr],
     "quant_gemm_int_offset_norms": [
         _i32, _i32, _ptr, _i64, _i64, _ptr,  # ggml type, bits, blocks, rows, cols, out
     ],
@@ -181,19 +182,20 @@ def _built() -> ctypes.CDLL:
     return lib
 
 
-def levels(fmt: Format, bits: int) -> int:
-    """The largest integer `quant_gemm_int` quantizes activations to against `fmt` (127 for int8,
-    63 against Q8_0; 32767 for int16)."""
-    return int(_built().quant_gemm_int_levels(fmt.ggml_type, bits))
+def levels(fmt: Format, bits: int, path: str) -> int:
+    """The largest integer `quant_gemm_int` quantizes activations to against `fmt` on `path`
+    (32767 for int16; 127 for int8, but 63 against Q8_0 on AVX2)."""
+    return int(_built().quant_gemm_int_levels(fmt.ggml_type, bits, INTEGER_PATHS[path]))
 
 
-def quantization_error(x: torch.Tensor, fmt: Format, bits: int) -> torch.Tensor:
+def quantization_error(x: torch.Tensor, fmt: Format, bits: int, path: str) -> torch.Tensor:
     """Each row's ||x - x'|| (`[n]` float32, rounded up), x' the activations `quant_gemm_int`
-    multiplies in place of x (float32, contiguous) against `fmt` with `bits`."""
+    multiplies in place of x (float32, contiguous) against `fmt` with `bits` on `path`."""
     out = torch.empty(x.shape[0])
     status = _built().quant_gemm_int_error(
-        fmt.ggml_type, bits, x.data_ptr(), x.shape[0], x.shape[1], out.data_ptr()
-    )
+        fmt.ggml_type, bits, INTEGER_PATHS[path], x.data_ptr(), x.shape[0], x.shape[1],
+        out.data_ptr(),
+    )  # fmt: skip
     if status != 0:
         raise ValueError(f"quant_gemm_int does not read {fmt.name} rows of {x.shape[1]}")
     return out

@@ -18,8 +18,8 @@ Two paths, chosen by how many rows x has:
   quant_gemm.c).
   `gemm_path` says which: by default bf16x3 on AMX for large weights in the formats it expands
   fastest, else int16 on VNNI or AVX2 CPUs, else the tiles below. A greedy step's LM head is
-  screened by a cheaper product with a bound on its error (`QuantizedWeight.approximate`: bf16,
-  else int8), and only its candidates are exact.
+  screened by a cheaper product with a bound on its error (`QuantizedWeight.approximate`: bf16
+  on AMX, else int8), and only its candidates are exact.
   Where the CPU has none of these, or `PAGEDBATCH_QUANT_GEMM=float32` asks (exact mode's
   arithmetic), tiles of W dequantized to float32 by the C kernel `quant_dequantize`, each
   multiplied by oneDNN's float32 GEMM; one tile in memory at a time.
@@ -72,10 +72,10 @@ INT8_FORMATS = frozenset({Format.Q4_0, Format.Q4_1, Format.Q8_0, Format.Q4_K, Fo
 INT8_BY_DEFAULT = frozenset({Format.Q4_K, Format.Q6_K})
 # Rows of x up to which the streaming paths run (`small_batch`): their cost grows with the rows
 # (each block expanded once for 8 of them), the many-row paths' GEMM amortises expanding the
-# weights over all. 8 where quant_gemm.c has a bf16 path (AMX's bf16x3, AVX512-BF16's screened
-# LM head); 64 on other CPUs with the AVX2 kernels: a SmolLM2 decode step's products took 215 ms
-# streamed at 64 rows against the float32 tiles' 292 (32 rows: 101 against 198; 96 rows: 461
-# against 270; int16, 2 threads of a Zen 3 EPYC).
+# weights over all. 8 where quant_gemm.c has a bf16 path (AMX's bf16x3; on AVX512-BF16 CPUs
+# VNNI's int16 passed streaming at 12 rows); 64 on other CPUs with the AVX2 kernels: a SmolLM2
+# decode step's products took 215 ms streamed at 64 rows against the float32 tiles' 292 (32
+# rows: 101 against 198; 96 rows: 461 against 270; int16, 2 threads of a Zen 3 EPYC).
 SMALL_BATCH = 8
 STREAMED_BATCH = 64
 # Rows past which the LM head's screen (`QuantizedWeight.approximate`) pays where few-row products
@@ -183,12 +183,15 @@ def _small_batch_for(lib: ctypes.CDLL | None) -> int:
 
 
 def screen_product() -> tuple[str, str] | None:
-    """The product `QuantizedWeight.approximate` takes and its path: one bf16 product where
-    quant_gemm has a bf16 path here, else int8 activations on its fastest integer path (VNNI,
-    else AVX2: on a Zen 3 EPYC, Gemma 3's Q8_0 head at 128 rows in 352-473 ms against the
-    float32 tiles' 467-513); None where neither is compiled."""
-    if (path := quant_gemm.fastest()) is not None:
-        return ("bf16", path)
+    """The product `QuantizedWeight.approximate` takes and its path: one bf16 product on AMX's
+    tiles, else int8 activations on quant_gemm's fastest integer path (VNNI, else AVX2); None
+    where neither is compiled. On a Zen 4 EPYC (VNNI and AVX512-BF16, no AMX), decode steps of
+    128 sequences: Gemma 3's 262,144-row Q8_0 head and its candidates in 97-98 ms by int8
+    against 128-136 by bf16 (a 205-208 ms step against 234-246), SmolLM2's in 23-24 against
+    25-26, with 1.3x to 5x bf16's candidates. On a Zen 3 EPYC (AVX2), int8 against the float32
+    tiles: Gemma 3's head at 128 rows in 352-473 ms against 467-513."""
+    if "amx" in quant_gemm.paths():
+        return ("bf16", "amx")
     if (path := quant_gemm.fastest_integer()) is not None:
         return ("int8", path)
     return None
@@ -464,8 +467,8 @@ class QuantizedWeight:
         self, x: torch.Tensor, part: slice, out: torch.Tensor | None = None
     ) -> torch.Tensor:
         """The outputs `part` selects of x @ W.T (x float32 `[n, cols]` on the CPU) by the
-        `screen_product` (one bf16 product: a half or less of the float32 GEMM's time on
-        AVX512-BF16, a third of bf16x3's on AMX; else int8 activations), `[n, width]` (written
+        `screen_product` (one bf16 product on AMX, a third of bf16x3's time; else int8
+        activations), `[n, width]` (written
         into `out` where given, contiguous float32 of that shape); within `error_bound` of any
         float32 product's."""
         ((blocks, fmt),) = self.runs
@@ -498,7 +501,7 @@ class QuantizedWeight:
             margin = x_norms.mul_((2**-7 + 2**-16 + exact_sums) * (1 + 2**-10))
             return margin.add_(SUBNORMAL_SLACK), self._norms()
         ((_, fmt),) = self.runs
-        error = quant_gemm.quantization_error(x.contiguous(), fmt, 8)
+        error = quant_gemm.quantization_error(x.contiguous(), fmt, 8, screen[1])
         terms = 2 * (self.cols // 16) + 3  # G at most cols / 16 (Q6_K's groups)
         roundings = 64 * terms * 2**-24 * (1 + 2**-10)
         margin = error + exact_sums * x_norms + roundings * (x_norms + error)

@@ -217,10 +217,10 @@ def test_greedy_steps_never_hold_gemmas_whole_logits_and_choose_as_sampling_does
     real_model, screened, monkeypatch
 ):
     """Rows wanting their argmax alone never hold the whole logits (sample/greedy): Gemma 3's
-    262,144 tokens of its tied Q8_0 head screened by a cheaper product (bf16, else int8), a
-    slice at a time, where one runs (and `screened`), else in exact slices; the tokens are the
-    sampler's path's, which logprobs take. 40 prompts: more rows than any CPU streams the head
-    for."""
+    262,144 tokens of its tied Q8_0 head screened by a cheaper product (bf16 on AMX, else
+    int8), a slice at a time, where one runs (and `screened`), else in exact slices; the tokens
+    are the sampler's path's, which logprobs take. 40 prompts: more rows than any CPU streams
+    the head for."""
     if not screened:
         monkeypatch.setattr(quant_linear, "screen_product", lambda: None)
     elif quant_linear.screen_product() is None:
