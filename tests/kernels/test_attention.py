@@ -145,7 +145,7 @@ def test_matches_dense_reference(scenario, heads, window, dtype):
 
 
 @pytest.mark.parametrize("cache_dtype", [torch.float16, torch.bfloat16], ids=str)
-@pytest.mark.parametrize("head_dim", [20, 64, 256])
+@pytest.mark.parametrize("head_dim", [20, 64, 96, 256])
 @pytest.mark.parametrize("scenario", ["mixed", "decode_lengths_spread"])
 def test_float32_queries_read_a_half_precision_cache_as_it_holds_it(
     scenario, head_dim, cache_dtype
@@ -173,9 +173,9 @@ def test_reshape_and_cache_rounds_float32_rows_into_a_half_precision_cache():
     assert torch.equal(value_cache.view(-1, 2, HEAD_DIM)[slots], value.half())
 
 
-@pytest.mark.parametrize("head_dim", [20, 64, 128])
+@pytest.mark.parametrize("head_dim", [20, 64, 96, 128, 256])
 def test_head_sizes_the_c_kernel_specializes_or_not(head_dim):
-    # 64 and 128 run as constants; 20 is no multiple of the vector width.
+    # 64, 128 and 256 run as constants; 96 does not; 20 is no multiple of the vector width.
     batch = make_batch(SCENARIOS["decode"] * 2, 6, 2, head_dim=head_dim)
     scale = head_dim**-0.5
     out = run(batch, scale, None)
