@@ -71,13 +71,15 @@ def test_few_rows_take_the_vocabulary_in_one_piece():
 
 class Screen:
     """An approximate head as adversarial as its bound allows: each approximate logit off by
-    up to its bound (random sign and size), the bound `spread` a logit; exact logits of the ids
-    asked counted."""
+    up to its bound (random sign and size), the bound `spread` a logit (or a row's own); the
+    hidden rows are their indices (`rows`); exact logits of the ids and rows asked counted."""
 
-    def __init__(self, logits: torch.Tensor, spread: float, seed: int = 0):
-        self.logits, self.spread = logits, spread
+    def __init__(self, logits: torch.Tensor, spread: float | torch.Tensor, seed: int = 0):
+        self.logits = logits
+        self.spread = torch.as_tensor(spread, dtype=torch.float32).expand(logits.shape[0])
         self.generator = torch.Generator().manual_seed(seed)
         self.exact_ids: list[int] = []
+        self.exact_shapes: list[tuple[int, int]] = []
 
     def approximates(self, x: torch.Tensor) -> bool:
         return True
@@ -85,15 +87,20 @@ class Screen:
     def approximate(self, x: torch.Tensor, part: slice, out: torch.Tensor) -> torch.Tensor:
         exact = self.logits[:, part]
         noise = torch.rand(exact.shape, generator=self.generator) * 2 - 1
-        return torch.add(exact, noise * self.spread, out=out)
+        return torch.add(exact, noise * self.spread[:, None], out=out)
 
     def error_bound(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        rows, vocab = self.logits.shape
-        return torch.full((rows,), self.spread), torch.ones(vocab)
+        return self.spread.clone(), torch.ones(self.logits.shape[1])
 
     def rows_product(self, x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
         self.exact_ids += ids.tolist()
-        return self.logits[:, ids]
+        self.exact_shapes.append((x.shape[0], len(ids)))
+        return self.logits[x[:, 0].long()][:, ids]
+
+
+def rows(count: int) -> torch.Tensor:
+    """Hidden rows that name themselves: row i holds i (see `Screen`)."""
+    return torch.arange(count, dtype=torch.float32)[:, None].expand(count, 8).contiguous()
 
 
 def unused_head(hidden: torch.Tensor, vocab: slice) -> torch.Tensor:
@@ -107,7 +114,7 @@ def test_a_screened_step_takes_the_exact_argmax_from_its_candidates_alone(spread
     logits = torch.randn(16, VOCAB, generator=generator) * 4
     logits[:, 500] = logits[:, 10] = logits.amax(1) + 0.5 * spread  # ties, nearer than the bound
     screen = Screen(logits, spread)
-    tokens = greedy_tokens(torch.ones(16, 8), unused_head, VOCAB, screen)
+    tokens = greedy_tokens(rows(16), unused_head, VOCAB, screen)
     assert tokens.tolist() == [10] * 16  # the lowest id of the tie
     if spread <= 0.5:  # logits within 4 bounds of the best are few: candidates, not the vocabulary
         assert len(set(screen.exact_ids)) < VOCAB / 10
@@ -117,8 +124,24 @@ def test_a_screened_step_takes_the_exact_argmax_from_its_candidates_alone(spread
 def test_a_screened_step_matches_the_whole_rows_argmax_on_random_logits():
     generator = torch.Generator().manual_seed(5)
     logits = torch.randn(32, VOCAB, generator=generator)
-    tokens = greedy_tokens(torch.ones(32, 8), unused_head, VOCAB, Screen(logits, 0.2))
+    tokens = greedy_tokens(rows(32), unused_head, VOCAB, Screen(logits, 0.2))
     assert torch.equal(tokens, argmax(logits))
+
+
+@pytest.mark.usefixtures("small_slices")
+def test_a_row_whose_candidates_are_the_vocabulary_takes_them_a_slice_at_a_time():
+    """The candidates' exact logits come a slice's width at a time, each part for the rows with
+    candidates in it: one row's bound spanning the vocabulary makes no other row's exact logits
+    of every token."""
+    logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(8))
+    spread = torch.full((16,), 1e-3)
+    spread[3] = 100.0  # far wider than the logits' range: every token its candidate
+    screen = Screen(logits, spread)
+    tokens = greedy_tokens(rows(16), unused_head, VOCAB, screen)
+    assert torch.equal(tokens, argmax(logits))
+    widths = [width for _, width in screen.exact_shapes]  # row 3's candidates: most tokens
+    assert len(widths) == 4 and widths[:3] == [256] * 3 and 0 < widths[3] <= 232
+    assert sum(height for height, _ in screen.exact_shapes) < 4 + 2 * 15
 
 
 @pytest.mark.usefixtures("small_slices")
@@ -126,7 +149,7 @@ def test_a_token_whose_approximation_is_nan_is_a_candidate_and_a_nan_logit_wins(
     logits = torch.zeros(12, VOCAB)
     logits[:, 20] = 1.0
     logits[3, 900] = float("nan")  # a weight row that is NaN
-    tokens = greedy_tokens(torch.ones(12, 8), unused_head, VOCAB, Screen(logits, 0.1))
+    tokens = greedy_tokens(rows(12), unused_head, VOCAB, Screen(logits, 0.1))
     assert tokens.tolist() == [20, 20, 20, 900] + [20] * 8
 
 
