@@ -600,8 +600,8 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
  * - int8 (vpdpbusd: unsigned weight bytes by signed activation bytes, four a lane), llama.cpp's
  *   arithmetic: 64 products an instruction, but SmolLM2's greedy answers with it matched exact
  *   mode's over 32 tokens in 6 chats of 16 (the gate asks 90%; perplexity +0.25%):
- *   benchmarks/README.md. Taken for the layers only where asked; the LM head's screen where no
- *   bf16 path runs (quant_linear.QuantizedWeight, whose bound takes the measured quantization
+ *   benchmarks/README.md. Taken for the layers only where asked; the LM head's screen where
+ *   AMX does not run (quant_linear.screen_product; its bound takes the measured quantization
  *   error, `quant_gemm_int_error`).
  * Without VNNI, AVX2 takes the same steps 8 lanes at a time (INT_AVX2): int16 by vpmaddwd, int8
  * by vpmaddubsw, whose int16 sum of two products bounds the activations against Q8_0's bytes to

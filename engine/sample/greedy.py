@@ -9,10 +9,11 @@ still read once a step (each slice reads its own rows of them), and the tokens e
 row's argmax, the lowest id of ties, a NaN first where there is one (numpy's argmax).
 
 Where the LM head offers a cheaper product with a bound on its error (`Screen`: a quantized
-head's bf16 product, for many rows), each slice is taken that way instead, and only the tokens
-whose approximate logit is within the bounds of their row's best, its candidates (one or two a
-row, at most thousands in a step, on Gemma 3's chats), get exact logits: the same argmax for a
-fraction of the exact product's time. Gemma 3's 262,144-token head at 128 rows on a 2-core
+head's bf16 product on AMX, int8 elsewhere, for many rows), each slice is taken that way
+instead, and only the tokens whose approximate logit is within the bounds of their row's best,
+its candidates (one or two a row mostly; tens of thousands in a few of Gemma 3's first steps,
+taken a part at a time), get exact logits: the same argmax for a fraction of the exact
+product's time. Gemma 3's 262,144-token head at 128 rows on a 2-core
 AMD EPYC (AVX512-BF16, no AMX): 160-200 ms against the float32 tiles' 360-700; its 128 chats
 went from 143 to 221 output tokens/s. Picking the candidates out of a slice is
 `greedy_screen.candidates`' two passes in C: on a Zen 4 EPYC the screened head took 152-157 ms
