@@ -38,6 +38,11 @@ static inline int64_t block_bytes(int type) {
 /* Weights a block of a format these kernels read holds. */
 static inline int64_t block_size(int type) { return type >= Q4_K ? SUPER_BLOCK : BLOCK; }
 
+/* Bytes a stored row of `cols` weights of `type` takes (cols a whole number of its blocks). */
+static inline int64_t stored_row_bytes(int type, int64_t cols) {
+    return cols / block_size(type) * block_bytes(type);
+}
+
 /* The little-endian IEEE half at p, as a float (exact: every half is a float). */
 static inline float half_to_float(const uint8_t *p) {
     const uint16_t h = (uint16_t)(p[0] | (p[1] << 8));

@@ -238,7 +238,7 @@ static void pack_panel(int type, const uint8_t *w, int64_t rows, int64_t cols, i
                        int passes, uint32_t *panel, uint16_t *row_panel, float *scratch,
                        int vectors) {
     const int64_t size = block_size(type), stride = block_bytes(type);
-    const int64_t row_bytes = cols / size * stride, kcols = passes * cols;
+    const int64_t row_bytes = stored_row_bytes(type, cols), kcols = passes * cols;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
 #ifdef GEMM_AVX512
     if (vectors && !row_panel) {
@@ -519,7 +519,7 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
     if (path < 0 || path > PATH_AMX || !(quant_gemm_paths() & (1 << path))) return -3;
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, kcols = passes * cols;
-    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     const int64_t padded = (chunk + AMX_ROWS - 1) / AMX_ROWS * AMX_ROWS;
     uint16_t *xb = aligned_alloc(64, sizeof *xb * (size_t)(padded * kcols));
     if (!xb) return -2;
@@ -929,7 +929,7 @@ static void scales_avx512(int type, int signed_q, const uint8_t *panel_w, int64_
 static void pack_int(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols, int64_t p,
                      uint32_t *pq, float *ps, float *pm, int path) {
     const int64_t size = block_size(type), stride = block_bytes(type), group = group_size(type);
-    const int64_t row_bytes = cols / size * stride, groups = size / group;
+    const int64_t row_bytes = stored_row_bytes(type, cols), groups = size / group;
     const int valid = rows - p * PANEL < PANEL ? (int)(rows - p * PANEL) : PANEL;
     const int per = per_dword(bits), signed_q = centred(type, bits), vectors = path != INT_PORTABLE;
     const uint8_t *panel_w = w + p * PANEL * row_bytes;
@@ -1306,7 +1306,7 @@ int quant_gemm_int_offset_norms(int type, int bits, const uint8_t *w, int64_t ro
                                 float *norms) {
     if (!int_reads(type, cols, bits)) return -1;
     const int64_t size = block_size(type), group = group_size(type);
-    const int64_t row_bytes = cols / size * block_bytes(type);
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     for (int64_t r = 0; r < rows; ++r) {
         double squares = 0.0;
         for (int64_t c = 0; c < cols && !centred(type, bits); c += size) {
@@ -1331,7 +1331,7 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
     const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
     const int per = per_dword(bits), offsets = !centred(type, bits);
-    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     void *xq = aligned_alloc(64, (size_t)(chunk * cols * element_bytes(bits)));
     float *xd = aligned_alloc(64, sizeof *xd * (size_t)(chunk * (cols / BLOCK)));
     float *xs = aligned_alloc(64, sizeof *xs * (size_t)(chunk * (cols / group)));

@@ -482,7 +482,7 @@ static float dot_floats(const float *a, const float *b, int64_t n) {
  * the thread's, then multiplied with every row of x. */
 static int dequantized_rows_times(int type, const uint8_t *w, int64_t rows, int64_t cols,
                                   const float *x, int64_t n, int num_threads, float *out) {
-    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     const int parallel = rows * cols * n >= (1 << 16);
     int failed = 0;
 #pragma omp parallel num_threads(num_threads) if (parallel)
@@ -917,7 +917,7 @@ static int streamed_product(int type, const uint8_t *w, int64_t rows, int64_t co
         block_sums(x + i * cols, blocks, xsum + i * blocks);
         if (ints) quantize_int16(x + i * cols, blocks, xq + i * cols, xd + i * blocks);
     }
-    const int64_t row_bytes = cols / block_size(type) * block_bytes(type);
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     const int parallel = rows * cols * n >= (1 << 16);
 #ifdef QUANT_AVX2
     /* Each row of x's activations: a pass over a weight row takes STREAM_ROWS of them, and one
@@ -1001,7 +1001,7 @@ int quant_matmul_int16(int type, const uint8_t *w, int64_t rows, int64_t cols, c
  * activations' scratch cannot be allocated. */
 int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, const float *x,
                       int64_t n, int num_threads, float *out) {
-    const int64_t stride = block_bytes(type), blocks = cols / BLOCK;
+    const int64_t blocks = cols / BLOCK;
     if (!int8_streamed(type) || cols % block_size(type) != 0) return -1;
     int8_t *xq = malloc((size_t)(n * cols) + 1);
     float *xd = malloc(sizeof *xd * (size_t)(n * blocks) + 1);
@@ -1013,7 +1013,7 @@ int quant_matmul_int8(int type, const uint8_t *w, int64_t rows, int64_t cols, co
     for (int64_t i = 0; i < n; ++i)
         quantize_activations(x + i * cols, blocks, xq + i * cols, xd + i * blocks,
                              xs + i * blocks);
-    const int64_t row_bytes = cols / block_size(type) * stride;
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     /* Waking the other threads costs more than a small matrix's whole product. */
     const int parallel = rows * cols * n >= (1 << 16);
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
@@ -1032,7 +1032,7 @@ int quant_dequantize(int type, const uint8_t *w, int64_t rows, int64_t cols, int
                      float *out) {
     const int64_t stride = block_bytes(type);
     if (stride == 0 || cols % block_size(type) != 0) return -1;
-    const int64_t row_bytes = cols / block_size(type) * stride;
+    const int64_t row_bytes = stored_row_bytes(type, cols);
     const int parallel = rows * cols >= (1 << 16);
 #pragma omp parallel for num_threads(num_threads) if (parallel) schedule(static)
     for (int64_t r = 0; r < rows; ++r)
