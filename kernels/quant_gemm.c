@@ -606,8 +606,10 @@ int quant_gemm(int type, const uint8_t *w, int64_t rows, int64_t cols, const flo
  * Without VNNI, AVX2 takes the same steps 8 lanes at a time (INT_AVX2): int16 by vpmaddwd, int8
  * by vpmaddubsw, whose int16 sum of two products bounds the activations against Q8_0's bytes to
  * 63 (`levels`), then vpmaddwd by ones.
- * With int16 the formats whose offset is a fixed multiple of the scale (Q4_0, Q5_0, Q8_0, Q6_K:
- * `centre`) keep their integers signed, q - centre, and no offset: one term a group, not two.
+ * The formats whose offset is a fixed multiple of the scale (Q4_0, Q5_0, Q8_0, Q6_K: `centre`)
+ * take no offset term: one term a group, not two. With int16 their integers are kept signed,
+ * q - centre; with int8 (whose weights vpdpbusd takes unsigned) the group's integer sum starts
+ * from -centre times the activations' sum instead of 0.
  * The panel: pq[kd * PANEL + r] holds row r's weights at columns kd * per .. kd * per + per - 1,
  * per = 32 / bits of them in a dword (bytes for int8, int16 for int16); ps, pm[g * PANEL + r] its
  * group g's scale and offset. */
@@ -645,6 +647,9 @@ static inline int centre(int type) {
 
 /* Whether the panel holds signed integers without offsets (see above). */
 static inline int centred(int type, int bits) { return bits == 16 && centre(type) > 0; }
+
+/* Whether an output takes the groups' offsets as a float term of their own (see above). */
+static inline int offset_terms(int type) { return centre(type) == 0; }
 
 /* Whether the integer products read rows of `cols` of `type` with activations of `bits` (8 or
  * 16). */
@@ -1007,9 +1012,11 @@ static inline float quantize_block(const float *x, int top, int64_t group, int32
 }
 
 /* x's rows [start, start + count) quantized per 32 to `bits`: xq (cols elements a row), xd (a
- * scale a block) and xs (d times the sum of the group's quants, a group's). */
+ * scale a block), xs (d times the sum of the group's quants, a group's) and xi (-centre times
+ * that sum, the group's integer start; see above). */
 static void quantize_rows(const float *x, int64_t start, int64_t count, int64_t cols,
-                          int64_t group, int bits, int top, void *xq, float *xd, float *xs) {
+                          int64_t group, int bits, int top, int centre, void *xq, float *xd,
+                          float *xs, int32_t *xi) {
 #pragma omp for schedule(static)
     for (int64_t i = 0; i < count; ++i) {
         const float *row = x + (start + i) * cols;
@@ -1021,16 +1028,19 @@ static void quantize_rows(const float *x, int64_t start, int64_t count, int64_t 
             else
                 for (int k = 0; k < BLOCK; ++k) ((int16_t *)xq)[i * cols + c + k] = (int16_t)q[k];
             xd[i * (cols / BLOCK) + c / BLOCK] = d;
-            for (int64_t g = 0; g < BLOCK / group; ++g)
+            for (int64_t g = 0; g < BLOCK / group; ++g) {
                 xs[i * (cols / group) + c / group + g] = d * (float)sums[g];
+                xi[i * (cols / group) + c / group + g] = -centre * sums[g];
+            }
         }
     }
 }
 
-/* The portable products: each output's groups in order, the integer sum then two fused
+/* The portable products: each output's groups in order, the integer sum then one or two fused
  * multiply-adds (the VNNI path's arithmetic lane by lane, so the two agree to the bit). */
 static void panel_int_portable(int bits, int offsets, const void *xq, const float *xd,
-                               const float *xs, int64_t count, int64_t cols, int64_t group,
+                               const float *xs, const int32_t *xi, int64_t count, int64_t cols,
+                               int64_t group,
                                const uint32_t *pq, const float *ps, const float *pm, int valid,
                                float *out, int64_t ldo) {
     const int64_t groups = cols / group;
@@ -1039,7 +1049,7 @@ static void panel_int_portable(int bits, int offsets, const void *xq, const floa
         for (int j = 0; j < valid; ++j) {
             float acc = 0.0f;
             for (int64_t g = 0; g < groups; ++g) {
-                int32_t sum = 0;
+                int32_t sum = bits == 8 && !offsets ? xi[i * groups + g] : 0;
                 for (int64_t k = g * group; k < (g + 1) * group; k += per) {
                     const uint32_t dword = pq[(k / per) * PANEL + j];
                     for (int b = 0; b < per; ++b) {
@@ -1066,7 +1076,8 @@ static void panel_int_portable(int bits, int offsets, const void *xq, const floa
  * into 2 * mr float32 vectors. */
 static inline __attribute__((always_inline)) void rows_vnni(
     int bits, int offsets, int mr, const uint8_t *xq, const float *xd, const float *xs,
-    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm,
+    const int32_t *xi, int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
+    const float *pm,
     __mmask16 mask0, __mmask16 mask1, float *out, int64_t ldo) {
     const int64_t groups = cols / group, blocks = cols / BLOCK;
     const int per = per_dword(bits), bytes = element_bytes(bits);
@@ -1076,7 +1087,10 @@ static inline __attribute__((always_inline)) void rows_vnni(
     for (int64_t g = 0; g < groups; ++g) {
         __m512i sum[ROWS_VNNI][2];
 #pragma GCC unroll 8
-        for (int m = 0; m < mr; ++m) sum[m][0] = sum[m][1] = _mm512_setzero_si512();
+        for (int m = 0; m < mr; ++m) {
+            const int32_t start = bits == 8 && !offsets ? xi[m * groups + g] : 0;
+            sum[m][0] = sum[m][1] = _mm512_set1_epi32(start);
+        }
         for (int64_t k = g * group; k < (g + 1) * group; k += per) {
             const __m512i b0 = _mm512_load_si512(pq + (k / per) * PANEL);
             const __m512i b1 = _mm512_load_si512(pq + (k / per) * PANEL + 16);
@@ -1120,23 +1134,25 @@ static inline __attribute__((always_inline)) void rows_vnni(
 /* The chunk's rows by the panel, ROWS_VNNI at a time; `bits` and `offsets` constants where it is
  * inlined. */
 static inline __attribute__((always_inline)) void panel_vnni_bits(
-    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, int64_t count,
-    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid,
-    float *out, int64_t ldo) {
+    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, const int32_t *xi,
+    int64_t count, int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
+    const float *pm, int valid, float *out, int64_t ldo) {
     const __mmask16 mask0 = valid >= 16 ? 0xffff : (__mmask16)((1u << valid) - 1);
     const __mmask16 mask1 =
         valid >= 32 ? 0xffff : valid <= 16 ? 0 : (__mmask16)((1u << (valid - 16)) - 1);
     const int64_t blocks = cols / BLOCK, groups = cols / group, row = cols * element_bytes(bits);
     int64_t i = 0;
     for (; i + ROWS_VNNI <= count; i += ROWS_VNNI)
-        rows_vnni(bits, offsets, ROWS_VNNI, xq + i * row, xd + i * blocks, xs + i * groups, cols,
-                  group, pq, ps, pm, mask0, mask1, out + i * ldo, ldo);
+        rows_vnni(bits, offsets, ROWS_VNNI, xq + i * row, xd + i * blocks, xs + i * groups,
+                  xi + i * groups, cols, group, pq, ps, pm, mask0, mask1, out + i * ldo, ldo);
     const uint8_t *a = xq + i * row;
     const float *d = xd + i * blocks, *t = xs + i * groups;
+    const int32_t *u = xi + i * groups;
     float *o = out + i * ldo;
     switch (count - i) { /* the tail, its row count a constant in each case */
 #define TAIL(n) \
-    case n: rows_vnni(bits, offsets, n, a, d, t, cols, group, pq, ps, pm, mask0, mask1, o, ldo); \
+    case n: \
+        rows_vnni(bits, offsets, n, a, d, t, u, cols, group, pq, ps, pm, mask0, mask1, o, ldo); \
         break;
         TAIL(1) TAIL(2) TAIL(3) TAIL(4) TAIL(5)
 #undef TAIL
@@ -1153,8 +1169,8 @@ static inline __attribute__((always_inline)) void panel_vnni_bits(
  * a pass, so that the sums, weights and activations stay in AVX2's 16 registers. */
 static inline __attribute__((always_inline)) void rows_avx2(
     int bits, int offsets, int mr, int v0, const uint8_t *xq, const float *xd, const float *xs,
-    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid,
-    float *out, int64_t ldo) {
+    const int32_t *xi, int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
+    const float *pm, int valid, float *out, int64_t ldo) {
     const int64_t groups = cols / group, blocks = cols / BLOCK;
     const int per = per_dword(bits), bytes = element_bytes(bits);
     const __m256i ones = _mm256_set1_epi16(1);
@@ -1166,7 +1182,8 @@ static inline __attribute__((always_inline)) void rows_avx2(
         __m256i sum[ROWS_AVX2][AVX2_VECTORS];
 #pragma GCC unroll 8
         for (int m = 0; m < mr; ++m)
-            for (int v = 0; v < AVX2_VECTORS; ++v) sum[m][v] = _mm256_setzero_si256();
+            for (int v = 0; v < AVX2_VECTORS; ++v)
+                sum[m][v] = _mm256_set1_epi32(bits == 8 && !offsets ? xi[m * groups + g] : 0);
         for (int64_t k = g * group; k < (g + 1) * group; k += per) {
             const uint32_t *at = pq + k / per * PANEL + 8 * v0;
             __m256i b[AVX2_VECTORS];
@@ -1209,21 +1226,24 @@ static inline __attribute__((always_inline)) void rows_avx2(
 /* The chunk's rows by the panel, ROWS_AVX2 at a time; `bits` and `offsets` constants where it is
  * inlined. */
 static inline __attribute__((always_inline)) void panel_avx2_bits(
-    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, int64_t count,
-    int64_t cols, int64_t group, const uint32_t *pq, const float *ps, const float *pm, int valid,
-    float *out, int64_t ldo) {
+    int bits, int offsets, const uint8_t *xq, const float *xd, const float *xs, const int32_t *xi,
+    int64_t count, int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
+    const float *pm, int valid, float *out, int64_t ldo) {
     const int64_t blocks = cols / BLOCK, groups = cols / group, row = cols * element_bytes(bits);
     for (int v0 = 0; v0 < PANEL / 8; v0 += AVX2_VECTORS) {
         int64_t i = 0;
         for (; i + ROWS_AVX2 <= count; i += ROWS_AVX2)
             rows_avx2(bits, offsets, ROWS_AVX2, v0, xq + i * row, xd + i * blocks,
-                      xs + i * groups, cols, group, pq, ps, pm, valid, out + i * ldo, ldo);
+                      xs + i * groups, xi + i * groups, cols, group, pq, ps, pm, valid,
+                      out + i * ldo, ldo);
         const uint8_t *a = xq + i * row;
         const float *d = xd + i * blocks, *t = xs + i * groups;
+        const int32_t *u = xi + i * groups;
         float *o = out + i * ldo;
         switch (count - i) { /* the tail, its row count a constant in each case */
 #define TAIL(n) \
-    case n: rows_avx2(bits, offsets, n, v0, a, d, t, cols, group, pq, ps, pm, valid, o, ldo); \
+    case n: \
+        rows_avx2(bits, offsets, n, v0, a, d, t, u, cols, group, pq, ps, pm, valid, o, ldo); \
         break;
             TAIL(1) TAIL(2)
 #undef TAIL
@@ -1236,18 +1256,20 @@ static inline __attribute__((always_inline)) void panel_avx2_bits(
 /* The chunk's rows by the panel on `path`'s vector code, `bits` and `offsets` made constants of
  * its kernel; 0 where `path` has none here (the portable code's then). */
 static int panel_int_vectors(int path, int bits, int offsets, const void *xq, const float *xd,
-                             const float *xs, int64_t count, int64_t cols, int64_t group,
-                             const uint32_t *pq, const float *ps, const float *pm, int valid,
-                             float *out, int64_t ldo) {
+                             const float *xs, const int32_t *xi, int64_t count, int64_t cols,
+                             int64_t group, const uint32_t *pq, const float *ps, const float *pm,
+                             int valid, float *out, int64_t ldo) {
 #define PANEL(kernel, b, o) \
-    kernel(b, o, xq, xd, xs, count, cols, group, pq, ps, pm, valid, out, ldo)
-#define PANELS(kernel)        \
-    if (bits == 8)            \
-        PANEL(kernel, 8, 1);  \
-    else if (offsets)         \
-        PANEL(kernel, 16, 1); \
-    else                      \
-        PANEL(kernel, 16, 0); \
+    kernel(b, o, xq, xd, xs, xi, count, cols, group, pq, ps, pm, valid, out, ldo)
+#define PANELS(kernel)            \
+    if (bits == 8 && offsets)     \
+        PANEL(kernel, 8, 1);      \
+    else if (bits == 8)           \
+        PANEL(kernel, 8, 0);      \
+    else if (offsets)             \
+        PANEL(kernel, 16, 1);     \
+    else                          \
+        PANEL(kernel, 16, 0);     \
     return 1;
 #ifdef GEMM_VNNI
     if (path == INT_VNNI) { PANELS(panel_vnni_bits) }
@@ -1300,8 +1322,8 @@ int quant_gemm_int_error(int type, int bits, int path, const float *x, int64_t n
 }
 
 /* norms[r] = the 2-norm of row r's offsets as quant_gemm_int takes them for `bits` (each weight's
- * group offset m; 0 where the panel is centred), rounded up: the float32 roundings of an
- * output's two terms a group grow with them. Returns 0, or -1 as quant_gemm_int does. */
+ * group offset m; 0 where the format has no offset terms), rounded up: the float32 roundings of
+ * an output's two terms a group grow with them. Returns 0, or -1 as quant_gemm_int does. */
 int quant_gemm_int_offset_norms(int type, int bits, const uint8_t *w, int64_t rows, int64_t cols,
                                 float *norms) {
     if (!int_reads(type, cols, bits)) return -1;
@@ -1309,7 +1331,7 @@ int quant_gemm_int_offset_norms(int type, int bits, const uint8_t *w, int64_t ro
     const int64_t row_bytes = stored_row_bytes(type, cols);
     for (int64_t r = 0; r < rows; ++r) {
         double squares = 0.0;
-        for (int64_t c = 0; c < cols && !centred(type, bits); c += size) {
+        for (int64_t c = 0; c < cols && offset_terms(type); c += size) {
             float s[16], m[16];
             block_scales(type, w + r * row_bytes + c / size * block_bytes(type), s, m);
             for (int64_t g = 0; g < size / group; ++g) squares += (double)group * m[g] * m[g];
@@ -1330,14 +1352,15 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
     if (n <= 0 || rows <= 0) return 0;
     const int64_t chunk = n < CHUNK ? n : CHUNK, group = group_size(type);
     const int64_t panels = (rows + PANEL - 1) / PANEL;
-    const int per = per_dword(bits), offsets = !centred(type, bits);
+    const int per = per_dword(bits), offsets = offset_terms(type);
     const int64_t row_bytes = stored_row_bytes(type, cols);
     void *xq = aligned_alloc(64, (size_t)(chunk * cols * element_bytes(bits)));
     float *xd = aligned_alloc(64, sizeof *xd * (size_t)(chunk * (cols / BLOCK)));
     float *xs = aligned_alloc(64, sizeof *xs * (size_t)(chunk * (cols / group)));
-    int failed = !xq || !xd || !xs;
+    int32_t *xi = aligned_alloc(64, sizeof *xi * (size_t)(chunk * (cols / group)));
+    int failed = !xq || !xd || !xs || !xi;
     if (failed) {
-        free(xq), free(xd), free(xs);
+        free(xq), free(xd), free(xs), free(xi);
         return -2;
     }
 #pragma omp parallel num_threads(num_threads)
@@ -1352,7 +1375,8 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
         for (int64_t start = 0; start < n; start += chunk) {
             const int64_t count = n - start < chunk ? n - start : chunk;
             /* ends in a barrier */
-            quantize_rows(x, start, count, cols, group, bits, levels(type, bits, path), xq, xd, xs);
+            quantize_rows(x, start, count, cols, group, bits, levels(type, bits, path),
+                          bits == 8 ? centre(type) : 0, xq, xd, xs, xi);
             int stop;
 #pragma omp atomic read
             stop = failed;
@@ -1363,10 +1387,10 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
                 float *o = out + start * rows + p * PANEL;
                 pack_int(type, bits, w, rows, cols, p, pq, ps, pm, path);
                 prefetch_panel(w, rows, row_bytes, p + 1);
-                if (panel_int_vectors(path, bits, offsets, xq, xd, xs, count, cols, group, pq, ps,
-                                      pm, valid, o, rows))
+                if (panel_int_vectors(path, bits, offsets, xq, xd, xs, xi, count, cols, group, pq,
+                                      ps, pm, valid, o, rows))
                     continue;
-                panel_int_portable(bits, offsets, xq, xd, xs, count, cols, group, pq, ps, pm,
+                panel_int_portable(bits, offsets, xq, xd, xs, xi, count, cols, group, pq, ps, pm,
                                    valid, o, rows);
             } /* a barrier before the next chunk's quantization */
         }
@@ -1377,5 +1401,6 @@ int quant_gemm_int(int type, const uint8_t *w, int64_t rows, int64_t cols, const
     free(xq);
     free(xd);
     free(xs);
+    free(xi);
     return failed ? -2 : 0;
 }

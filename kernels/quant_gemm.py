@@ -203,8 +203,9 @@ def quantization_error(x: torch.Tensor, fmt: Format, bits: int, path: str) -> to
 
 def offset_norms(blocks: torch.Tensor, fmt: Format, cols: int, bits: int) -> torch.Tensor:
     """Each weight row's offsets' 2-norm as `quant_gemm_int` takes them (`[rows]` float32,
-    rounded up; zeros where it keeps signed integers): the float32 roundings of its outputs are
-    bounded by these as well as by the weights' norms."""
+    rounded up; zeros for the formats whose offset is a multiple of the scale, which it keeps
+    out of the float terms): the float32 roundings of its outputs are bounded by these as well
+    as by the weights' norms."""
     out = torch.empty(blocks.shape[0])
     status = _built().quant_gemm_int_offset_norms(
         fmt.ggml_type, bits, blocks.data_ptr(), blocks.shape[0], cols, out.data_ptr()

@@ -489,11 +489,13 @@ class QuantizedWeight:
 
         int8: the approximation is the exact weights times x', x quantized per block (its error
         e = ||x - x'|| measured, at most ||w|| e), then float32's roundings: each output a sum
-        of 2 G terms (G groups: an integer sum times a scale, an offset times the activations'
+        of at most 2 G terms (G groups: an integer sum times a scale, and where the format has
+        offsets of its own, Q4_1's and the K formats' mins, an offset times the activations'
         sum), each within 2^-23 of itself, together at most (||w|| + 2 ||m||) ||x'|| (w = s q + m
-        for each weight, so |s q| <= |w| + |m|; m the offsets, `quant_gemm.offset_norms`), and
-        summed in order: (2 G + 3) 2^-24 of that. With norms max(||w||, (||w|| + 2 ||m||) / 64)
-        the whole is within margin times norms."""
+        for each weight, so |s q| <= |w| + |m|; m those offsets, `quant_gemm.offset_norms`, 0
+        for the formats whose offset starts the integer sum), and summed in order: (2 G + 3)
+        2^-24 of that. With norms max(||w||, (||w|| + 2 ||m||) / 64) the whole is within margin
+        times norms."""
         x_norms = torch.linalg.vector_norm(x, dim=1).mul_(1 + 2**-10)
         exact_sums = 2 * self.cols * 2**-24
         screen = screen_product()

@@ -79,24 +79,30 @@ def test_the_bound_is_tight_where_every_rounding_errs_the_same_way(screen):
     assert bool((error <= bound).all()) and bool((error > bound * least).all())
 
 
-def test_the_int8_norms_are_the_weights_unless_the_offsets_dwarf_them(monkeypatch):
-    """int8 takes Q8_0's quants unsigned, offset by -128 times the scale: the float32 roundings
-    grow with the offsets too. Where the weights' norm is most of theirs (random quants), the
-    norms are the weights'; a row of zero quants (weights 0, offsets not) takes 2 / 64 of its
-    offsets' norm."""
+def test_the_int8_norms_take_offsets_only_where_the_format_has_its_own(monkeypatch):
+    """int8 takes a block's quants unsigned. Q8_0's offset (-128 times the scale) starts each
+    group's integer sum, so its norms are the weights' even where they are all 0. Q4_1's mins are
+    float terms of their own, whose roundings grow with them: a row whose weights are 0 (quants 8,
+    min -8 times the scale) takes 2 / 64 of its offsets' norm."""
     path = quant_gemm.fastest_integer()
     if path is None:
         pytest.skip("no integer path of quant_gemm on this CPU")
     monkeypatch.setattr(quant_linear, "screen_product", lambda: ("int8", path))
-    w, exact_w = weight(Format.Q8_0, 64, 256, seed=8)
-    blocks = w.runs[0][0].view(64, 8, 34)
-    blocks[5, :, 2:] = 0
+    w, _ = weight(Format.Q8_0, 64, 256, seed=8)
+    w.runs[0][0].view(64, 8, 34)[5, :, 2:] = 0  # weights 0
     _, norms = w.error_bound(torch.randn(small_batch() + 1, 256))
-    plain = torch.linalg.vector_norm(exact_w, dim=1).float()
-    torch.testing.assert_close(norms[6:], plain[6:], rtol=2e-3, atol=0)
-    blocks[5, :, 2:] = 1  # each weight its block's scale
-    offsets = 128 * torch.linalg.vector_norm(dequantize(w.runs[0][0][5:6], Format.Q8_0)).float()
-    torch.testing.assert_close(norms[5], 2 * offsets / 64, rtol=2e-3, atol=0)
+    plain = torch.linalg.vector_norm(dequantize(w.runs[0][0], Format.Q8_0), dim=1).float()
+    torch.testing.assert_close(norms, plain, rtol=2e-3, atol=quant_linear.SUBNORMAL_SLACK)
+    assert float(norms[5]) <= 2 * quant_linear.SUBNORMAL_SLACK
+
+    w, _ = weight(Format.Q4_1, 64, 256, seed=9)
+    row = w.runs[0][0].view(64, 8, 20)[5]
+    row[:, 0:2] = torch.tensor([0x00, 0x3C], dtype=torch.uint8)  # scale 1.0 (float16)
+    row[:, 2:4] = torch.tensor([0x00, 0xC8], dtype=torch.uint8)  # min -8.0
+    row[:, 4:] = 0x88  # every quant 8
+    _, norms = w.error_bound(torch.randn(small_batch() + 1, 256))
+    offsets = 8 * 256**0.5
+    torch.testing.assert_close(norms[5].item(), 2 * offsets / 64, rtol=2e-3, atol=0)
 
 
 def test_rows_product_is_the_float32_product_of_the_rows_asked():
