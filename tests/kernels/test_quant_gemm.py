@@ -193,7 +193,7 @@ def test_integers_within_the_activation_bound(bits, path, fmt, rows, cols):
 @pytest.mark.parametrize("path", ["vnni", "avx2"])
 @pytest.mark.parametrize("fmt", list(Format), ids=str)
 def test_integer_paths_agree_to_the_bit(bits, path, fmt):
-    """VNNI's and AVX2's lanes take the portable code's steps (integer sums, then two fused
+    """VNNI's and AVX2's lanes take the portable code's steps (integer sums, then one or two fused
     multiply-adds a group, groups in order): equal outputs, partial panel and a ragged tail of
     rows included, wherever they quantize x to the same levels."""
     if path not in quant_gemm.integer_paths():
@@ -225,6 +225,31 @@ def test_integers_are_exact_on_integer_activations(bits):
         out = quant_gemm.quant_gemm_int(x, torch.from_numpy(blocks), fmt, cols, bits, path)
         error = (out.double() - x.double() @ weights.T).abs()
         assert error.le(rounding_bound(x, weights)).all(), (fmt, path)
+
+
+def test_int8_sums_at_their_extremes_come_out_exact():
+    """Q8_0's quants all -128 or all 127 against activations all at the top level: a group's
+    integer sum reaches +-32 x 128 x 127, the most an int8 group can, and every path turns it
+    into the same float (the vector paths without vcvtdq2ps): equal outputs, each the float64
+    product up to float32's rounding."""
+    rows, cols = 40, 96
+    blocks = random_blocks(Format.Q8_0, rows, cols, seed=6)
+    quants = blocks.reshape(rows, cols // 32, 34)[..., 2:]
+    quants[: rows // 2] = 0x80  # -128
+    quants[rows // 2 :] = 0x7F
+    weights = dequantize(blocks, Format.Q8_0)
+    for path in sorted({"portable", *quant_gemm.integer_paths()}):
+        levels = quant_gemm.levels(Format.Q8_0, 8, path)
+        x = torch.full((7, cols), float(levels))
+        x[3:] = -levels
+        out = quant_gemm.quant_gemm_int(x, torch.from_numpy(blocks), Format.Q8_0, cols, 8, path)
+        error = (out.double() - x.double() @ weights.T).abs()
+        assert error.le(rounding_bound(x, weights)).all(), path
+        if levels == 127:
+            portable = quant_gemm.quant_gemm_int(
+                x, torch.from_numpy(blocks), Format.Q8_0, cols, 8, "portable"
+            )
+            assert torch.equal(out, portable), path
 
 
 @pytest.mark.parametrize(
