@@ -1040,9 +1040,8 @@ static void quantize_rows(const float *x, int64_t start, int64_t count, int64_t 
  * multiply-adds (the VNNI path's arithmetic lane by lane, so the two agree to the bit). */
 static void panel_int_portable(int bits, int offsets, const void *xq, const float *xd,
                                const float *xs, const int32_t *xi, int64_t count, int64_t cols,
-                               int64_t group,
-                               const uint32_t *pq, const float *ps, const float *pm, int valid,
-                               float *out, int64_t ldo) {
+                               int64_t group, const uint32_t *pq, const float *ps,
+                               const float *pm, int valid, float *out, int64_t ldo) {
     const int64_t groups = cols / group;
     const int per = per_dword(bits);
     for (int64_t i = 0; i < count; ++i) {
@@ -1087,8 +1086,7 @@ static inline __m512 int8_sums_as_floats(__m512i sum) {
 static inline __attribute__((always_inline)) void rows_vnni(
     int bits, int offsets, int mr, const uint8_t *xq, const float *xd, const float *xs,
     const int32_t *xi, int64_t cols, int64_t group, const uint32_t *pq, const float *ps,
-    const float *pm,
-    __mmask16 mask0, __mmask16 mask1, float *out, int64_t ldo) {
+    const float *pm, __mmask16 mask0, __mmask16 mask1, float *out, int64_t ldo) {
     const int64_t groups = cols / group, blocks = cols / BLOCK;
     const int per = per_dword(bits), bytes = element_bytes(bits);
     __m512 acc[ROWS_VNNI][2];
