@@ -30,6 +30,12 @@ import torch
 from pagedbatch.kernels import greedy_screen
 
 SLICE_BYTES = 8 * 2**20
+# What a part of a screened step's candidates may take: their weight rows (at most float32's
+# bytes) and their exact and masked logits for the rows that have some among them. Early in
+# Gemma 3's chats a step had tens of thousands of candidates; parts a slice wide took 39 MiB of
+# temporaries at 128 rows (16,384 blocks of 680 bytes, two 8 MiB products), raising the step's
+# peak RSS by as much.
+CANDIDATE_PART_BYTES = 4 * 2**20
 # A slice's width rounds down to this many tokens: whole tiles of the products' kernels.
 SLICE_ALIGN = 256
 
@@ -128,13 +134,14 @@ def _screened(hidden: torch.Tensor, screen: Screen, vocab_size: int) -> torch.Te
     keep = upper >= floor[row]  # against the final floors: earlier slices saw lower ones
     row, ids = row[keep], ids[keep]
     candidates, column = torch.unique(ids, return_inverse=True)  # sorted: ties go to the lowest
-    # The candidates' exact logits a slice's width of them at a time, each for the rows that have
-    # some among them: early in Gemma 3's chats a few rows' bounds left 50,000-94,000 candidates
-    # in a step, whose exact logits for every row took 48 MiB and their blocks 64 more.
+    # The candidates' exact logits a part at a time (`CANDIDATE_PART_BYTES`), each for the rows
+    # that have some among them: early in Gemma 3's chats a few rows' bounds left 50,000-94,000
+    # candidates in a step, whose exact logits for every row took 48 MiB and their blocks 64 more.
     best_values = torch.full((rows,), -torch.inf)
     best_ids = candidates[:1].repeat(rows)  # where a row's logits are all -inf: as argmax
-    for start in range(0, len(candidates), width):
-        part = candidates[start : start + width]
+    part_width = max(1, CANDIDATE_PART_BYTES // (4 * (hidden.shape[1] + 2 * rows)))
+    for start in range(0, len(candidates), part_width):
+        part = candidates[start : start + part_width]
         inside = (column >= start) & (column < start + len(part))
         at, part_row = torch.unique(row[inside], return_inverse=True)
         exact = screen.rows_product(hidden[at], part)

@@ -129,10 +129,12 @@ def test_a_screened_step_matches_the_whole_rows_argmax_on_random_logits():
 
 
 @pytest.mark.usefixtures("small_slices")
-def test_a_row_whose_candidates_are_the_vocabulary_takes_them_a_slice_at_a_time():
-    """The candidates' exact logits come a slice's width at a time, each part for the rows with
-    candidates in it: one row's bound spanning the vocabulary makes no other row's exact logits
-    of every token."""
+def test_a_row_whose_candidates_are_the_vocabulary_takes_them_a_part_at_a_time(monkeypatch):
+    """The candidates' exact logits come a part at a time, each for the rows with candidates in
+    it: one row's bound spanning the vocabulary makes no other row's exact logits of every token,
+    and a part's weight rows and logits stay within CANDIDATE_PART_BYTES however many there are."""
+    # 128 candidates a part: their float32 weight rows of 8 inputs, two logits for each of 16 rows
+    monkeypatch.setattr(greedy, "CANDIDATE_PART_BYTES", 128 * 4 * (8 + 2 * 16))
     logits = torch.randn(16, VOCAB, generator=torch.Generator().manual_seed(8))
     spread = torch.full((16,), 1e-3)
     spread[3] = 100.0  # far wider than the logits' range: every token its candidate
@@ -140,8 +142,9 @@ def test_a_row_whose_candidates_are_the_vocabulary_takes_them_a_slice_at_a_time(
     tokens = greedy_tokens(rows(16), unused_head, VOCAB, screen)
     assert torch.equal(tokens, argmax(logits))
     widths = [width for _, width in screen.exact_shapes]  # row 3's candidates: most tokens
-    assert len(widths) == 4 and widths[:3] == [256] * 3 and 0 < widths[3] <= 232
-    assert sum(height for height, _ in screen.exact_shapes) < 4 + 2 * 15
+    assert sum(widths) == len(set(screen.exact_ids)) > 3 * 256
+    assert widths[:-1] == [128] * (len(widths) - 1) and 0 < widths[-1] <= 128
+    assert sum(height for height, _ in screen.exact_shapes) < len(widths) + 2 * 15
 
 
 @pytest.mark.usefixtures("small_slices")
