@@ -49,7 +49,9 @@ logger = logging.getLogger(__name__)
 
 SUFFIX = ".gguf"
 # Bump when what metadata_dir writes changes, so older cache entries are rebuilt.
-_FORMAT = 2
+_FORMAT = 3
+# The tokenizer class metadata_dir names (see `_light_to_load`).
+TOKENIZER_CLASS = "TokenizersBackend"
 # general.architecture -> the architecture config.json would name.
 ARCHITECTURES = {
     "llama": "LlamaForCausalLM",
@@ -200,8 +202,31 @@ def _write_metadata(gguf_file: Path, out: Path) -> None:
     generation = {"eos_token_id": sorted(end_ids), "bos_token_id": bos_id}
     (out / "generation_config.json").write_text(json.dumps(generation, indent=2) + "\n")
     tokenizer.save_pretrained(out)
+    _light_to_load(out)
     entries = _tensor_entries(reader, config)
     (out / "tensors.json").write_text(json.dumps([asdict(e) for e in entries]))
+
+
+def _light_to_load(out: Path) -> None:
+    """Rewrites the saved tokenizer to be the same tokenizer, lighter for the engine to load.
+
+    - Its class becomes `TOKENIZER_CLASS`, the Rust tokenizer read from tokenizer.json as it is.
+      The class transformers picks for the architecture (GemmaTokenizer) reads the vocabulary and
+      merges into Python to build it anew: Gemma 3's 262,144 tokens left the engine 16 MiB
+      larger for good.
+    - Its BPE merges become "a b" strings where no token holds a space, as tokenizers reads
+      either. Parsing a pair takes a list of two strings: Gemma 3's 514,906 pairs took 387 MiB
+      at the parse's peak, 180 as strings."""
+    config_file, tokenizer_file = out / "tokenizer_config.json", out / "tokenizer.json"
+    config = json.loads(config_file.read_text())
+    config["tokenizer_class"] = TOKENIZER_CLASS
+    config_file.write_text(json.dumps(config, indent=2) + "\n")
+    saved = json.loads(tokenizer_file.read_text(encoding="utf-8"))
+    model = saved["model"]
+    merges = model.get("merges") if model.get("type") == "BPE" else None
+    if merges and all(isinstance(m, list) and " " not in m[0] + m[1] for m in merges):
+        model["merges"] = [" ".join(m) for m in merges]
+        tokenizer_file.write_text(json.dumps(saved, ensure_ascii=False), encoding="utf-8")
 
 
 def _small(field_name: str) -> bool:

@@ -3,6 +3,7 @@ refused with a clear error (before anything is loaded) when they cannot be serve
 
 from __future__ import annotations
 
+import json
 import shutil
 import tempfile
 from pathlib import Path
@@ -10,9 +11,11 @@ from pathlib import Path
 import numpy as np
 import pytest
 from gguf import GGUFWriter
+from transformers import AutoTokenizer
 
 from pagedbatch.engine import LLM, SamplingParams
 from pagedbatch.engine.config import ModelConfig, default_model_name
+from pagedbatch.engine.tokenizer import load_tokenizer
 from pagedbatch.engine.worker import gguf
 from pagedbatch.engine.worker.gguf import cache_root, find_gguf
 
@@ -86,6 +89,25 @@ def test_metadata_is_read_once_and_again_when_the_file_changes(
     assert (first.metadata_dir / "tensors.json").stat().st_mtime_ns == stamp
     model.touch()
     assert ModelConfig.load(model).metadata_dir != first.metadata_dir
+
+
+@pytest.mark.real_model
+def test_the_tokenizer_is_kept_as_the_rust_tokenizer_reads_it_the_one_in_the_file(real_model):
+    """The metadata's tokenizer loads straight from tokenizer.json (no class that rebuilds it
+    from Python lists), its merges written as "a b" strings (lighter to parse than pairs), and
+    it is the tokenizer transformers reads from the GGUF, to the last setting."""
+    model = real_model("smollm2-135m-instruct")
+    meta = ModelConfig.load(model).metadata_dir
+    config = json.loads((meta / "tokenizer_config.json").read_text())
+    assert config["tokenizer_class"] == gguf.TOKENIZER_CLASS == "TokenizersBackend"
+    merges = json.loads((meta / "tokenizer.json").read_text(encoding="utf-8"))["model"]["merges"]
+    assert len(merges) > 40_000 and all(isinstance(m, str) and m.count(" ") == 1 for m in merges)
+    ours = load_tokenizer(meta)
+    theirs = AutoTokenizer.from_pretrained(model.parent, gguf_file=model.name)
+    assert type(ours).__name__ == "TokenizersBackend"
+    assert ours.backend_tokenizer.to_str() == theirs.backend_tokenizer.to_str()
+    chat = [{"role": "user", "content": "Üñí  code\n\n and\ttabs"}]
+    assert ours.apply_chat_template(chat) == theirs.apply_chat_template(chat)
 
 
 @pytest.mark.real_model

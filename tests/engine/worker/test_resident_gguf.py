@@ -40,16 +40,17 @@ def test_smollm2_holds_its_weights_as_the_files_bytes(real_model):
 
 @pytest.mark.real_model
 def test_gemmas_tokenizer_keeps_no_python_copy_of_its_vocabulary(real_model):
-    """transformers' Gemma tokenizer keeps the 262,144 tokens and 514,906 merges its Rust
-    tokenizer was built from as Python objects, 145 MiB; the engine's drops them, and encodes
-    and decodes as the one that keeps them."""
-    from transformers import AutoTokenizer
+    """transformers' Gemma tokenizer class builds its Rust tokenizer from the 262,144 tokens and
+    514,906 merges read into Python, and keeps those, 145 MiB; the engine's is read from
+    tokenizer.json as it is (gguf.TOKENIZER_CLASS), and encodes and decodes as that class."""
+    from transformers import GemmaTokenizer
 
     meta = gguf.metadata_dir(real_model("gemma-3-270m"))
-    kept = AutoTokenizer.from_pretrained(meta)
+    kept = GemmaTokenizer.from_pretrained(meta)
     ours = load_tokenizer(meta)
     assert len(vars(kept)["_merges"]) == 514906
     assert "_vocab" not in vars(ours) and "_merges" not in vars(ours)
+    assert ours.backend_tokenizer.to_str() == kept.backend_tokenizer.to_str()
     text = "Héllo,  wörld!\n\n<start_of_turn>user\n日本語 🎉 tabs\tand    spaces<end_of_turn>"
     ids = kept(text).input_ids
     assert ours(text).input_ids == ids and ours.decode(ids) == kept.decode(ids)
