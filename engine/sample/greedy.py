@@ -30,14 +30,14 @@ import torch
 from pagedbatch.kernels import greedy_screen
 
 SLICE_BYTES = 8 * 2**20
+# A slice's width rounds down to this many tokens: whole tiles of the products' kernels.
+SLICE_ALIGN = 256
 # What a part of a screened step's candidates may take: their weight rows (at most float32's
 # bytes) and their exact and masked logits for the rows that have some among them. Early in
 # Gemma 3's chats a step had tens of thousands of candidates; parts a slice wide took 39 MiB of
 # temporaries at 128 rows (16,384 blocks of 680 bytes, two 8 MiB products), raising the step's
 # peak RSS by as much.
 CANDIDATE_PART_BYTES = 4 * 2**20
-# A slice's width rounds down to this many tokens: whole tiles of the products' kernels.
-SLICE_ALIGN = 256
 
 # compute_logits(hidden, vocab): the float logits of the token ids `vocab` selects.
 LogitsOf = Callable[[torch.Tensor, slice], torch.Tensor]
